@@ -1,0 +1,85 @@
+"""OpenAI-style error bodies, `{"error": {"message", "type", "param", "code"}}`, and the app's handlers.
+
+Every failure the server reports goes through `APIError`, so a client always gets the same JSON shape
+and never a traceback; unexpected exceptions are logged here with theirs and answered with a plain 500.
+"""
+import orjson
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+# OpenAI's `type` for each status we send.
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+                503: "server_error"}
+
+
+class JSONResponse(Response):
+    """A JSON response encoded with orjson (non-str dict keys allowed, non-finite floats become null)."""
+
+    media_type = "application/json"
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
+
+
+class APIError(Exception):
+    """A request failure to report to the client as an OpenAI error body with HTTP `status`.
+
+    param: the request field at fault (None when no single field is); code: OpenAI's machine-readable code.
+    headers: extra response headers, e.g. Retry-After for 503.
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        """The `{"error": {...}}` body, also used as an SSE event when a stream fails after it started."""
+        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """A 400 naming the top-level request field of the first problem pydantic found."""
+    errors = exc.errors(include_url=False)
+    loc = errors[0]["loc"] if errors else ()
+    if not loc:
+        return APIError(400, f"invalid request body: {errors[0]['msg'] if errors else exc}")
+    param = str(loc[0])
+    # A union field fails once per member; say all of what was expected in one message.
+    messages = dict.fromkeys(e["msg"] for e in errors if e["loc"][:1] == loc[:1])
+    return APIError(400, f"{param}: {'; or '.join(messages)}", param=param)
+
+
+async def handle_api_error(request: Request, exc: APIError) -> Response:
+    return exc.response()
+
+
+async def handle_http_exception(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own errors (unknown route, wrong method, body too large) in OpenAI's shape."""
+    if exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    elif exc.status_code == 405:
+        message = f"Method {request.method} not allowed on {request.url.path}"
+    elif exc.status_code == 413:
+        message = f"Request body too large (limit {request.scope.get('starlette.max_body_size')} bytes)"
+    else:
+        message = str(exc.detail)
+    code = "request_too_large" if exc.status_code == 413 else None
+    return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    """Last resort: answer without the traceback (Starlette re-raises the exception afterwards, and
+    uvicorn logs it with its traceback)."""
+    return APIError(500, "internal server error; the server log has the details").response()

@@ -1,0 +1,142 @@
+"""The asyncio front of the engine: one step coroutine, per-request queues (what the server uses)."""
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.llm_engine import EngineStepError, LLMEngine
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncEngine", "EngineStepError"]
+
+
+class AsyncEngine:
+    """Runs `LLMEngine.step()` in a loop on one worker thread, so the event loop stays free, and fans
+    each step's outputs out to per-request `asyncio.Queue`s.
+
+    New requests and aborts are applied by the step coroutine between steps, so the engine's state
+    is only touched while no step runs; an aborted request's blocks are freed before the next step.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.engine = LLMEngine(config)
+        self.config = config
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.model_name
+        self.model_dir = self.engine.model_dir
+        self.max_model_len = self.engine.max_model_len
+        self.num_kv_blocks = self.engine.runner.num_blocks
+        self.block_size = config.block_size
+        self.device, self.dtype = self.engine.runner.device, self.engine.runner.dtype
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending: list[tuple] = []  # ("add", id, prompt, params, arrival) / ("abort", id)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        """Starts the step coroutine on the running loop (idempotent)."""
+        if not self.is_alive:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.create_task(self._run(), name="engine-step-loop")
+
+    async def shutdown(self) -> None:
+        """Aborts every request (their generators end with finish_reason "abort") and stops the loop."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._apply_pending()
+        for rid in list(self.engine.groups):
+            self._deliver(self.engine.abort_request(rid))
+        self._executor.shutdown(wait=True)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Streams a request's outputs, one RequestOutput per step that changed it, the last with
+        `finished` True. Leaving the loop early (or a client disconnect cancelling it) aborts it.
+
+        Raises ValueError for bad input (before any output) and EngineStepError if its step failed.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.engine.tokenize(prompt)  # validate now, so the caller gets the error, not the loop
+        if not self.is_alive:
+            raise RuntimeError("the engine loop is not running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._pending.append(("add", request_id, prompt, params, time.monotonic()))
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a request; its blocks are freed before the next step runs."""
+        self._pending.append(("abort", request_id))
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for item in pending:
+            if item[0] == "add":
+                _, rid, prompt, params, arrival = item
+                try:
+                    self.engine.add_request(rid, prompt, params, arrival)
+                except ValueError as e:
+                    self._deliver_error(rid, e)
+            else:
+                self._deliver(self.engine.abort_request(item[1]))
+
+    def _deliver(self, out: RequestOutput | None) -> None:
+        if out is not None and out.request_id in self._queues:
+            self._queues[out.request_id].put_nowait(out)
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        if request_id in self._queues:
+            self._queues[request_id].put_nowait(error)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.clear()
+                if not self._pending:
+                    await self._wakeup.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except EngineStepError as e:
+                for rid in e.request_ids:
+                    self._deliver_error(rid, e)
+                continue
+            for out in outputs:
+                self._deliver(out)
+            await asyncio.sleep(0)  # let handlers run between steps

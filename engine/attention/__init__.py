@@ -1,0 +1,34 @@
+"""Attention backends: `torch_native` everywhere, `flashinfer` on CUDA when it is installed."""
+import logging
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.torch_native import TorchNativeBackend
+
+logger = logging.getLogger(__name__)
+
+
+def make_backend(name: str | None, device: torch.device, hf_config, block_size: int) -> AttentionBackend:
+    """Builds the attention backend for a model config.
+
+    name: "torch_native", "flashinfer", or None (flashinfer on CUDA when importable, else torch_native).
+    Raises ValueError for an unknown name or flashinfer asked for where it cannot run.
+    """
+    from models.llama import head_dim_of
+
+    head_dim = head_dim_of(hf_config)
+    args = (hf_config.num_attention_heads, hf_config.num_key_value_heads, head_dim, block_size, head_dim ** -0.5)
+    if name in (None, "flashinfer") and device.type == "cuda":
+        from engine.attention.flashinfer import FlashInferBackend, flashinfer_available
+
+        if flashinfer_available():
+            return FlashInferBackend(*args, device=device)
+        if name == "flashinfer":
+            raise ValueError("attention_backend flashinfer needs the flashinfer-python package (pip install .[cuda])")
+        logger.warning("FlashInfer is not installed; falling back to the torch_native attention backend")
+    elif name == "flashinfer":
+        raise ValueError("attention_backend flashinfer needs a CUDA device")
+    if name not in (None, "torch_native", "flashinfer"):
+        raise ValueError(f"unknown attention_backend {name!r}; choose torch_native or flashinfer")
+    return TorchNativeBackend(*args)

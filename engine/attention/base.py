@@ -1,0 +1,58 @@
+"""The attention-backend interface: what the model runner hands every attention layer each step."""
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of one engine step reads and writes the paged KV cache.
+
+    The batch holds B sequences whose tokens are laid end to end (T tokens in all); the first
+    `num_decodes` sequences have exactly one query token (decodes), the rest are prefill chunks,
+    possibly after a cached or earlier-computed prefix.
+
+    query_start_loc: int32 [B + 1], offsets of each sequence's tokens in the flat batch.
+    seq_lens: int32 [B], tokens in each sequence's KV after this step (context + new tokens).
+    block_tables: int32 [B, max_blocks], the KV blocks of each sequence in order, padded with 0.
+    slot_mapping: int64 [T], block_id * block_size + offset where each new token's K/V is written.
+    query_start_loc_cpu / seq_lens_cpu: the same as Python lists, so loops need no device sync.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one model: `plan` once per step, then `forward` once per layer.
+
+    The KV cache of one layer is a pair (k_cache, v_cache), each [num_blocks, block_size,
+    num_kv_heads, head_dim] in the model dtype (FlashInfer's "NHD" paged layout).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.block_size, self.scale = block_size, scale
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Prepare per-step state shared by all layers (index arrays, kernel plans)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Write this step's K/V into the cache at `meta.slot_mapping`, then attend.
+
+        q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; all in the model dtype.
+        Each query attends causally to its sequence's cached prefix and to the new tokens up to itself.
+        Returns [T, num_heads, head_dim].
+        """

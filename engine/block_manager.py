@@ -1,0 +1,170 @@
+"""The paged KV cache's bookkeeping: a block pool with automatic prefix caching, and block tables.
+
+After vLLM v1's KVCacheManager/BlockPool (PagedAttention, Kwon et al. SOSP 2023). A full block is
+identified by a chained hash of (parent block's hash, its token ids), so equal prefixes map to equal
+blocks. Blocks are ref-counted; a block whose count drops to zero keeps its hash and joins an LRU
+free queue, so a later request with the same prefix can take it back; it loses its hash only when
+allocation evicts it.
+"""
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash of one full block: equal only for equal token prefixes (up to hash collisions)."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockPool:
+    """`num_blocks` KV blocks: ref counts, the hash -> block map, and the LRU free queue.
+
+    Free blocks (ref_cnt 0) sit in `free_queue` oldest first; allocation takes from the front, and
+    evicts a taken block's hash. `touch` revives a cached free block for a new owner.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, Block] = {}
+        self.enable_caching = enable_caching
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self, n: int) -> list[Block]:
+        """Takes n blocks from the front of the free queue. Raises ValueError if fewer are free."""
+        if n > len(self.free_queue):
+            raise ValueError(f"cannot allocate {n} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Adds an owner to each block (prefix-cache hits), taking free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[Block]) -> None:
+        """Drops an owner from each block; blocks reaching zero go to the back of the LRU queue, in
+        the given order (callers pass a request's blocks tail first, so tails are evicted first)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def lookup(self, block_hash: int) -> Block | None:
+        return self.cached.get(block_hash)
+
+    def cache(self, block: Block, block_hash: int) -> None:
+        """Registers a just-filled block under its hash (first writer wins for duplicates)."""
+        if self.enable_caching and block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def uncache(self, blocks: list[Block]) -> None:
+        """Forgets the hashes of blocks whose contents cannot be trusted (a failed step)."""
+        for block in blocks:
+            if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+
+class KVCacheManager:
+    """Block tables of the running requests, over one `BlockPool`.
+
+    Requests are objects with `request_id`, `all_token_ids` (prompt + output), `num_computed_tokens`
+    and `block_hashes` (a list this manager extends as blocks fill). Counters are in tokens.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pool.blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+
+    def get_computed_blocks(self, request) -> tuple[list[Block], int]:
+        """The longest cached prefix of a new request: (blocks, number of tokens they hold).
+
+        The last token is always left to compute (its logits are needed), so a hit covers at most
+        len - 1 tokens.
+        """
+        tokens = request.all_token_ids
+        self._update_hashes(request, len(tokens))
+        hits = []
+        if self.pool.enable_caching:
+            for h in request.block_hashes[:(len(tokens) - 1) // self.block_size]:
+                block = self.pool.lookup(h)
+                if block is None:
+                    break
+                hits.append(block)
+        self.prefix_cache_queries += len(tokens)
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request, num_new_tokens: int, computed_blocks: list[Block] = ()) -> bool:
+        """Gives `request` blocks for `num_new_tokens` more tokens (after `computed_blocks`, if it is
+        new). Returns False, changing nothing, when too few blocks are free. Blocks that the new
+        tokens fill are registered in the prefix cache at once: their K/V is written in this step,
+        before any later step can read them.
+        """
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        need = -(-num_tokens // self.block_size) - len(blocks) - len(computed_blocks)
+        # cached blocks we are about to touch are counted in the free queue but are not available
+        reviving = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reviving:
+            return False
+        self.pool.touch(list(computed_blocks))
+        blocks = self.req_blocks.setdefault(request.request_id, blocks)
+        blocks.extend(computed_blocks)
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+        self._update_hashes(request, num_tokens)
+        # blocks that were already full before these tokens are cached (or were cache hits)
+        first = num_tokens - num_new_tokens
+        for i in range(first // self.block_size, num_tokens // self.block_size):
+            self.pool.cache(blocks[i], request.block_hashes[i])
+        return True
+
+    def _update_hashes(self, request, num_tokens: int) -> None:
+        hashes, bs = request.block_hashes, self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_tokens // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs])))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def free(self, request, uncache: bool = False) -> None:
+        """Releases all blocks of a request, tail first. `uncache` also drops their prefix-cache
+        hashes (their K/V may be garbage after a failed step)."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        if uncache:
+            self.pool.uncache([b for b in blocks if b.ref_cnt == 1])
+        self.pool.free(list(reversed(blocks)))

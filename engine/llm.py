@@ -1,0 +1,73 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`, as in vLLM."""
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    """Batch generation with continuous batching; takes EngineConfig fields as keyword arguments.
+
+    Example: `LLM().generate(["Hello"], SamplingParams(max_tokens=32))`.
+    Raises ValueError (from EngineConfig, model loading, or a bad prompt/parameter).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self.model_dir = self.engine.model_dir
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for every prompt; returns one RequestOutput per prompt, in input order.
+
+        prompts: a string, a list of token ids, a dict with "prompt" or "prompt_token_ids", or a list
+        of these. sampling_params: one for all, or one per prompt (default: SamplingParams()).
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                if isinstance(prompt, dict):
+                    prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+                ids.append(self.engine.add_request(None, prompt, p))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the model's chat template (or `chat_template`) to one conversation or a list of
+        them, then generates. A conversation is a list of {"role", "content"} dicts."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, chat_template=chat_template,
+                                                      add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        # The template already holds the special tokens; encoding must not add a BOS again.
+        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(token_ids, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        finals: dict[str, dict] = {rid: {} for rid in ids}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    for c in out.outputs:
+                        finals[out.request_id][c.index] = c
+                    if out.finished:
+                        out.outputs = [finals[out.request_id][i] for i in sorted(finals[out.request_id])]
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[rid] for rid in ids]

@@ -1,0 +1,176 @@
+"""The synchronous engine: requests in, one scheduled model step at a time, outputs out."""
+import itertools
+import logging
+import time
+
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from engine.block_manager import KVCacheManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """A model step failed; the requests in it (`request_ids`, the ids given to add_request) are
+    finished and their blocks freed; the engine keeps serving the others."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"engine step failed: {cause!r}")
+        self.request_ids = request_ids
+
+
+class LLMEngine:
+    """Scheduler + KV cache manager + model runner, driven by `step()`.
+
+    A request with n > 1 becomes n sequences (ids "<id>#<i>") that share the prompt's KV blocks
+    through the prefix cache; outputs are reported per request id with the changed samples.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.runner = ModelRunner(config, hf_config, self.model_dir)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = hf_config.vocab_size
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = self._eos_token_ids(hf_config)
+        self.groups: dict[str, list[Request]] = {}
+        self.generation_tokens = 0
+        self._ids = itertools.count()
+        logger.info("model %s: %s on %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
+                    self.model_name, str(self.runner.dtype).removeprefix("torch."), self.runner.device,
+                    self.runner.num_blocks, config.block_size, self.runner.num_blocks * config.block_size,
+                    self.max_model_len)
+
+    def _eos_token_ids(self, hf_config) -> frozenset[int]:
+        try:
+            gen = GenerationConfig.from_pretrained(self.model_dir)
+        except OSError:  # no generation_config.json
+            gen = None
+        ids = set()
+        for source in (gen, hf_config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if value is not None:
+                ids.update(value if isinstance(value, (list, tuple)) else [value])
+        return frozenset(ids)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (a string is encoded with the tokenizer's special tokens, as HF does).
+
+        Raises ValueError for an empty prompt, ids outside the vocabulary, or a prompt that leaves no
+        room for one output token within max_model_len.
+        """
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             f"(prompt + at least 1 output token)")
+        return ids
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> str:
+        """Queues a request (n sequences); returns its id. Raises ValueError for bad input."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        arrival = arrival_time or time.monotonic()
+        group = []
+        for i in range(params.n):
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
+                                           params.skip_special_tokens)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            group.append(Request(seq_id, request_id, i, text, ids, params, detok, self.eos_token_ids, arrival))
+        self.groups[request_id] = group
+        for req in group:
+            self.scheduler.add_request(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stops a request at once and frees its blocks; returns its final output (None if unknown)."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        for req in group:
+            if not req.is_finished:
+                self.scheduler.finish(req, "abort")
+        return self._output(group, group)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step; returns the outputs of requests that changed.
+
+        Raises EngineStepError after finishing the step's requests if the model step failed.
+        """
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        tables = [self.kv.block_ids(r.request_id) for r in batch.requests]
+        try:
+            sampled, tokens, logprobs = self.runner.execute(batch, tables)
+        except Exception as e:
+            logger.exception("engine step failed; failing its %d requests", len(batch.requests))
+            parents = list(dict.fromkeys(r.parent_id for r in batch.requests))
+            for parent in parents:
+                for req in self.groups.pop(parent, []):
+                    if not req.is_finished:
+                        self.scheduler.finish(req, "abort", uncache=True)
+            raise EngineStepError(parents, e) from e
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+        changed: dict[str, list[Request]] = {}
+        for req, token, logprob in zip(sampled, tokens, logprobs):
+            req.append_token(token, logprob, self.max_model_len)
+            if req.finish_reason is not None:
+                self.scheduler.finish(req, req.finish_reason)
+            changed.setdefault(req.parent_id, []).append(req)
+        self.generation_tokens += len(sampled)
+        outputs = []
+        for parent, reqs in changed.items():
+            group = self.groups[parent]
+            out = self._output(group, reqs)
+            if out.finished:
+                del self.groups[parent]
+            outputs.append(out)
+        return outputs
+
+    def _output(self, group: list[Request], changed: list[Request]) -> RequestOutput:
+        first = group[0]
+        completions = [CompletionOutput(
+            index=r.index, text=r.detokenizer.output_text(r.is_finished), token_ids=list(r.output_token_ids),
+            cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+            logprobs=list(r.logprobs) if r.logprobs is not None else None,
+            finish_reason=r.finish_reason, stop_reason=r.stop_reason) for r in changed]
+        finished = all(r.is_finished for r in group)
+        if finished:
+            first.metrics.finished_time = time.monotonic()
+        return RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids, completions, finished,
+                             max(first.num_cached_tokens, 0), first.metrics)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=self.kv.usage,
+                           prefix_cache_queries=self.kv.prefix_cache_queries,
+                           prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=s.num_preemptions,
+                           prompt_tokens=s.num_prompt_tokens, generation_tokens=self.generation_tokens)

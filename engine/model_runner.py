@@ -1,0 +1,161 @@
+"""Owns the model and its KV cache on one device; turns a scheduled batch into tensors and tokens."""
+import glob
+import logging
+import os
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from engine.attention import make_backend
+from engine.attention.base import AttentionMetadata
+from engine.config import EngineConfig
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+from models import get_model_class
+from models.llama import head_dim_of
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Loads the model, allocates the paged KV cache, and executes scheduled batches.
+
+    The KV cache is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] in
+    the model dtype; its size comes from `kv_cache_memory` bytes on CPU and from
+    `gpu_memory_utilization` on CUDA. `max_model_len` is capped by what the cache holds, so a
+    request can always run alone and nothing deadlocks.
+    """
+
+    def __init__(self, config: EngineConfig, hf_config, model_dir: str):
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        auto = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = auto if config.dtype == "auto" else DTYPES[config.dtype]
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count())
+        torch.manual_seed(config.seed)
+        self.block_size = config.block_size
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_kv_heads, self.head_dim = hf_config.num_key_value_heads, head_dim_of(hf_config)
+        model_limit = getattr(hf_config, "max_position_embeddings", None) or 1 << 20
+        self.max_model_len = min(config.max_model_len or model_limit, model_limit)
+        self.backend = make_backend(config.attention_backend, self.device, hf_config, self.block_size)
+        cls, kwargs = get_model_class(hf_config)
+        with torch.device(self.device):
+            self.model = cls(hf_config, self.backend, self.max_model_len, **kwargs).to(self.dtype)
+        self.model.load_weights(_iter_safetensors(model_dir))
+        self.model.eval()
+        self.num_blocks = self._num_kv_blocks()
+        capacity = self.num_blocks * self.block_size
+        if self.max_model_len > capacity:
+            log = logger.warning if config.max_model_len else logger.info
+            log("max_model_len %d capped to %d tokens, what the KV cache holds", self.max_model_len, capacity)
+            self.max_model_len = capacity
+        self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                                    self.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.sampler = Sampler()
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of K and V for one block over all layers."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        if self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:
+            budget = self.config.kv_cache_memory
+        num_blocks = budget // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes is below one block ({self.block_bytes} bytes)")
+        return num_blocks
+
+    def _profile_cuda_budget(self) -> int:
+        """Bytes left for the KV cache: gpu_memory_utilization of the GPU minus weights and the peak
+        activations of a forward over max_num_batched_tokens tokens (measured with a tiny cache)."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-n // self.block_size)
+        kv = torch.zeros(self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                         dtype=self.dtype, device=self.device)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
+            slot_mapping=torch.arange(n, dtype=torch.int64, device=self.device),
+            num_decodes=0, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            self.backend.plan(meta)
+            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
+                                torch.arange(n, device=self.device), [(l[0], l[1]) for l in kv], meta)
+            self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del kv, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return int(total * self.config.gpu_memory_utilization) - peak
+
+    def prepare(self, batch: SchedulerOutput, block_tables: list[list[int]]):
+        """Builds the step's flat input tensors and attention metadata.
+
+        Rows with one new token (decodes) go first, as the attention backends want. Returns
+        (input_ids int64 [T], positions int64 [T], meta, logits_indices int64 [N], sampled requests):
+        a request is sampled when its new tokens reach its last token; N <= B.
+        """
+        order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] != 1)
+        reqs = [batch.requests[i] for i in order]
+        counts = np.array([batch.num_new_tokens[i] for i in order], dtype=np.int64)
+        tables = [block_tables[i] for i in order]
+        starts = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        seq_lens = starts + counts
+        qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        # position of every token: its row's start + its rank inside the row
+        row_of_token = np.repeat(np.arange(len(reqs)), counts)
+        positions = starts[row_of_token] + np.arange(qsl[-1]) - qsl[row_of_token]
+        input_ids = np.concatenate([r.all_token_ids[s:e] for r, s, e in zip(reqs, starts, seq_lens)])
+        max_blocks = max(len(t) for t in tables)
+        bt = np.zeros((len(reqs), max_blocks), dtype=np.int32)
+        for i, t in enumerate(tables):
+            bt[i, :len(t)] = t
+        bs = self.block_size
+        slots = bt[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        sampled = [i for i, r in enumerate(reqs) if seq_lens[i] == r.num_tokens]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(bt).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            num_decodes=int((counts == 1).sum()),
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+        logits_indices = torch.from_numpy(qsl[1:][sampled] - 1).to(dev)
+        return (torch.from_numpy(input_ids.astype(np.int64)).to(dev), torch.from_numpy(positions).to(dev),
+                meta, logits_indices, [reqs[i] for i in sampled])
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput, block_tables: list[list[int]]):
+        """Runs one step. Returns (requests that sampled a token, their token ids, their Logprob|None)."""
+        input_ids, positions, meta, logits_indices, sampled = self.prepare(batch, block_tables)
+        self.backend.plan(meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sampled:
+            return [], [], []
+        logits = self.model.compute_logits(hidden[logits_indices])
+        tokens, logprobs = self.sampler(logits.cpu(), sampled)
+        return sampled, tokens, logprobs
+
+
+def _iter_safetensors(model_dir: str):
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

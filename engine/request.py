@@ -1,0 +1,91 @@
+"""One sequence being generated: its tokens, progress, sampling state and detokenizer."""
+import enum
+import time
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import Logprob, RequestMetrics
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """A sequence: prompt + generated tokens, and how many of them have K/V in the cache.
+
+    vLLM v1's model: there are no prefill or decode phases; each step the scheduler gives the request
+    up to `num_tokens - num_computed_tokens` tokens, and when it has caught up a new token is sampled.
+    With n > 1 the engine makes n Requests (`index` 0..n-1) that share `parent_id` and the prompt's
+    KV blocks through the prefix cache.
+    """
+
+    def __init__(self, request_id: str, parent_id: str, index: int, prompt: str | None,
+                 prompt_token_ids: list[int], params: SamplingParams,
+                 detokenizer: IncrementalDetokenizer, eos_token_ids: frozenset[int], arrival_time: float):
+        self.request_id, self.parent_id, self.index = request_id, parent_id, index
+        self.prompt, self.prompt_token_ids = prompt, prompt_token_ids
+        self.params = params
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit of the first admission; -1 until admitted
+        self.block_hashes: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.detokenizer = detokenizer
+        self.logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.generator = None
+        if params.seed is not None:
+            # index keeps the n samples of one seeded request apart while each stays reproducible
+            self.generator = torch.Generator().manual_seed(params.seed + index)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: Logprob | None, max_model_len: int) -> None:
+        """Adds a sampled token, detokenizes it and sets `finish_reason` / `stop_reason` if it ends
+        the request: EOS or a stop token ("stop"; not shown as text unless
+        include_stop_str_in_output), a stop string ("stop"), max_tokens or max_model_len ("length").
+        No stop applies before min_tokens."""
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        if logprob is not None and self.logprobs is not None:
+            self.logprobs.append(logprob)
+            self.cumulative_logprob += logprob.logprob
+        now = time.monotonic()
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+
+        p, n_out = self.params, len(self.output_token_ids)
+        may_stop = n_out >= p.min_tokens
+        if may_stop and token_id in self.eos_token_ids:
+            self.finish_reason = "stop"
+        elif may_stop and token_id in p.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token_id
+        if self.finish_reason is None or p.include_stop_str_in_output:
+            self.detokenizer.update(token_id, check_stop=may_stop)
+            if self.finish_reason is None and self.detokenizer.stop_string is not None:
+                self.finish_reason, self.stop_reason = "stop", self.detokenizer.stop_string
+        if self.finish_reason is None and (
+                (p.max_tokens is not None and n_out >= p.max_tokens) or self.num_tokens >= max_model_len):
+            self.finish_reason = "length"

@@ -1,0 +1,94 @@
+"""Turning a step's logits into tokens: logit processors, greedy / random sampling, logprobs."""
+import torch
+
+from engine.outputs import Logprob
+
+
+class Sampler:
+    """Samples one token per row of `logits` for the requests that caught up in this step.
+
+    Order, as in vLLM: logit_bias, min_tokens (EOS and stop tokens banned), repetition/presence/
+    frequency penalties; then greedy rows take the argmax and the others apply temperature, top-k,
+    top-p (nucleus, Holtzman et al. 2019) and min-p before drawing with the exponential race
+    (argmax p / E, E ~ Exp(1)), which a seeded request draws from its own generator so its samples do
+    not depend on the rest of the batch. Logprobs come from the raw logits.
+    """
+
+    def __call__(self, logits: torch.Tensor, requests: list) -> tuple[list[int], list[Logprob | None]]:
+        """logits: float32 [N, vocab], row i for requests[i]. Returns N token ids and N Logprob|None."""
+        want_logprobs = [r.params.logprobs is not None for r in requests]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logits = self._process(logits, requests)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows)
+            tokens[idx] = self._sample(logits[idx], [requests[i] for i in random_rows])
+        token_list = tokens.tolist()
+        logprobs = [self._logprob(raw_logprobs[i], token_list[i], r.params.logprobs) if want else None
+                    for i, (r, want) in enumerate(zip(requests, want_logprobs))]
+        return token_list, logprobs
+
+    def _process(self, logits, requests):
+        logits = logits.clone() if any(_needs_processing(r) for r in requests) else logits
+        for i, r in enumerate(requests):
+            p = r.params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+            if len(r.output_token_ids) < p.min_tokens:
+                banned = list(r.eos_token_ids) + p.stop_token_ids
+                if banned:
+                    logits[i, banned] = float("-inf")
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(r.all_token_ids, dtype=torch.long).unique()
+                row = logits[i, seen]
+                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+                counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=logits.shape[1])
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        return logits
+
+    def _sample(self, logits, requests):
+        temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        top_k = [r.params.top_k for r in requests]
+        top_p = [r.params.top_p for r in requests]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([r.params.min_p for r in requests], dtype=probs.dtype)
+        if min_p.any():
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(requests):
+            noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprob(row: torch.Tensor, token_id: int, top_n: int) -> Logprob:
+        top = []
+        if top_n:
+            values, ids = row.topk(top_n)
+            top = list(zip(ids.tolist(), values.tolist()))
+        return Logprob(token_id, row[token_id].item(), top)
+
+
+def _needs_processing(r) -> bool:
+    p = r.params
+    return bool(p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0
+                or p.presence_penalty or p.frequency_penalty)
+
+
+def _top_k_top_p(logits, top_k: list[int], top_p: list[float]):
+    """Masks to -inf every token outside each row's top-k and smallest top-p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k])
+    ranks = torch.arange(vocab)[None, :]
+    mask = ranks >= k[:, None]
+    probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    # drop a token when the tokens ranked above it already cover top_p
+    mask |= (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_p)[:, None]
+    sorted_logits.masked_fill_(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

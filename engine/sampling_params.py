@@ -1,0 +1,89 @@
+"""Sampling parameters of one request, with vLLM's names and validation."""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop, per request (the fields of vLLM's `SamplingParams`).
+
+    temperature 0 means greedy. `seed` gives the request its own `torch.Generator`, so its samples do
+    not depend on what else is in the batch. Penalties follow vLLM/OpenAI: presence and frequency over
+    generated tokens, repetition (multiplicative, CTRL paper, Keskar et al. 2019) over prompt + output.
+    `logprobs` = N returns the sampled token's log-probability and the top N (0 = only the sampled one).
+
+    Raises:
+        ValueError: a field is out of range; the message names the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1  # -1 (or 0) = all tokens
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16  # None = up to max_model_len
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: None = None  # not supported; kept so vLLM-style kwargs fail clearly if set
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k == 0:
+            self.top_k = -1
+        self._check()
+
+    def _check(self):
+        def bad(name, why):
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1 (disabled) or a positive integer")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            bad("repetition_penalty", "must be > 0")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None:
+            bad("prompt_logprobs", "is not supported")
+        if any(not s for s in self.stop):
+            bad("stop", "must not contain empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias and any(not -100 <= b <= 100 for b in self.logit_bias.values()):
+            bad("logit_bias", "values must be in [-100, 100]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

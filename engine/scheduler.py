@@ -1,0 +1,108 @@
+"""Continuous (iteration-level) batching in vLLM v1's style.
+
+There are no prefill and decode phases: every request has `num_computed_tokens`, and each step
+gives tokens to requests so they catch up with their `num_tokens`, under one token budget. Running
+requests go first (their decode token, or the next chunk of a long prompt), then waiting requests
+are admitted in FCFS order, their prompts chunked to the budget left. When the KV cache runs out of
+blocks, the newest running request is preempted by recompute: its blocks are freed and it goes back
+to the front of the waiting queue (Orca, Yu et al. OSDI 2022; vLLM, Kwon et al. SOSP 2023).
+"""
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch: requests with their number of new tokens, in batch order (running first)."""
+
+    requests: list[Request]
+    num_new_tokens: list[int]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """Decides, every step, which requests run and how many tokens each computes.
+
+    max_num_seqs: running requests at most; max_num_batched_tokens: tokens per step at most.
+    """
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # prompt tokens of requests admitted for the first time
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[Request] = []
+        counts: list[int] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append(req)
+                counts.append(n)
+                budget -= n
+                i += 1
+                continue
+            break  # `req` itself was preempted: nothing below it can run either
+        # New requests only when nothing had to be preempted, so a freed block is not handed straight
+        # to a newcomer while older requests wait (FCFS).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+                req.metrics.first_scheduled_time = time.monotonic()
+                self.num_prompt_tokens += req.num_prompt_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(req)
+            counts.append(n)
+            budget -= n
+        return SchedulerOutput(scheduled, counts)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def finish(self, req: Request, reason: str, uncache: bool = False) -> None:
+        """Removes a request (finished, aborted or failed) and frees its blocks at once."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req, uncache=uncache)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = req.finish_reason or reason

@@ -1,0 +1,48 @@
+"""Benchmark workloads shared by the bench_* scripts: requests read from a JSONL file, or synthetic
+random-token prompts. Every length is in tokens of the model's tokenizer."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+DEFAULT_WORKLOAD = DATA_DIR / "workload.jsonl"
+PREFIX_WORKLOAD = DATA_DIR / "prefix_workload.jsonl"
+
+
+@dataclass
+class Request:
+    """One benchmark request: the prompt as token ids (and as text when the workload has it, for
+    servers that take text) and the exact number of tokens to generate (EOS is ignored)."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    prompt: str | None = None
+
+
+def load_jsonl(path: str | Path, num_requests: int | None = None, output_len: int | None = None) -> list[Request]:
+    """Reads requests from a JSONL file with `prompt_token_ids`, `max_tokens` and optionally `prompt`.
+
+    num_requests: keep the first N (None = all). output_len: overrides every request's max_tokens.
+    """
+    reqs = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            reqs.append(Request(r["prompt_token_ids"], output_len or r["max_tokens"], r.get("prompt")))
+            if num_requests is not None and len(reqs) == num_requests:
+                break
+    return reqs
+
+
+def random_requests(num_requests: int, input_len: int, output_len: int, tokenizer, seed: int = 0) -> list[Request]:
+    """Synthetic prompts of exactly `input_len` token ids drawn uniformly from the tokenizer's vocabulary,
+    special tokens excluded (they would change how the model treats the prompt). No text: the prompt
+    is sent as token ids."""
+    special = set(tokenizer.all_special_ids)
+    vocab = np.array([i for i in range(len(tokenizer)) if i not in special])
+    rng = np.random.default_rng(seed)
+    return [Request(rng.choice(vocab, input_len).tolist(), output_len) for _ in range(num_requests)]
