@@ -50,15 +50,12 @@ class APIError(Exception):
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
-    """A 400 naming the top-level request field of the first problem pydantic found."""
+    """A 400 whose `param` is the top-level request field of the first problem pydantic found."""
     errors = exc.errors(include_url=False)
     loc = errors[0]["loc"] if errors else ()
-    if not loc:
-        return APIError(400, f"invalid request body: {errors[0]['msg'] if errors else exc}")
-    param = str(loc[0])
-    # A union field fails once per member; say all of what was expected in one message.
-    messages = dict.fromkeys(e["msg"] for e in errors if e["loc"][:1] == loc[:1])
-    return APIError(400, f"{param}: {'; or '.join(messages)}", param=param)
+    # A union field fails once per member, so a few problems are listed to show what was expected.
+    problems = dict.fromkeys(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors[:4])
+    return APIError(400, "; ".join(problems) or str(exc), param=str(loc[0]) if loc else None)
 
 
 async def handle_api_error(request: Request, exc: APIError) -> Response:
@@ -66,17 +63,14 @@ async def handle_api_error(request: Request, exc: APIError) -> Response:
 
 
 async def handle_http_exception(request: Request, exc: HTTPException) -> Response:
-    """Starlette's own errors (unknown route, wrong method, body too large) in OpenAI's shape."""
+    """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
     if exc.status_code == 404:
         message = f"Invalid URL ({request.method} {request.url.path})"
     elif exc.status_code == 405:
         message = f"Method {request.method} not allowed on {request.url.path}"
-    elif exc.status_code == 413:
-        message = f"Request body too large (limit {request.scope.get('starlette.max_body_size')} bytes)"
     else:
         message = str(exc.detail)
-    code = "request_too_large" if exc.status_code == 413 else None
-    return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
+    return APIError(exc.status_code, message, headers=exc.headers).response()
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:

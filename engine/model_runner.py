@@ -42,7 +42,7 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = hf_config.num_key_value_heads, head_dim_of(hf_config)
         model_limit = getattr(hf_config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
-        self.backend = make_backend(config.attention_backend, self.device, hf_config, self.block_size)
+        self.backend = make_backend(config.attention_backend, self.device, self.dtype, hf_config, self.block_size)
         cls, kwargs = get_model_class(hf_config)
         with torch.device(self.device):
             self.model = cls(hf_config, self.backend, self.max_model_len, **kwargs).to(self.dtype)

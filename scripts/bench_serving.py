@@ -23,14 +23,13 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 import numpy as np
 from tqdm import tqdm
 
-from workloads import DEFAULT_WORKLOAD, Request, load_jsonl
+from bench_common import DEFAULT_WORKLOAD, Request, load_jsonl, run_info
 
 
 @dataclass
@@ -226,7 +225,7 @@ def main():
     ap.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
     ap.add_argument("--endpoint", default="/v1/completions")
     ap.add_argument("--model", help="model name to send (default: the first one at /v1/models)")
-    ap.add_argument("--dataset", default=str(DEFAULT_WORKLOAD), help="JSONL workload (see scripts/workloads.py)")
+    ap.add_argument("--dataset", default=str(DEFAULT_WORKLOAD), help="JSONL workload (see scripts/bench_common.py)")
     ap.add_argument("--num-prompts", type=int, help="use the first N requests (default: all)")
     ap.add_argument("--output-len", type=int, help="override every request's max_tokens")
     ap.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
@@ -268,7 +267,7 @@ def main():
             print(f"first error: {summary['errors'][0]}")
         if args.result_dir:
             label = args.label or base_url
-            record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "label": label,
+            record = {**run_info(), "label": label,
                       "base_url": base_url, "model": model, "dataset": args.dataset, "num_prompts": len(reqs),
                       "request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": args.max_concurrency,
                       **summary}

@@ -9,7 +9,8 @@ from engine.attention.torch_native import TorchNativeBackend
 logger = logging.getLogger(__name__)
 
 
-def make_backend(name: str | None, device: torch.device, hf_config, block_size: int) -> AttentionBackend:
+def make_backend(name: str | None, device: torch.device, dtype: torch.dtype, hf_config,
+                 block_size: int) -> AttentionBackend:
     """Builds the attention backend for a model config.
 
     name: "torch_native", "flashinfer", or None (flashinfer on CUDA when importable, else torch_native).
@@ -23,7 +24,7 @@ def make_backend(name: str | None, device: torch.device, hf_config, block_size: 
         from engine.attention.flashinfer import FlashInferBackend, flashinfer_available
 
         if flashinfer_available():
-            return FlashInferBackend(*args, device=device)
+            return FlashInferBackend(*args, dtype=dtype, device=device)
         if name == "flashinfer":
             raise ValueError("attention_backend flashinfer needs the flashinfer-python package (pip install .[cuda])")
         logger.warning("FlashInfer is not installed; falling back to the torch_native attention backend")

@@ -1,12 +1,17 @@
-"""Benchmark workloads shared by the bench_* scripts: requests read from a JSONL file, or synthetic
-random-token prompts. Every length is in tokens of the model's tokenizer."""
+"""What the bench_* scripts share: workloads (requests read from a JSONL file, or synthetic random-token
+prompts; every length in tokens of the model's tokenizer) and a record of where a result was measured."""
 import json
+import os
+import platform
+import subprocess
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+REPO = Path(__file__).resolve().parents[1]
+DATA_DIR = REPO / "scripts" / "data"
 DEFAULT_WORKLOAD = DATA_DIR / "workload.jsonl"
 PREFIX_WORKLOAD = DATA_DIR / "prefix_workload.jsonl"
 
@@ -40,9 +45,26 @@ def load_jsonl(path: str | Path, num_requests: int | None = None, output_len: in
 
 def random_requests(num_requests: int, input_len: int, output_len: int, tokenizer, seed: int = 0) -> list[Request]:
     """Synthetic prompts of exactly `input_len` token ids drawn uniformly from the tokenizer's vocabulary,
-    special tokens excluded (they would change how the model treats the prompt). No text: the prompt
-    is sent as token ids."""
+    special tokens excluded (they would change how the model treats the prompt)."""
     special = set(tokenizer.all_special_ids)
     vocab = np.array([i for i in range(len(tokenizer)) if i not in special])
     rng = np.random.default_rng(seed)
     return [Request(rng.choice(vocab, input_len).tolist(), output_len) for _ in range(num_requests)]
+
+
+def run_info() -> dict:
+    """Date (UTC), git revision, machine and library versions, stored with every result."""
+    def git(*args):
+        # GIT_OPTIONAL_LOCKS=0: `git status` must not rewrite the index of a tree someone is working in.
+        r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                           env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    import torch
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "git_revision": git("rev-parse", "--short", "HEAD"),
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__}

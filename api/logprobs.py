@@ -1,0 +1,64 @@
+"""Log-probabilities in OpenAI's two wire shapes: the completions API's parallel lists and the chat
+API's per-token objects. Token strings are each token decoded on its own; a logprob of -inf (a token
+the model rules out) is sent as -9999.0, as vLLM does, because JSON has no infinity."""
+from typing import Callable
+
+from engine import Logprob
+
+_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, _FLOOR)
+
+
+class CompletionLogprobs:
+    """Builds `choices[i].logprobs` of /v1/completions: tokens, token_logprobs, top_logprobs and
+    text_offset (each token's character offset in the choice's text, which starts with the prompt
+    when echo is on). Keeps the running offset so a stream's chunks continue each other."""
+
+    def __init__(self, token_text: Callable[[int], str]):
+        self._token_text = token_text
+        self._offset = 0
+
+    def prompt(self, token_ids: list[int]) -> dict:
+        """Entries for echoed prompt tokens: the engine does not compute prompt logprobs, so theirs
+        are null (as OpenAI gives for a first token)."""
+        tokens = [self._token_text(t) for t in token_ids]
+        return {"tokens": tokens, "token_logprobs": [None] * len(tokens), "top_logprobs": [None] * len(tokens),
+                "text_offset": self._offsets(tokens)}
+
+    def generated(self, logprobs: list[Logprob]) -> dict:
+        """Entries for generated tokens; top_logprobs maps token text to logprob for the requested
+        top N plus the sampled token (so up to N + 1 entries, as in OpenAI's API)."""
+        tokens = [self._token_text(lp.token_id) for lp in logprobs]
+        tops = []
+        for lp, token in zip(logprobs, tokens):
+            top = {self._token_text(t): _finite(v) for t, v in lp.top_logprobs}
+            top.setdefault(token, _finite(lp.logprob))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs], "top_logprobs": tops,
+                "text_offset": self._offsets(tokens)}
+
+    def _offsets(self, tokens: list[str]) -> list[int]:
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offset)
+            self._offset += len(token)
+        return offsets
+
+
+def merge(first: dict, second: dict) -> dict:
+    """Two completions logprobs objects, one after the other (echoed prompt, then generated)."""
+    return {key: first[key] + second[key] for key in first}
+
+
+def chat_logprobs(logprobs: list[Logprob], token_text: Callable[[int], str]) -> dict:
+    """`choices[i].logprobs` of /v1/chat/completions: {"content": [{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}]}, top_logprobs holding exactly the requested top N."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top_logprobs]}
+                        for lp in logprobs]}

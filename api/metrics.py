@@ -1,0 +1,107 @@
+"""Prometheus metrics under vLLM's names, so dashboards and routers made for vLLM work unchanged.
+
+Engine gauges and counters are read from `engine.stats()` at scrape time; per-request histograms and
+`vllm:request_success` are recorded by `RequestTracker` as each request's outputs stream through the
+server. Times are in seconds; `vllm:kv_cache_usage_perc` is a fraction in [0, 1], as in vLLM.
+"""
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine import RequestOutput
+
+# vLLM's bucket boundaries, so histograms line up with vLLM's in the same dashboard.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    """The engine's own gauges and cumulative counters, read once per scrape."""
+
+    def __init__(self, engine, model_name: str):
+        self._engine = engine
+        self._labels = [model_name]
+
+    def collect(self):
+        s = self._engine.stats()
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Requests running on the engine.", s.num_running),
+                ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+                ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", s.kv_cache_usage)):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric(self._labels, value)
+            yield gauge
+        for name, doc, value in (
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+                ("vllm:num_preemptions", "Preemptions of running requests.", s.num_preemptions),
+                ("vllm:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens),
+                ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(self._labels, value)
+            yield counter
+
+
+class ServerMetrics:
+    """The registry behind GET /metrics (one per app, so several apps can live in one process)."""
+
+    def __init__(self, engine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        labels, reg = ["model_name"], self.registry
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                              registry=reg, buckets=_TTFT_BUCKETS).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", labels,
+                             registry=reg, buckets=_ITL_BUCKETS).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             registry=reg, buckets=_REQUEST_BUCKETS).labels(model_name)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", labels,
+                               registry=reg, buckets=_REQUEST_BUCKETS).labels(model_name)
+        self._success = Counter("vllm:request_success", "Finished samples, by finish reason.",
+                                ["model_name", "finished_reason"], registry=reg)
+        self._model_name = model_name
+
+    def count_finished(self, finish_reason: str) -> None:
+        self._success.labels(self._model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Records one engine request's latencies and finish reasons from the outputs it streams."""
+
+    def __init__(self, metrics: ServerMetrics, n: int):
+        self._metrics = metrics
+        self._n = n
+        self._finish_reasons: dict[int, str] = {}
+        self._last_token_time: float | None = None
+
+    def observe(self, out: RequestOutput) -> None:
+        """Call with each output of the request, in order."""
+        for c in out.outputs:
+            if c.finish_reason is not None:
+                self._finish_reasons[c.index] = c.finish_reason
+        m = out.metrics
+        if m is None or m.last_token_time is None:
+            return
+        if self._last_token_time is None:
+            self._metrics.ttft.observe(m.first_token_time - m.arrival_time)
+        elif m.last_token_time > self._last_token_time:
+            self._metrics.itl.observe(m.last_token_time - self._last_token_time)
+        self._last_token_time = m.last_token_time
+        if out.finished and m.finished_time is not None:
+            self._metrics.e2e.observe(m.finished_time - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self._metrics.queue.observe(m.first_scheduled_time - m.arrival_time)
+
+    def close(self) -> None:
+        """Counts each sample's finish reason; samples that never finished (the client left, or the
+        engine failed) count as "abort"."""
+        for index in range(self._n):
+            self._metrics.count_finished(self._finish_reasons.get(index, "abort"))

@@ -1,0 +1,56 @@
+"""Plain ASGI middleware (so SSE streams pass through untouched): `--api-key` and the body size limit."""
+import secrets
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.errors import APIError
+
+# Probes and scrapers must work without the key, as in vLLM.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+class APIKeyMiddleware:
+    """Answers 401 unless the request carries `Authorization: Bearer <api_key>`; OPEN_PATHS are exempt."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self._expected):
+                response = APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                                    code="invalid_api_key").response()
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Answers 413 for a request body over `max_bytes`: at once when Content-Length says so, else (a
+    chunked body) as soon as the bytes read pass it, by raising APIError from `receive`."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body larger than {self.max_bytes} bytes", code="request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large().response()(scope, receive, send)
+        total = 0
+
+        async def limited_receive() -> Message:
+            nonlocal total
+            message = await receive()
+            total += len(message.get("body", b""))
+            if total > self.max_bytes:
+                raise self._too_large()
+            return message
+
+        await self.app(scope, limited_receive, send)

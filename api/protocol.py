@@ -1,0 +1,185 @@
+"""Request bodies of the OpenAI endpoints plus vLLM's extra sampling fields, validated by pydantic v2.
+
+Types are strict as in OpenAI's API ("0.5" is not a number, true is not an integer), non-finite
+numbers are rejected, `null` means "use the default", and unknown fields are ignored as vLLM does.
+Checks that need the model (token id ranges, context length) are in `api.serving`.
+"""
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from engine import SamplingParams
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: str | list[str] = []
+    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] = {}
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop):
+        stop = [stop] if isinstance(stop, str) else stop
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias):
+        if not all(k.isdigit() for k in bias):
+            raise ValueError("logit_bias keys must be token ids (non-negative integers as strings)")
+        return bias
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options, info: ValidationInfo):
+        if not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return options
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters for this request; `max_tokens` already resolved against the context.
+
+        Raises:
+            ValueError: SamplingParams rejected a combination (its message names the field).
+        """
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} or None,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt):
+        if not prompt or (isinstance(prompt, list) and any(not p for p in prompt)):
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list, each a string or a list of token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return self.prompt
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def to_template(self) -> dict:
+        """The message as chat templates expect it: text parts joined with newlines (as vLLM does)."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions. `max_completion_tokens` wins over the older `max_tokens`; without
+    either the reply may fill the context."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs, info: ValidationInfo):
+        if not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return top_logprobs
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: how many top alternatives per token, None for no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM): either `prompt` or chat `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (vLLM's defaults)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM)."""
+
+    model: str | None = None
+    tokens: list[TokenId]

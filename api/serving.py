@@ -1,0 +1,235 @@
+"""What the endpoints share: settings, parsing and checks that need the model, admission, and
+`Generation`, which runs an API request's prompts on the engine and merges their output streams."""
+import asyncio
+import dataclasses
+import functools
+import logging
+import time
+
+import orjson
+from jinja2 import TemplateError
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from api.errors import APIError, from_validation_error
+from api.metrics import RequestTracker, ServerMetrics
+from api.protocol import ChatMessage, SamplingRequest
+from engine import EngineStepError, RequestOutput, SamplingParams
+
+logger = logging.getLogger("api")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """Server options beyond the engine's (the flags are in `api.cli`).
+
+    served_model_name: the model id the API reports and accepts. api_key: bearer token required on the
+    API routes, None = open. max_queue_len: new requests get 503 while this many accepted requests have
+    not produced a token yet, None = no limit. chat_template: Jinja source overriding the tokenizer's.
+    max_request_body_bytes: larger bodies get 413.
+    """
+
+    served_model_name: str
+    api_key: str | None = None
+    max_queue_len: int | None = None
+    chat_template: str | None = None
+    max_request_body_bytes: int = 8 << 20
+
+
+class ServingContext:
+    """The engine, settings and metrics behind every endpoint of one app."""
+
+    def __init__(self, engine, settings: ServerSettings):
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = len(engine.tokenizer)
+        self.metrics = ServerMetrics(engine, settings.served_model_name)
+        self.created = int(time.time())  # reported as the model's creation time
+        self.num_queued = 0  # engine requests accepted that have not produced output yet
+        # Logprobs name the same few thousand tokens over and over.
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    async def parse(self, request: Request, model: type[BaseModel]):
+        """The JSON body validated as `model`, for the served model. Raises APIError 400 / 404."""
+        try:
+            data = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as e:
+            raise APIError(400, f"malformed JSON body: {e}") from None
+        try:
+            parsed = model.model_validate(data)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+        if parsed.model is not None and parsed.model != self.settings.served_model_name:
+            raise APIError(404, f"The model `{parsed.model}` does not exist; this server serves "
+                                f"`{self.settings.served_model_name}`.", param="model", code="model_not_found")
+        return parsed
+
+    def check_token_ids(self, ids, param: str) -> None:
+        """Raises APIError 400 unless every id is in the tokenizer's vocabulary."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
+
+    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a conversation through the chat template. Raises APIError 400 when the
+        template rejects it (or the model has none and no --chat-template was given)."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [m.to_template() for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=self.settings.chat_template)
+        except (TemplateError, ValueError, TypeError) as e:
+            raise APIError(400, f"the chat template could not render the messages: {e}", param="messages") from None
+        # The template already holds the special tokens, so by default encoding adds no BOS again.
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def max_tokens_for(self, prompt_len: int, requested: int | None, prompt_param: str, max_param: str) -> int:
+        """Output tokens allowed for a prompt: `requested`, or all the room left when None.
+        Raises APIError 400, with the numbers, when prompt + output exceed max_model_len."""
+        limit = self.engine.max_model_len
+        if prompt_len >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, and the prompt has "
+                                f"{prompt_len} tokens, leaving no room for output.", param=prompt_param)
+        if requested is not None and prompt_len + requested > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                                f"completion). Please reduce the length of the prompt or the completion.",
+                           param=max_param)
+        return limit - prompt_len if requested is None else requested
+
+    def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams for `req`. Raises APIError 400 for values that need the model."""
+        self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        self.check_token_ids([int(k) for k in req.logit_bias], "logit_bias")
+        if req.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= the maximum output tokens ({max_tokens})",
+                           param="min_tokens")
+        try:
+            return req.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            # SamplingParams' messages start with the field's name, which is also the request's.
+            field = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
+
+    def start(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> "Generation":
+        """Admits an API request and starts its engine requests, one per prompt.
+
+        Raises APIError 503 (with Retry-After) when the engine is not running or the queue is full.
+        """
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
+        limit = self.settings.max_queue_len
+        if limit is not None and self.num_queued >= limit:
+            raise APIError(503, f"server busy: {self.num_queued} requests are waiting (--max-queue-len {limit}); "
+                                f"retry later", code="queue_full", headers={"Retry-After": "1"})
+        return Generation(self, prompts, params, request_id)
+
+    def engine_error(self, error: Exception) -> APIError:
+        """The API error for an exception raised by `engine.generate`."""
+        if isinstance(error, ValueError):
+            return APIError(400, str(error))
+        if isinstance(error, EngineStepError):
+            # The engine logged the traceback; the client learns only that its step failed.
+            return APIError(500, "the engine step running this request failed; it was aborted")
+        if not self.engine.is_alive:
+            return APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        logger.error("engine request failed", exc_info=error)
+        return APIError(500, "internal server error; the server log has the details")
+
+
+class Generation:
+    """The running engine requests of one API request (ids "<request_id>-<prompt index>").
+
+    Iterate it for (prompt index, RequestOutput) pairs as the engine makes them; `aclose()` aborts
+    whatever is still running, and is safe to call more than once. Iteration raises APIError when
+    an engine request fails (400 bad input, 500 engine step failure, 503 shutting down).
+    """
+
+    def __init__(self, ctx: ServingContext, prompts: list[list[int]], params: SamplingParams, request_id: str):
+        self._ctx = ctx
+        self._queue: asyncio.Queue = asyncio.Queue()
+        ctx.num_queued += len(prompts)
+        self._tasks = [asyncio.create_task(self._pump(i, p, params, f"{request_id}-{i}"))
+                       for i, p in enumerate(prompts)]
+
+    async def _pump(self, index: int, prompt: list[int], params: SamplingParams, request_id: str) -> None:
+        tracker = RequestTracker(self._ctx.metrics, params.n)
+        queued = True
+        try:
+            outputs = self._ctx.engine.generate(prompt, params, request_id)
+            try:
+                async for out in outputs:
+                    if queued:
+                        queued, self._ctx.num_queued = False, self._ctx.num_queued - 1
+                    tracker.observe(out)
+                    self._queue.put_nowait((index, out))
+            finally:
+                await outputs.aclose()  # aborts the engine request if it is still running
+        except Exception as e:
+            self._queue.put_nowait((index, e))
+        finally:
+            if queued:
+                self._ctx.num_queued -= 1
+            tracker.close()
+            self._queue.put_nowait((index, None))
+
+    async def __aiter__(self):
+        remaining = len(self._tasks)
+        try:
+            while remaining:
+                index, item = await self._queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise self._ctx.engine_error(item)
+                else:
+                    yield index, item
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def final_outputs(self) -> list[RequestOutput]:
+        """Runs to the end; returns each prompt's last RequestOutput with all its samples, by index."""
+        last: dict[int, RequestOutput] = {}
+        samples: dict[int, dict] = {}
+        async for index, out in self:
+            last[index] = out
+            samples.setdefault(index, {}).update({c.index: c for c in out.outputs})
+        for index, out in last.items():
+            out.outputs = [samples[index][i] for i in sorted(samples[index])]
+        return [last[i] for i in sorted(last)]
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+async def unless_disconnected(request: Request, work):
+    """Awaits `work` (a coroutine), cancelling it if the client disconnects first.
+
+    Raises ClientDisconnected in that case; starlette delivers the request body before this is called,
+    so the next ASGI receive message can only be the disconnect.
+    """
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()

@@ -1,0 +1,109 @@
+"""POST /v1/completions: OpenAI's completions API with vLLM's sampling extras, streamed or not.
+
+Choice `index` is prompt index * n + sample index. With echo, a choice's text starts with its prompt
+(prompt tokens get null logprobs: the engine does not compute prompt logprobs).
+"""
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api.errors import APIError, JSONResponse
+from api.logprobs import CompletionLogprobs, merge
+from api.protocol import CompletionRequest
+from api.serving import ClientDisconnected, Generation, ServingContext, unless_disconnected
+from api.streaming import sse_response
+from engine import RequestOutput
+
+
+async def create_completion(request: Request) -> Response:
+    """Raises APIError: 400 invalid request, 404 unknown model, 503 busy; 500 if the engine failed."""
+    ctx: ServingContext = request.app.state.serving
+    req = await ctx.parse(request, CompletionRequest)
+    prompts = []
+    for prompt in req.prompts:
+        if isinstance(prompt, str):
+            prompt = ctx.tokenizer.encode(prompt)
+            if not prompt:
+                raise APIError(400, "prompt encodes to no tokens", param="prompt")
+        else:
+            ctx.check_token_ids(prompt, "prompt")
+        ctx.max_tokens_for(len(prompt), req.max_tokens, "prompt", "max_tokens")
+        prompts.append(prompt)
+    params = ctx.sampling_params(req, req.max_tokens, req.logprobs)
+    view = _Completion(ctx, req, prompts)
+    generation = ctx.start(prompts, params, view.id)
+    if req.stream:
+        return sse_response(view.stream(generation), generation)
+    try:
+        outputs = await unless_disconnected(request, generation.final_outputs())
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; the access log shows the client left
+    finally:
+        await generation.aclose()
+    return JSONResponse(view.response(outputs))
+
+
+class _Completion:
+    """Turns engine outputs into the response body or stream chunks of one request."""
+
+    def __init__(self, ctx: ServingContext, req: CompletionRequest, prompts: list[list[int]]):
+        self.ctx, self.req, self.prompts = ctx, req, prompts
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.echo_texts = [p if isinstance(p, str) else ctx.tokenizer.decode(ids)
+                           for p, ids in zip(req.prompts, prompts)] if req.echo else None
+
+    def _body(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.ctx.settings.served_model_name, "choices": choices}
+
+    def _usage(self, completion_tokens: int, cached_tokens: int) -> dict:
+        prompt_tokens = sum(map(len, self.prompts))
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+    def response(self, outputs: list[RequestOutput]) -> dict:
+        choices = []
+        for i, out in enumerate(outputs):
+            for c in out.outputs:
+                logprobs = None
+                if self.req.logprobs is not None:
+                    builder = CompletionLogprobs(self.ctx.token_text)
+                    prompt_part = builder.prompt(self.prompts[i]) if self.req.echo else None
+                    logprobs = builder.generated(c.logprobs)
+                    logprobs = merge(prompt_part, logprobs) if prompt_part else logprobs
+                text = self.echo_texts[i] + c.text if self.req.echo else c.text
+                choices.append({"index": i * self.req.n + c.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+        usage = self._usage(completion_tokens, sum(out.num_cached_tokens for out in outputs))
+        return self._body(choices) | {"usage": usage}
+
+    async def stream(self, generation: Generation):
+        """Chunks as the engine makes them: each carries the new text of one choice, the last one of a
+        choice its finish_reason; with include_usage, `usage` is null in each and a final chunk has it."""
+        usage_field = {"usage": None} if self.req.include_usage else {}
+        sent_chars, sent_logprobs, builders = {}, {}, {}
+        num_tokens, cached = {}, {}
+        async for i, out in generation:
+            cached[i] = out.num_cached_tokens
+            for c in out.outputs:
+                index = i * self.req.n + c.index
+                first = index not in sent_chars
+                text = (self.echo_texts[i] if self.req.echo and first else "") + c.text[sent_chars.get(index, 0):]
+                sent_chars[index], num_tokens[index] = len(c.text), len(c.token_ids)
+                logprobs = None
+                if self.req.logprobs is not None:
+                    builder = builders.setdefault(index, CompletionLogprobs(self.ctx.token_text))
+                    prompt_part = builder.prompt(self.prompts[i]) if self.req.echo and first else None
+                    logprobs = builder.generated(c.logprobs[sent_logprobs.get(index, 0):])
+                    logprobs = merge(prompt_part, logprobs) if prompt_part else logprobs
+                    sent_logprobs[index] = len(c.logprobs)
+                if text or c.finish_reason or (logprobs and logprobs["tokens"]):
+                    yield self._body([{"index": index, "text": text, "logprobs": logprobs,
+                                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]) | usage_field
+        if self.req.include_usage:
+            yield self._body([]) | {"usage": self._usage(sum(num_tokens.values()), sum(cached.values()))}

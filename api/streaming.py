@@ -1,0 +1,36 @@
+"""Server-Sent Events as OpenAI sends them: `data: {json}\\n\\n` per chunk, then `data: [DONE]`."""
+import logging
+from typing import AsyncIterator
+
+import orjson
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
+
+from api.errors import APIError
+from api.serving import Generation
+
+logger = logging.getLogger("api")
+
+
+def sse_response(chunks: AsyncIterator[dict], generation: Generation) -> EventSourceResponse:
+    """Streams `chunks` as SSE. A failure after the 200 went out is sent as an `{"error": ...}` event
+    (the openai SDK raises it) before [DONE]. When the client disconnects, the chunk iterator is
+    cancelled, which aborts the engine requests; `generation` is closed after the response in any
+    case, also when the client left before streaming began."""
+
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield orjson.dumps(chunk).decode()
+        except APIError as e:
+            yield orjson.dumps(e.body()).decode()
+        except Exception:
+            logger.exception("stream failed")
+            yield orjson.dumps(APIError(500, "internal server error; the server log has the details").body()).decode()
+        yield "[DONE]"
+
+    # On shutdown the engine aborts every request, which ends each stream with finish_reason "abort"
+    # and [DONE]; the grace period lets that reach the client before sse-starlette cancels the stream.
+    # A client that stops reading for `send_timeout` seconds is dropped, which aborts its request.
+    return EventSourceResponse(events(), sep="\n", background=BackgroundTask(generation.aclose),
+                               shutdown_grace_period=5, send_timeout=30)

@@ -1,0 +1,146 @@
+"""Paged attention with FlashInfer's kernels (Ye et al., "FlashInfer", MLSys 2025): the CUDA path.
+
+FlashInfer describes a batch's paged KV cache in CSR form: sequence i owns the pages
+`paged_kv_indices[paged_kv_indptr[i]:paged_kv_indptr[i+1]]`, all full except the last, which holds
+`paged_kv_last_page_len[i]` tokens (1..page_size); its queries are rows `qo_indptr[i]:qo_indptr[i+1]`
+of q. `paged_kv_indices` derives these arrays from the engine's block tables. A "wrapper" object is
+planned once per step on the host (work split, scratch offsets) and then run by every layer.
+
+`import flashinfer` happens only when a backend is built, so this module imports without it.
+"""
+import functools
+import logging
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+# Split-KV scratch for all wrappers; 128 MiB is FlashInfer's recommended size. The wrappers run one
+# after another on one stream, so they can share it.
+WORKSPACE_BYTES = 128 << 20
+
+
+@functools.cache
+def flashinfer_available() -> bool:
+    """True when `import flashinfer` works (the package and the libraries it imports are installed)."""
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as e:  # any failure to import means the backend cannot run here
+        logger.info("flashinfer is not usable: %r", e)
+        return False
+    return True
+
+
+def paged_kv_indices(block_tables: torch.Tensor, seq_lens: Sequence[int], query_start_loc: Sequence[int],
+                     block_size: int, start: int, end: int):
+    """FlashInfer's paged-KV arrays for the batch rows start..end-1 (a contiguous run of sequences).
+
+    block_tables: int32 [B, max_blocks] (any device); seq_lens: B ints, KV tokens of each sequence
+    after this step; query_start_loc: B + 1 ints, offsets of each sequence's new tokens.
+    Returns, for the n = end - start rows, all int32:
+      qo_indptr [n + 1] (CPU), rebased so that row `start`'s first query token is 0;
+      paged_kv_indptr [n + 1] (CPU); paged_kv_last_page_len [n] (CPU);
+      paged_kv_indices [paged_kv_indptr[-1]] on block_tables' device: the first
+        ceil(seq_len / block_size) entries of each row's block table, rows laid end to end.
+    The host arrays come from the Python lists, so nothing waits for the device.
+    """
+    lens = torch.tensor(seq_lens[start:end], dtype=torch.int64)
+    num_pages = (lens + block_size - 1) // block_size
+    kv_indptr = torch.zeros(end - start + 1, dtype=torch.int64)
+    kv_indptr[1:] = num_pages.cumsum(0)
+    last_page_len = lens - (num_pages - 1) * block_size
+    qsl = torch.tensor(query_start_loc[start:end + 1], dtype=torch.int64)
+    # Flat positions of the wanted block-table entries, so one gather on the device picks them
+    # (a boolean mask would make the device report the result size back to the host).
+    rows = torch.repeat_interleave(torch.arange(start, end), num_pages)
+    cols = torch.arange(int(kv_indptr[-1])) - torch.repeat_interleave(kv_indptr[:-1], num_pages)
+    flat = (rows * block_tables.shape[1] + cols).to(block_tables.device)
+    indices = block_tables.reshape(-1)[flat]
+    return (qsl - qsl[0]).to(torch.int32), kv_indptr.to(torch.int32), indices, last_page_len.to(torch.int32)
+
+
+class FlashInferBackend(AttentionBackend):
+    """Decode rows run BatchDecodeWithPagedKVCacheWrapper on tensor cores (use_tensor_cores=True,
+    which FlashInfer advises for grouped-query attention; Llama-3-8B's groups are 4). Prefill
+    chunks run BatchPrefillWithPagedKVCacheWrapper with causal=True, whose mask is aligned to the
+    end of the KV: query j of a chunk of q tokens over a KV of n tokens sees keys 0..n-q+j, i.e.
+    the cached prefix and its own chunk up to itself.
+
+    dtype: the model dtype (queries and cache); device: the CUDA device of the cache.
+    CUDA graphs: `init_cuda_graph_decode` makes one graph-safe decode wrapper per batch size, and
+    inside `cuda_graph_decode(bs)` plan() and forward() use that wrapper instead of the eager one.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
+                 *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale)
+        import flashinfer
+
+        self._flashinfer = flashinfer
+        self.dtype, self.device = dtype, torch.device(device)
+        # zeros: FlashInfer asks for a zeroed workspace on first use
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._eager_decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=True)
+        self._decode = self._eager_decode
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._graph_decode: dict[int, object] = {}
+
+    def init_cuda_graph_decode(self, batch_sizes: Sequence[int], max_blocks_per_seq: int) -> None:
+        """Builds a use_cuda_graph decode wrapper for each batch size.
+
+        A captured kernel reads its index arrays from fixed addresses, so each wrapper gets fixed
+        buffers that its plan() refills. All sizes share one set of buffers (views of the largest):
+        a graph is only replayed right after its own plan, so no two are live at once.
+        """
+        max_bs = max(batch_sizes)
+        dev, i32 = self.device, torch.int32
+        indptr = torch.zeros(max_bs + 1, dtype=i32, device=dev)
+        indices = torch.zeros(max_bs * max_blocks_per_seq, dtype=i32, device=dev)
+        last_page_len = torch.zeros(max_bs, dtype=i32, device=dev)
+        for bs in batch_sizes:
+            self._graph_decode[bs] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=indptr[:bs + 1], paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_page_len[:bs])
+
+    @contextmanager
+    def cuda_graph_decode(self, batch_size: int):
+        """Within the block, decode rows (exactly batch_size of them) use the graph-safe wrapper."""
+        self._decode = self._graph_decode[batch_size]
+        try:
+            yield
+        finally:
+            self._decode = self._eager_decode
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        # FlashInfer's plan copies its host-side split tables through one pinned buffer per wrapper
+        # with an async copy: call it only after the previous step's results reached the host.
+        nd, b = meta.num_decodes, meta.num_seqs
+        args = (meta.block_tables, meta.seq_lens_cpu, meta.query_start_loc_cpu, self.block_size)
+        dims = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        dtypes = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        if nd:
+            _, indptr, indices, last = paged_kv_indices(*args, 0, nd)
+            self._decode.plan(indptr, indices, last, *dims, **dtypes)
+        if b > nd:
+            qo_indptr, indptr, indices, last = paged_kv_indices(*args, nd, b)
+            self._prefill.plan(qo_indptr, indptr, indices, last, *dims, causal=True, **dtypes)
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+        k_cache, v_cache = kv_cache
+        # Write all new K/V before any read, as torch_native does: sequences sharing a block filled in
+        # this same step must see it.
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # the kernels write it densely
+        nd = meta.num_decodes  # decode rows have one token each, so they are q[:nd]
+        if nd:
+            self._decode.run(q[:nd], kv_cache, out=out[:nd])
+        if meta.num_seqs > nd:
+            self._prefill.run(q[nd:], kv_cache, out=out[nd:])
+        return out

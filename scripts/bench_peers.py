@@ -1,0 +1,202 @@
+"""Our engine side by side with its peers on one workload, in one process run: Hugging Face
+transformers' static `generate` (length-sorted batches of --hf-batch-size, left padding) and its
+continuous batching (`generate_batch`: paged KV cache, a scheduler thread), and with --with-vllm,
+vLLM's CPU build through ../shared/peers/vllm_cpu.sh in a subprocess.
+
+Every engine gets the same model directory (`llm.model_dir`), dtype, prompt token ids and number of
+output tokens (greedy, EOS ignored: every request produces exactly its max_tokens); transformers runs
+with the same torch threads as our engine and, for continuous batching, the same KV-cache bytes and
+per-step token and request limits; prefix caching is off in both (the rounds repeat the prompts). The engines alternate within each of --repeats rounds, because
+this machine's speed drifts; the table reports each engine's median output tokens/s (output tokens
+/ wall seconds of its generate call) and the ratio ours / engine. "same first 16" is the share of
+requests whose first 16 output tokens equal ours: a check that every engine ran the same model on
+the same tokens (bfloat16 rounding can legitimately flip a few).
+
+Usage:
+  python scripts/bench_peers.py --num-requests 16 --repeats 3         # a few minutes
+  python scripts/bench_peers.py --repeats 3 --with-vllm --output-json peers.json
+"""
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from api.cli import byte_size  # noqa: E402
+from bench_common import DEFAULT_WORKLOAD, REPO, Request, load_jsonl, random_requests, run_info  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+VLLM_SCRIPT = REPO.parent / "shared" / "peers" / "vllm_cpu.sh"
+MATCH_PREFIX = 16  # output tokens compared with ours
+
+
+def run_ours(llm: LLM, reqs: list[Request]) -> list[list[int]]:
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    outs = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def run_hf_static(model, tokenizer, reqs: list[Request], batch_size: int) -> list[list[int]]:
+    """`generate` on batches of similar prompt lengths (sorting spares it most of the padding, which a
+    user batching offline would do too); min_new_tokens = max_new_tokens makes it ignore EOS."""
+    n = reqs[0].max_tokens
+    config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=model.generation_config.eos_token_id)
+    order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt_token_ids))
+    outputs: list[list[int]] = [[] for _ in reqs]
+    for start in range(0, len(order), batch_size):
+        batch = order[start:start + batch_size]
+        inputs = tokenizer.pad({"input_ids": [reqs[i].prompt_token_ids for i in batch]}, padding_side="left",
+                               return_tensors="pt")
+        generated = model.generate(**inputs, generation_config=config)[:, inputs["input_ids"].shape[1]:]
+        for i, row in zip(batch, generated.tolist()):
+            outputs[i] = row
+    return outputs
+
+
+def run_hf_continuous(model, reqs: list[Request], cb_config: ContinuousBatchingConfig) -> list[list[int]]:
+    """`generate_batch`; eos_token_id=-1 turns EOS off (its scheduler has no min_new_tokens). The manager is
+    kept between calls, so its KV-cache allocation is paid once, like our engine's."""
+    config = GenerationConfig(do_sample=False, max_new_tokens=reqs[0].max_tokens, eos_token_id=-1,
+                              pad_token_id=model.generation_config.pad_token_id)
+    results = model.generate_batch([r.prompt_token_ids for r in reqs], generation_config=config,
+                                   continuous_batching_config=cb_config, persistent_manager=True)
+    return [list(r.generated_tokens) for r in results.values()]  # in input order
+
+
+def run_vllm(script: Path, model_dir: str, dtype: str, reqs: list[Request]) -> float:
+    """One vLLM-CPU process on `reqs` (it warms up on 4 of them, then times one `generate` call);
+    returns its output tokens/s."""
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as f:
+        for r in reqs:
+            f.write(json.dumps({"prompt_token_ids": r.prompt_token_ids}) + "\n")
+        f.flush()
+        proc = subprocess.run([str(script), "--model", model_dir, "--dtype", dtype, "--repeats", "1",
+                               "--workload", f.name], capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(lines[-1])
+    if result["requests"] != len(reqs):
+        raise RuntimeError(f"vLLM ran {result['requests']} requests, expected {len(reqs)}")
+    return result["output_tok_s_median"]
+
+
+def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
+    """Bytes of K and V over all layers for one token."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * dtype.itemsize
+
+
+def timed(fn, reqs: list[Request]) -> tuple[float, list[list[int]]]:
+    """Runs fn(reqs); returns output tokens/s and the outputs. Raises if any request did not get exactly
+    its max_tokens: a peer that stopped early (or ran long) would not be comparable."""
+    start = time.perf_counter()
+    outputs = fn(reqs)
+    seconds = time.perf_counter() - start
+    lengths = [len(o) for o in outputs]
+    if lengths != [r.max_tokens for r in reqs]:
+        raise RuntimeError(f"output lengths {lengths} differ from max_tokens {[r.max_tokens for r in reqs]}")
+    return sum(lengths) / seconds, outputs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default=str(DEFAULT_WORKLOAD), help="JSONL workload")
+    ap.add_argument("--num-requests", type=int, help="first N requests (default: all)")
+    ap.add_argument("--output-len", type=int, help="override every request's max_tokens")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds; each engine runs once per round")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--model", help="as in bench_throughput.py (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--kv-cache-memory", type=byte_size, default=2 << 30,
+                    help="KV-cache size, e.g. 256M or 2G (ours and transformers CB)")
+    ap.add_argument("--max-num-seqs", type=int, default=128, help="requests per step (ours and transformers CB)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (ours and transformers CB)")
+    ap.add_argument("--hf-batch-size", type=int, default=8, help="batch size of transformers' static generate")
+    ap.add_argument("--with-vllm", action="store_true", help=f"also run {VLLM_SCRIPT} (installs vLLM-CPU once)")
+    ap.add_argument("--vllm-script", type=Path, default=VLLM_SCRIPT)
+    ap.add_argument("--output-json", help="write the config and every measurement here")
+    args = ap.parse_args()
+
+    reqs = load_jsonl(args.dataset, args.num_requests, args.output_len)
+    if len({r.max_tokens for r in reqs}) != 1:
+        ap.error("transformers' generate_batch takes one max_new_tokens: give every request the same "
+                 "max_tokens (or --output-len)")
+    if args.with_vllm and reqs[0].max_tokens != 128:
+        ap.error("vllm_cpu_offline.py always generates 128 tokens; use a 128-token workload with --with-vllm")
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # its per-call warnings are noise here
+
+    dtype = getattr(torch, args.dtype)
+    # Prefix caching off in both engines that keep a cache between rounds: every round repeats the same
+    # prompts, so rounds 2+ would be served from the previous round's KV blocks.
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    model = AutoModelForCausalLM.from_pretrained(llm.model_dir, dtype=dtype).eval()
+    page_size = ContinuousBatchingConfig.page_size  # transformers' default page (block) size, in tokens
+    cb_config = ContinuousBatchingConfig(
+        num_blocks=args.kv_cache_memory // (page_size * kv_bytes_per_token(model.config, dtype)),
+        max_batch_tokens=args.max_num_batched_tokens, max_requests_per_batch=args.max_num_seqs,
+        allow_block_sharing=False)
+    # name -> fn(reqs) -> (output tok/s, outputs or None)
+    engines = {
+        "ours": lambda rs: timed(lambda r: run_ours(llm, r), rs),
+        f"transformers generate (static, batch {args.hf_batch_size})":
+            lambda rs: timed(lambda r: run_hf_static(model, llm.tokenizer, r, args.hf_batch_size), rs),
+        "transformers generate_batch (continuous)": lambda rs: timed(lambda r: run_hf_continuous(model, r, cb_config), rs),
+    }
+    # Warm-up on two short prompts outside the workload: first-call costs (allocations, the CB manager)
+    # are not throughput. vLLM warms itself up.
+    warm = random_requests(2, 32, 4, llm.tokenizer, seed=1)
+    for fn in engines.values():
+        fn(warm)
+    if args.with_vllm:
+        engines["vllm-cpu (subprocess)"] = lambda rs: (run_vllm(args.vllm_script, llm.model_dir, args.dtype, rs), None)
+
+    print(f"{len(reqs)} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
+          f"{reqs[0].max_tokens} output tokens each, {args.dtype}, {torch.get_num_threads()} torch threads")
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    outputs: dict[str, list[list[int]]] = {}
+    for rnd in range(args.repeats):
+        for name, fn in engines.items():
+            rate, outs = fn(reqs)
+            rates[name].append(rate)
+            if outs is not None:
+                outputs.setdefault(name, outs)
+            print(f"round {rnd + 1}/{args.repeats}  {name:<45} {rate:8.1f} output tok/s", flush=True)
+
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    ours = outputs["ours"]
+
+    def same_prefix(name):
+        if name not in outputs:
+            return None
+        return sum(a[:MATCH_PREFIX] == b[:MATCH_PREFIX] for a, b in zip(outputs[name], ours)) / len(ours)
+
+    print(f"\n{'engine':<45} {'output tok/s':>12} {'ours / it':>10} {'same first 16':>14}   all runs")
+    for name, median in medians.items():
+        match = same_prefix(name)
+        print(f"{name:<45} {median:12.1f} {medians['ours'] / median:9.2f}x "
+              f"{'-' if match is None else f'{100 * match:.0f}%':>14}   {' '.join(f'{r:.1f}' for r in rates[name])}")
+    if args.output_json:
+        record = {**run_info(), "args": {k: str(v) for k, v in vars(args).items()}, "model_dir": llm.model_dir,
+                  "num_requests": len(reqs), "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs),
+                  "output_tokens_per_request": reqs[0].max_tokens,
+                  "engines": {name: {"output_tok_s_median": medians[name], "output_tok_s_runs": rates[name],
+                                     "ours_over_it": medians["ours"] / medians[name],
+                                     "same_first_16": same_prefix(name)} for name in engines}}
+        Path(args.output_json).write_text(json.dumps(record, indent=1))
+        print(f"wrote {args.output_json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Offline throughput of the engine through its Python API, as vLLM's `vllm bench throughput` measures it.
+
+All requests are queued at once and the engine runs until every one has produced exactly its
+max_tokens (EOS ignored, greedy). Prints requests/s and input, output and total tokens/s over the wall
+time, the peak KV-cache usage (sampled after every engine step) and the prefix-cache hit rate (prompt
+tokens found in the cache / prompt tokens looked up), and writes them as JSON with --output-json.
+
+Usage:
+  python scripts/bench_throughput.py                                    # scripts/data/workload.jsonl
+  python scripts/bench_throughput.py --dataset scripts/data/prefix_workload.jsonl [--no-enable-prefix-caching]
+  python scripts/bench_throughput.py --dataset random --num-prompts 64 --input-len 256 --output-len 128
+"""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from api.cli import byte_size  # noqa: E402
+from bench_common import DEFAULT_WORKLOAD, load_jsonl, random_requests, run_info  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+
+def run(llm, reqs, use_tqdm: bool = True) -> dict:
+    """Runs `reqs` through the engine's step loop (what `LLM.generate` does), reading the engine's
+    stats after every step. Returns token counts, wall time (s), peak KV usage (0..1) and the prefix-cache
+    counters of this run."""
+    engine = llm.engine
+    before = engine.stats()
+    peak_kv, finished, output_tokens = 0.0, 0, 0
+    start = time.perf_counter()
+    for r in reqs:
+        engine.add_request(None, r.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
+                                                                    ignore_eos=True))
+    with tqdm(total=len(reqs), desc="requests", disable=not use_tqdm) as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished += 1
+                    output_tokens += len(out.outputs[0].token_ids)
+                    bar.update(1)
+            peak_kv = max(peak_kv, engine.stats().kv_cache_usage)
+    elapsed = time.perf_counter() - start
+    after = engine.stats()
+    return {"elapsed_s": elapsed, "num_requests": finished,
+            "input_tokens": sum(len(r.prompt_token_ids) for r in reqs), "output_tokens": output_tokens,
+            "expected_output_tokens": sum(r.max_tokens for r in reqs), "peak_kv_cache_usage": peak_kv,
+            "prefix_cache_queries": after.prefix_cache_queries - before.prefix_cache_queries,
+            "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits,
+            "num_preemptions": after.num_preemptions - before.num_preemptions}
+
+
+def report(m: dict) -> dict:
+    """Adds the rates (per second of wall time) to a `run` result and prints them."""
+    t = m["elapsed_s"]
+    m["requests_per_s"] = m["num_requests"] / t
+    m["input_tok_per_s"] = m["input_tokens"] / t
+    m["output_tok_per_s"] = m["output_tokens"] / t
+    m["total_tok_per_s"] = (m["input_tokens"] + m["output_tokens"]) / t
+    m["prefix_cache_hit_rate"] = m["prefix_cache_hits"] / max(m["prefix_cache_queries"], 1)
+
+    def row(name, value):
+        print(f"{name:<40} {value:<10}")
+
+    print("{:=^50}".format(" Offline Throughput Result "))
+    row("Successful requests:", m["num_requests"])
+    row("Elapsed time (s):", f"{t:.2f}")
+    row("Total input tokens:", m["input_tokens"])
+    row("Total generated tokens:", m["output_tokens"])
+    row("Request throughput (req/s):", f"{m['requests_per_s']:.2f}")
+    row("Input token throughput (tok/s):", f"{m['input_tok_per_s']:.2f}")
+    row("Output token throughput (tok/s):", f"{m['output_tok_per_s']:.2f}")
+    row("Total token throughput (tok/s):", f"{m['total_tok_per_s']:.2f}")
+    row("Peak KV cache usage (%):", f"{100 * m['peak_kv_cache_usage']:.1f}")
+    row("Prefix cache hit rate (%):", f"{100 * m['prefix_cache_hit_rate']:.1f}")
+    row("Preemptions:", m["num_preemptions"])
+    print("=" * 50)
+    if m["output_tokens"] != m["expected_output_tokens"]:
+        print(f"WARNING: generated {m['output_tokens']} tokens, expected {m['expected_output_tokens']}")
+    return m
+
+
+def add_engine_args(ap: argparse.ArgumentParser):
+    """The EngineConfig fields a benchmark varies, with vLLM's flag names; None = the engine's default."""
+    ap.add_argument("--model", help="HF directory, .gguf or local hub id (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--max-num-seqs", type=int)
+    ap.add_argument("--max-num-batched-tokens", type=int)
+    ap.add_argument("--block-size", type=int)
+    ap.add_argument("--kv-cache-memory", type=byte_size, help="KV-cache size, e.g. 268435456, 256M or 2G")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--num-threads", type=int, help="torch CPU threads (default: all cores)")
+
+
+def engine_kwargs(args) -> dict:
+    """The LLM(...) keyword arguments set on the command line."""
+    names = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
+             "enable_prefix_caching", "num_threads"]
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default=str(DEFAULT_WORKLOAD), help="JSONL workload, or 'random'")
+    ap.add_argument("--num-prompts", type=int, help="first N requests of the JSONL (random: default 64)")
+    ap.add_argument("--input-len", type=int, default=256, help="random: prompt tokens per request")
+    ap.add_argument("--output-len", type=int, help="tokens to generate per request (random: default 128; "
+                    "JSONL: overrides max_tokens)")
+    ap.add_argument("--seed", type=int, default=0, help="random: seed of the prompts")
+    ap.add_argument("--output-json", help="write the config and results here")
+    ap.add_argument("--disable-tqdm", action="store_true")
+    add_engine_args(ap)
+    args = ap.parse_args()
+
+    llm = LLM(model=args.model, **engine_kwargs(args))
+    if args.dataset == "random":
+        reqs = random_requests(args.num_prompts or 64, args.input_len, args.output_len or 128, llm.tokenizer, args.seed)
+    else:
+        reqs = load_jsonl(args.dataset, args.num_prompts, args.output_len)
+    # Warm-up on prompts outside the workload (random tokens), so the timed run starts with no
+    # workload prompt in the prefix cache but with the model's first-call costs paid.
+    run(llm, random_requests(2, 64, 4, llm.tokenizer, seed=args.seed + 1), use_tqdm=False)
+    metrics = report(run(llm, reqs, use_tqdm=not args.disable_tqdm))
+    if args.output_json:
+        record = {**run_info(), "args": vars(args), "engine_config": dataclasses.asdict(llm.engine.config), **metrics}
+        with open(args.output_json, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"wrote {args.output_json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""The CUDA path checked and measured in one call on a GPU machine.
+
+On a randomly initialised Llama-3.1-8B-shaped LlamaForCausalLM in bfloat16 (no weights travel):
+(a) build the model; (b) logits of one mixed step (two decodes, the second chunk of a chunked
+prefill, a prompt after a 256-token prefix-cache hit, a fresh prompt) with the flashinfer and the
+torch_native backends over the same cached KV: relative error ||a - b|| / ||b|| < 2e-2;
+(c) greedy decode through CUDA graphs against eager decode, 1 and 27 sequences (27 pads to 32),
+teacher-forced (both paths are fed the eager token) so that one near-tie cannot derail the rest.
+Graph and eager steps run different kernel configurations (padded GEMMs, FlashInfer's graph-mode
+split-KV), so their logits differ in the last bits: a token mismatch passes only where the eager
+top-2 logits are closer than twice the largest logit difference, and every mismatch is reported;
+(d) decode step time at batch 1, 8, 32, 128, 256 with 1024 tokens of context against the floor
+(weight bytes + KV bytes read) / HBM bandwidth, the bandwidth measured with a 4 GiB device-to-device
+copy; (e) graphs on vs eager in the same table. A step is timed as the engine runs it: plan,
+forward, logits, greedy argmax, token ids to the host. Exits with status 1 when a check fails.
+
+Steps use the engine's own pieces, as its model runner does: AttentionMetadata from block tables,
+`backend.plan(meta)` then `model(...)` for eager steps, CUDAGraphRunner for graphed decodes.
+
+Carrying FlashInfer (the GPU machine has no network). Its image has torch 2.11 (CUDA 13), nvcc,
+ninja, numpy, requests, packaging, tqdm, nvidia-ml-py, jinja2 and filelock; `import flashinfer`
+0.6.4 needs beyond those only apache-tvm-ffi (found by installing the wheel with --no-deps and
+importing it). Its other declared requirements (nvidia-cutlass-dsl, nvidia-cudnn-frontend, ...)
+serve kernels this engine does not call and are not imported. Here, in the repo root (.gitignore
+already ignores /.whl/), once:
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+        flashinfer-python==0.6.4 apache-tvm-ffi==0.1.9          # 7.8 MB + 2.3 MB; never commit .whl
+
+then one device call with carry [".whl"] and this command. FlashInfer JIT-compiles its kernels with
+nvcc on first use (in check (b), tens of seconds each); the run has not been timed yet, but is
+meant to fit one call's 10 minutes (`--batch-sizes 1 8 32` shortens the benchmark):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail;
+    PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py 2>&1 | tee $OUT/gpu_check.log
+"""
+import argparse
+import itertools
+import logging
+import sys
+import time
+
+import torch
+from transformers import LlamaConfig
+
+from engine.attention.base import AttentionMetadata
+from engine.attention.flashinfer import FlashInferBackend, flashinfer_available
+from engine.attention.torch_native import TorchNativeBackend
+from engine.cuda_graph import CUDAGraphRunner
+from models.llama import LlamaForCausalLM
+
+BLOCK, MAX_LEN, DTYPE, DEVICE = 16, 2048, torch.bfloat16, "cuda"
+LLAMA_31_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, rms_norm_eps=1e-5, max_position_embeddings=131072,
+    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=8192))
+
+
+def hbm_bandwidth() -> float:
+    """Bytes per second of a 4 GiB device-to-device copy, counting the bytes read and written."""
+    src = torch.empty(4 << 30, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def new_cache(cfg, num_blocks: int):
+    """The model runner's layout: one tensor, per layer a (k, v) pair of [blocks, BLOCK, kv heads, head dim]."""
+    kv = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim,
+                     dtype=DTYPE, device=DEVICE)
+    return [(layer[0], layer[1]) for layer in kv]
+
+
+def step_inputs(rows, tokens):
+    """(input_ids, positions, meta) of one step, built as the model runner's prepare() does.
+
+    rows: (block table, tokens already in the cache, new tokens) per sequence, decodes first;
+    tokens[i]: sequence i's token ids, at least as many as it has after the step.
+    """
+    ids, pos, slots, qsl, lens = [], [], [], [0], []
+    for (table, start, n), toks in zip(rows, tokens):
+        ids += toks[start:start + n]
+        pos += range(start, start + n)
+        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
+        qsl.append(qsl[-1] + n)
+        lens.append(start + n)
+    width = max(len(table) for table, _, _ in rows)
+    tables = [table + [0] * (width - len(table)) for table, _, _ in rows]
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, **i32), seq_lens=torch.tensor(lens, **i32),
+        block_tables=torch.tensor(tables, **i32), slot_mapping=torch.tensor(slots, device=DEVICE),
+        num_decodes=sum(n == 1 for _, _, n in rows), query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+    return torch.tensor(ids, device=DEVICE), torch.tensor(pos, device=DEVICE), meta
+
+
+def use_backend(model, backend):
+    # The layers keep the backend they were built with; swapping it compares backends on one set of weights.
+    for layer in model.layers:
+        layer.self_attn.backend = backend
+
+
+def eager(model, backend, ids, pos, kv, meta):
+    backend.plan(meta)
+    return model(ids, pos, kv, meta)
+
+
+def check_mixed(model, cfg, fi, native) -> bool:
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(n):
+        return torch.randint(cfg.vocab_size, (n,), generator=gen).tolist()
+
+    blocks = itertools.count()
+
+    def take(n_tokens):
+        return [next(blocks) for _ in range(-(-n_tokens // BLOCK))]
+
+    donor = rand(256)
+    # name: (token ids, tokens in the cache before the checked step, tokens in it); decodes first
+    seqs = {"decode a": (rand(301), 300, 1), "decode b": (rand(1001), 1000, 1),
+            "chunk 2 of a prefill": (rand(450), 200, 250), "after prefix hit": (donor + rand(100), 256, 100),
+            "fresh prompt": (rand(120), 0, 120)}
+    donor_table = take(256)
+    tables = {name: take(len(toks)) for name, (toks, _, _) in seqs.items()}
+    # A prefix-cache hit: the first 16 blocks are the donor's, which hold the same 256 tokens.
+    tables["after prefix hit"] = donor_table + tables["after prefix hit"][16:]
+    kv = new_cache(cfg, next(blocks))
+    # Fill the cache as earlier steps would have: the donor's prompt and the other cached prefixes.
+    cached = [name for name, (_, c, _) in seqs.items() if c and name != "after prefix hit"]
+    setup = step_inputs([(donor_table, 0, 256)] + [(tables[name], 0, seqs[name][1]) for name in cached],
+                        [donor] + [seqs[name][0] for name in cached])
+    use_backend(model, native)
+    eager(model, native, *setup[:2], kv, setup[2])
+    ids, pos, meta = step_inputs([(tables[name], c, n) for name, (_, c, n) in seqs.items()],
+                                 [toks for toks, _, _ in seqs.values()])
+    logits = {}
+    for name, backend in (("torch_native", native), ("flashinfer", fi)):
+        t = time.perf_counter()
+        use_backend(model, backend)
+        copy = [(k.clone(), v.clone()) for k, v in kv]
+        logits[name] = model.compute_logits(eager(model, backend, ids, pos, copy, meta))
+        torch.cuda.synchronize()
+        note = " (FlashInfer's kernels compile on first use)" if backend is fi else ""
+        print(f"  {name} step: {time.perf_counter() - t:.1f} s{note}")
+    a, b = logits["flashinfer"], logits["torch_native"]
+    rel = ((a - b).norm() / b.norm()).item()
+    for i, name in enumerate(seqs):
+        lo, hi = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        row = ((a[lo:hi] - b[lo:hi]).norm() / b[lo:hi].norm()).item()
+        same = (a[hi - 1].argmax() == b[hi - 1].argmax()).item()
+        print(f"  {name:22s} {hi - lo:4d} tokens  rel err {row:.2e}  same last greedy token: {same}")
+    ok = rel < 2e-2
+    print(f"(b) flashinfer vs torch_native logits, mixed step of {len(ids)} tokens: rel err {rel:.2e} "
+          f"{'PASS' if ok else 'FAIL'} (< 2e-2)")
+    return ok
+
+
+def check_graphs(model, cfg, fi, graphs, kv, steps: int = 16) -> bool:
+    gen = torch.Generator().manual_seed(1)
+    blocks = itertools.count()
+    ok = True
+    for n in (1, 27):
+        lens = torch.randint(64, 300, (n,), generator=gen).tolist()
+        toks = [torch.randint(cfg.vocab_size, (s,), generator=gen).tolist() for s in lens]
+        tables = [[next(blocks) for _ in range(-(-(s + steps) // BLOCK))] for s in lens]
+        ids, pos, meta = step_inputs([(t, 0, s) for t, s in zip(tables, lens)], toks)
+        hidden = eager(model, fi, ids, pos, kv, meta)
+        nxt = model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1]).argmax(-1).tolist()
+        total = mismatches = unexplained = 0
+        for _ in range(steps):
+            rows = [(t, len(s), 1) for t, s in zip(tables, toks)]
+            toks = [s + [x] for s, x in zip(toks, nxt)]
+            ids, pos, meta = step_inputs(rows, toks)
+            g = model.compute_logits(graphs.run(ids, pos, meta))  # writes this token's K/V, then
+            e = model.compute_logits(eager(model, fi, ids, pos, kv, meta))  # eager rewrites it: both see eager's past
+            top2 = e.topk(2, dim=-1).values
+            tie = (top2[:, 0] - top2[:, 1]) <= 2 * (g - e).abs().amax(-1)
+            diff = g.argmax(-1) != e.argmax(-1)
+            total, mismatches = total + n, mismatches + int(diff.sum())
+            unexplained += int((diff & ~tie).sum())
+            nxt = e.argmax(-1).tolist()
+        ok &= unexplained == 0
+        print(f"(c) graphs vs eager, {n} sequences x {steps} steps: {total - mismatches}/{total} greedy tokens "
+              f"equal, {mismatches - unexplained} near-tie mismatches, {unexplained} others "
+              f"{'PASS' if unexplained == 0 else 'FAIL'}")
+    return ok
+
+
+def bench(model, cfg, fi, graphs, kv, bandwidth, batch_sizes, context, iters):
+    weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                       if not name.startswith("embed_tokens"))  # a lookup reads only B rows of it
+    token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE.itemsize
+    per_seq = context // BLOCK
+    print(f"(d, e) decode step, context {context}: weights read {weight_bytes / 1e9:.2f} GB, "
+          f"KV {token_bytes * context / 2**20:.0f} MiB per sequence, HBM {bandwidth / 1e12:.2f} TB/s")
+    print("| batch | floor ms | graphs ms | graphs / floor | eager ms | eager / floor | eager / graphs |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for b in batch_sizes:
+        rows = [(list(range(i * per_seq, (i + 1) * per_seq)), context - 1, 1) for i in range(b)]
+        ids, pos, meta = step_inputs(rows, [[0] * context] * b)
+        times = {}
+        for mode in ("graphs", "eager"):
+            for i in range(3 + iters):  # 3 warm-up steps
+                if i == 3:
+                    t = time.perf_counter()
+                hidden = graphs.run(ids, pos, meta) if mode == "graphs" else eager(model, fi, ids, pos, kv, meta)
+                model.compute_logits(hidden).argmax(-1).cpu()
+            times[mode] = (time.perf_counter() - t) / iters * 1e3
+        floor = (weight_bytes + b * context * token_bytes) / bandwidth * 1e3
+        g, e = times["graphs"], times["eager"]
+        print(f"| {b} | {floor:.2f} | {g:.2f} | {g / floor:.2f} | {e:.2f} | {e / floor:.2f} | {e / g:.2f} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    parser.add_argument("--context", type=int, default=1024, help="KV tokens per sequence (multiple of 16)")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check needs a CUDA device")
+    if not flashinfer_available():
+        sys.exit("flashinfer is not importable: carry and install its wheels as this script's docstring says")
+    import flashinfer
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {flashinfer.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}")
+    bandwidth = hbm_bandwidth()
+    cfg = LlamaConfig(**LLAMA_31_8B)
+    dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, BLOCK, cfg.head_dim ** -0.5)
+    native, fi = TorchNativeBackend(*dims), FlashInferBackend(*dims, dtype=DTYPE, device=DEVICE)
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    torch.set_default_dtype(DTYPE)  # initialise in bfloat16 directly; 8B float32 weights would need 32 GB
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(cfg, fi, MAX_LEN).to(DTYPE).eval()
+    torch.set_default_dtype(torch.float32)
+    print(f"(a) Llama-3.1-8B-shaped model, random weights: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
+          f"parameters in {time.perf_counter() - t:.1f} s")
+    with torch.inference_mode():
+        ok = check_mixed(model, cfg, fi, native)
+        torch.cuda.empty_cache()
+        # enough blocks and graph sizes for the benchmark and for check_graphs' 27 sequences of < 320 tokens
+        num_blocks = max(max(args.batch_sizes) * args.context // BLOCK, 27 * 20 + 20) + 1
+        kv = new_cache(cfg, num_blocks)
+        max_seqs = max(*args.batch_sizes, 27)
+        graphs = CUDAGraphRunner(model, fi, kv, max_seqs, MAX_LEN // BLOCK, BLOCK, dummy_block=num_blocks - 1)
+        use_backend(model, fi)
+        graphs.capture()
+        ok &= check_graphs(model, cfg, fi, graphs, kv)
+        bench(model, cfg, fi, graphs, kv, bandwidth, args.batch_sizes, args.context, args.iters)
+    print("ALL CHECKS PASS" if ok else "SOME CHECK FAILED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Shared fixtures: engines on the real default model, the Hugging Face reference, leak checks."""
+import json
+import os
+
+import pytest
+import torch
+
+from engine import LLM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ENGINES: list[LLM] = []  # every LLM a test made, checked for leaked blocks after each test
+
+
+def make_llm(**kwargs) -> LLM:
+    """An LLM on the default model in float32 with a small KV cache unless told otherwise."""
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("kv_cache_memory", 128 << 20)
+    llm = LLM(**kwargs)
+    _ENGINES.append(llm)
+    return llm
+
+
+def assert_no_leak(engine) -> None:
+    """Every block is back in the free pool with ref count zero, and no request is left."""
+    assert not engine.groups, f"requests left: {list(engine.groups)}"
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    pool = engine.kv.pool
+    assert pool.num_free_blocks == len(pool.blocks)
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert not engine.kv.req_blocks
+
+
+@pytest.fixture(autouse=True)
+def _check_no_leaks():
+    yield
+    for llm in _ENGINES:
+        assert_no_leak(llm.engine)
+
+
+@pytest.fixture(scope="session")
+def llm():
+    return make_llm()
+
+
+def _workload():
+    with open(os.path.join(ROOT, "scripts", "data", "workload.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def prompts(llm) -> list[list[int]]:
+    """Eight varied prompts as token ids: plain and chat, 5 to 400 tokens."""
+    tok = llm.tokenizer
+    chat = lambda msgs: tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                                   add_special_tokens=False)
+    work = _workload()
+    long_prompt = next(r for r in work if r["num_prompt_tokens"] >= 400)["prompt_token_ids"][:400]
+    mid_prompt = next(r for r in work if 140 <= r["num_prompt_tokens"] <= 220)["prompt_token_ids"]
+    out = [
+        tok.encode("The capital of France is"),
+        chat([{"role": "user", "content": "What is the capital of France?"}]),
+        tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+        chat([{"role": "system", "content": "You are a helpful poet."},
+              {"role": "user", "content": "Write a haiku about the ocean."}]),
+        mid_prompt,
+        chat([{"role": "user", "content": "Name three fruits."},
+              {"role": "assistant", "content": "Apple, banana and cherry."},
+              {"role": "user", "content": "Now three vegetables, please."}]),
+        tok.encode("1, 2, 3, 4, 5,"),
+        long_prompt,
+    ]
+    assert min(map(len, out)) <= 6 and max(map(len, out)) >= 400
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_reference(llm, prompts):
+    """Greedy tokens of Hugging Face transformers `generate` (float32) for `prompts`, 32 new tokens
+    each, with the gap between the top-two logits at every step (to judge near-ties)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llm.model_dir, dtype=torch.float32).eval()
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+            tokens = out.sequences[0, len(ids):].tolist()
+            gaps = [float(t.topk(2).values[0, 0] - t.topk(2).values[0, 1]) for t in out.logits]
+            refs.append((tokens, gaps))
+    return refs
+
+
+def assert_greedy_matches(ours: list[int], ref: tuple[list[int], list[float]], tol: float = 1e-3,
+                          ignore_eos: bool = False) -> None:
+    """Our greedy tokens equal the reference's, except that a divergence is accepted at a step where
+    the reference's top-two logits are within `tol` (after which the sequences may differ).
+    With `ignore_eos`, ours may go on past the reference's EOS."""
+    tokens, gaps = ref
+    for step, (a, b) in enumerate(zip(ours, tokens)):
+        if a != b:
+            assert gaps[step] < tol, f"diverged at step {step}: ours {a}, reference {b} (gap {gaps[step]:.4g})"
+            return
+    assert len(ours) == len(tokens) or (ignore_eos and len(ours) > len(tokens)), f"ours has {len(ours)} tokens, the reference {len(tokens)}"

@@ -1,0 +1,67 @@
+"""Greedy output equals Hugging Face transformers, alone, batched with chunked prefill, with a shared
+prefix, and under preemption."""
+import torch
+
+from engine import SamplingParams
+from tests.conftest import assert_greedy_matches, make_llm
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32)
+
+
+def test_each_prompt_alone_matches_hf(llm, prompts, hf_reference):
+    for ids, ref in zip(prompts, hf_reference):
+        out = llm.generate([ids], GREEDY, use_tqdm=False)[0]
+        assert_greedy_matches(out.outputs[0].token_ids, ref)
+
+
+def test_batched_with_chunked_prefill_matches_hf(prompts, hf_reference):
+    # 64 tokens per step: the 400-token prompt takes 7 steps, so steps mix prefill chunks and decodes
+    llm = make_llm(max_num_batched_tokens=64, enable_prefix_caching=False)
+    steps = []
+    original = llm.engine.runner.execute
+
+    def spy(batch, tables):
+        steps.append(list(batch.num_new_tokens))
+        return original(batch, tables)
+
+    llm.engine.runner.execute = spy
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for out, ref in zip(outs, hf_reference):
+        assert_greedy_matches(out.outputs[0].token_ids, ref)
+    assert all(sum(s) <= 64 for s in steps)
+    assert any(1 in s and max(s) > 1 for s in steps), "no step mixed decodes with prefill chunks"
+
+
+def test_shared_prefix_is_cached_and_matches(llm, prompts, hf_reference):
+    tok = llm.tokenizer
+    prefix = prompts[7][:64]
+    a, b = prefix + tok.encode(" First question?"), prefix + tok.encode(" Second one!")
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in (a, b)]
+    llm.engine.kv.pool.cached.clear()  # start cold; freed blocks keep no hash now
+    for blk in llm.engine.kv.pool.blocks:
+        blk.block_hash = None
+    first = llm.generate([a], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([b], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 64
+    assert first.outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert second.outputs[0].token_ids == alone[1].outputs[0].token_ids
+
+
+def test_preemption_keeps_greedy_output(prompts, hf_reference):
+    # 27 blocks of 16 tokens = 432 tokens, just enough for the longest request alone: the eight
+    # prompts (~1000 tokens with outputs) cannot all fit
+    llm = make_llm(kv_cache_memory=27 * 16 * 2 * 30 * 3 * 64 * 4)
+    assert llm.engine.kv.num_blocks == 27
+    # EOS ignored so every request keeps growing and the running ones must preempt each other
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out, ref in zip(outs, hf_reference):
+        assert_greedy_matches(out.outputs[0].token_ids, ref, ignore_eos=True)
+
+
+def test_bfloat16_runs_close_to_reference(prompts, hf_reference):
+    llm = make_llm(dtype="bfloat16")
+    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    out = llm.generate([prompts[1]], GREEDY, use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
