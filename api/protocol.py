@@ -12,6 +12,10 @@ from engine import SamplingParams
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 TokenId = Annotated[int, Field(ge=0)]
+# Bounds on lists whose cost grows with their length at every step (stop strings and ids are checked
+# per generated token) or per request (each prompt is an engine request): far above real use, they
+# keep one request from stalling everyone else. OpenAI allows 4 stop strings; vLLM has no bounds.
+MAX_STOP, MAX_STOP_TOKEN_IDS, MAX_PROMPTS = 64, 1024, 1024
 
 
 class _Body(BaseModel):
@@ -34,7 +38,7 @@ class SamplingRequest(_Body):
     n: int = Field(1, ge=1, le=128)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    stop: str | list[str] = []
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] = []
     seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -47,7 +51,7 @@ class SamplingRequest(_Body):
     repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[TokenId] = []
+    stop_token_ids: list[TokenId] = Field([], max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -107,6 +111,8 @@ class CompletionRequest(SamplingRequest):
     def _not_empty(cls, prompt):
         if not prompt or (isinstance(prompt, list) and any(not p for p in prompt)):
             raise ValueError("prompt must not be empty")
+        if isinstance(prompt, list) and not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return prompt
 
     @property

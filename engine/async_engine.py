@@ -137,6 +137,12 @@ class AsyncEngine:
                 for rid in e.request_ids:
                     self._deliver_error(rid, e)
                 continue
+            except Exception as e:  # a bug outside the model step: fail everyone, keep the loop alive
+                logger.exception("engine step raised outside the model; aborting all requests")
+                for rid in list(self.engine.groups):
+                    self.engine.abort_request(rid)
+                    self._deliver_error(rid, EngineStepError([rid], e))
+                continue
             for out in outputs:
                 self._deliver(out)
             await asyncio.sleep(0)  # let handlers run between steps

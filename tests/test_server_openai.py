@@ -35,15 +35,16 @@ async def test_greedy_text_equals_offline_llm(openai_client, engine_args):
     api = await openai_client.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=16, temperature=0)
     chat = await openai_client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=16, temperature=0)
 
+    llm = LLM(model=None, **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=16)
+
     def offline() -> tuple[list[str], str]:
-        llm = LLM(model=None, **engine_args)
-        params = SamplingParams(temperature=0, max_tokens=16)
         texts = [out.outputs[0].text for out in llm.generate(PROMPTS, params, use_tqdm=False)]
         return texts, llm.chat(CHAT, params, use_tqdm=False)[0].outputs[0].text
 
-    # In a worker thread, as the server runs its engine: it keeps this event loop free, and torch's
-    # OpenMP pool on the main thread has been seen to run many times slower when other processes
-    # load the CPU.
+    # Generating on a worker thread, as the server does, keeps this event loop free; and the thread
+    # that built the engine (it called torch.set_num_threads) runs many times slower while other
+    # processes load the CPU, as its OpenMP workers spin.
     texts, chat_text = await asyncio.to_thread(offline)
     assert [c.text for c in sorted(api.choices, key=lambda c: c.index)] == texts
     assert chat.choices[0].message.content == chat_text
