@@ -65,10 +65,11 @@ class SamplingRequest(_Body):
 
     @field_validator("logit_bias")
     @classmethod
-    def _token_id_keys(cls, bias):
-        if not all(k.isdigit() for k in bias):
+    def _token_id_keys(cls, bias) -> dict[int, float]:
+        """JSON keys are strings; they become token ids (ASCII digits, short enough to be one)."""
+        if not all(k.isascii() and k.isdigit() and len(k) <= 18 for k in bias):
             raise ValueError("logit_bias keys must be token ids (non-negative integers as strings)")
-        return bias
+        return {int(k): v for k, v in bias.items()}
 
     @field_validator("stream_options")
     @classmethod
@@ -91,7 +92,7 @@ class SamplingRequest(_Body):
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            logit_bias={int(k): v for k, v in self.logit_bias.items()} or None,
+            logit_bias=self.logit_bias or None,
             top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,

@@ -1,6 +1,4 @@
-"""What the endpoints share: settings, parsing and checks that need the model, admission, and
-`Generation`, which runs an API request's prompts on the engine and merges their output streams."""
-import asyncio
+"""What the endpoints share: settings, parsing, the checks that need the model, and admission."""
 import dataclasses
 import functools
 import logging
@@ -12,9 +10,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from api.errors import APIError, from_validation_error
-from api.metrics import RequestTracker, ServerMetrics
+from api.generation import Generation
+from api.metrics import ServerMetrics
 from api.protocol import ChatMessage, SamplingRequest
-from engine import EngineStepError, RequestOutput, SamplingParams
+from engine import EngineStepError, SamplingParams
 
 logger = logging.getLogger("api")
 
@@ -104,7 +103,7 @@ class ServingContext:
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams for `req`. Raises APIError 400 for values that need the model."""
         self.check_token_ids(req.stop_token_ids, "stop_token_ids")
-        self.check_token_ids([int(k) for k in req.logit_bias], "logit_bias")
+        self.check_token_ids(req.logit_bias, "logit_bias")
         if req.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= the maximum output tokens ({max_tokens})",
                            param="min_tokens")
@@ -115,7 +114,7 @@ class ServingContext:
             field = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
 
-    def start(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> "Generation":
+    def start(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> Generation:
         """Admits an API request and starts its engine requests, one per prompt.
 
         Raises APIError 503 (with Retry-After) when the engine is not running or the queue is full.
@@ -139,97 +138,3 @@ class ServingContext:
             return APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         logger.error("engine request failed", exc_info=error)
         return APIError(500, "internal server error; the server log has the details")
-
-
-class Generation:
-    """The running engine requests of one API request (ids "<request_id>-<prompt index>").
-
-    Iterate it for (prompt index, RequestOutput) pairs as the engine makes them; `aclose()` aborts
-    whatever is still running, and is safe to call more than once. Iteration raises APIError when
-    an engine request fails (400 bad input, 500 engine step failure, 503 shutting down).
-    """
-
-    def __init__(self, ctx: ServingContext, prompts: list[list[int]], params: SamplingParams, request_id: str):
-        self._ctx = ctx
-        self._queue: asyncio.Queue = asyncio.Queue()
-        ctx.num_queued += len(prompts)
-        self._tasks = [asyncio.create_task(self._pump(i, p, params, f"{request_id}-{i}"))
-                       for i, p in enumerate(prompts)]
-
-    async def _pump(self, index: int, prompt: list[int], params: SamplingParams, request_id: str) -> None:
-        tracker = RequestTracker(self._ctx.metrics, params.n)
-        queued = True
-        try:
-            outputs = self._ctx.engine.generate(prompt, params, request_id)
-            try:
-                async for out in outputs:
-                    if queued:
-                        queued, self._ctx.num_queued = False, self._ctx.num_queued - 1
-                    tracker.observe(out)
-                    self._queue.put_nowait((index, out))
-            finally:
-                await outputs.aclose()  # aborts the engine request if it is still running
-        except Exception as e:
-            self._queue.put_nowait((index, e))
-        finally:
-            if queued:
-                self._ctx.num_queued -= 1
-            tracker.close()
-            self._queue.put_nowait((index, None))
-
-    async def __aiter__(self):
-        remaining = len(self._tasks)
-        try:
-            while remaining:
-                index, item = await self._queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise self._ctx.engine_error(item)
-                else:
-                    yield index, item
-        finally:
-            await self.aclose()
-
-    async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def final_outputs(self) -> list[RequestOutput]:
-        """Runs to the end; returns each prompt's last RequestOutput with all its samples, by index."""
-        last: dict[int, RequestOutput] = {}
-        samples: dict[int, dict] = {}
-        async for index, out in self:
-            last[index] = out
-            samples.setdefault(index, {}).update({c.index: c for c in out.outputs})
-        for index, out in last.items():
-            out.outputs = [samples[index][i] for i in sorted(samples[index])]
-        return [last[i] for i in sorted(last)]
-
-
-class ClientDisconnected(Exception):
-    """The client closed the connection before its response was ready."""
-
-
-async def unless_disconnected(request: Request, work):
-    """Awaits `work` (a coroutine), cancelling it if the client disconnects first.
-
-    Raises ClientDisconnected in that case; starlette delivers the request body before this is called,
-    so the next ASGI receive message can only be the disconnect.
-    """
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected
-    return task.result()

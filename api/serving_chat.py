@@ -7,9 +7,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.errors import JSONResponse
+from api.generation import ClientDisconnected, Generation, unless_disconnected
 from api.logprobs import chat_logprobs
 from api.protocol import ChatCompletionRequest
-from api.serving import ClientDisconnected, Generation, ServingContext, unless_disconnected
+from api.serving import ServingContext
 from api.streaming import sse_response
 from engine import RequestOutput
 

@@ -10,9 +10,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.errors import APIError, JSONResponse
+from api.generation import ClientDisconnected, Generation, unless_disconnected
 from api.logprobs import CompletionLogprobs, merge
 from api.protocol import CompletionRequest
-from api.serving import ClientDisconnected, Generation, ServingContext, unless_disconnected
+from api.serving import ServingContext
 from api.streaming import sse_response
 from engine import RequestOutput
 

@@ -7,7 +7,7 @@ from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from api.errors import APIError
-from api.serving import Generation
+from api.generation import Generation
 
 logger = logging.getLogger("api")
 
@@ -29,8 +29,9 @@ def sse_response(chunks: AsyncIterator[dict], generation: Generation) -> EventSo
             yield orjson.dumps(APIError(500, "internal server error; the server log has the details").body()).decode()
         yield "[DONE]"
 
+    # No keep-alive comments (ping=0): OpenAI sends none, and strict parsers expect only data lines.
     # On shutdown the engine aborts every request, which ends each stream with finish_reason "abort"
     # and [DONE]; the grace period lets that reach the client before sse-starlette cancels the stream.
     # A client that stops reading for `send_timeout` seconds is dropped, which aborts its request.
-    return EventSourceResponse(events(), sep="\n", background=BackgroundTask(generation.aclose),
+    return EventSourceResponse(events(), sep="\n", ping=0, background=BackgroundTask(generation.aclose),
                                shutdown_grace_period=5, send_timeout=30)

@@ -39,6 +39,7 @@ class AsyncEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
+        self._stopping = False
 
     @property
     def is_alive(self) -> bool:
@@ -47,17 +48,17 @@ class AsyncEngine:
     async def start(self) -> None:
         """Starts the step coroutine on the running loop (idempotent)."""
         if not self.is_alive:
+            self._stopping = False
             self._wakeup = asyncio.Event()
             self._task = asyncio.create_task(self._run(), name="engine-step-loop")
 
     async def shutdown(self) -> None:
         """Aborts every request (their generators end with finish_reason "abort") and stops the loop."""
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            # let the step in flight finish: the engine must not be touched while it runs
+            self._stopping = True
+            self._wakeup.set()
+            await self._task
         self._apply_pending()
         for rid in list(self.engine.groups):
             self._deliver(self.engine.abort_request(rid))
@@ -124,7 +125,7 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._stopping:
             self._apply_pending()
             if not self.engine.has_unfinished_requests():
                 self._wakeup.clear()

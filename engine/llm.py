@@ -46,6 +46,10 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def reset_prefix_cache(self) -> None:
+        """Empties the prefix cache, so repeated prompts are computed again."""
+        self.engine.reset_prefix_cache()
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Applies the model's chat template (or `chat_template`) to one conversation or a list of

@@ -91,6 +91,9 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= self.vocab_size for t in ids):
+                raise ValueError(f"{name} token ids must be below the vocabulary size {self.vocab_size}")
         ids = self.tokenize(prompt)
         text = prompt if isinstance(prompt, str) else None
         arrival = arrival_time or time.monotonic()
@@ -114,6 +117,10 @@ class LLMEngine:
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
         return self._output(group, group)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block hash (benchmarks repeating prompts; vLLM's name)."""
+        self.kv.pool.uncache(self.kv.pool.blocks)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

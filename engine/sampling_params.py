@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How to pick tokens and when to stop, per request (the fields of vLLM's `SamplingParams`).
 
-    temperature 0 means greedy. `seed` gives the request its own `torch.Generator`, so its samples do
+    temperature 0 (or below 1e-5) means greedy. `seed` gives the request its own `torch.Generator`, so its samples do
     not depend on what else is in the batch. Penalties follow vLLM/OpenAI: presence and frequency over
     generated tokens, repetition (multiplicative, CTRL paper, Keskar et al. 2019) over prompt + output.
     `logprobs` = N returns the sampled token's log-probability and the top N (0 = only the sampled one).
@@ -86,4 +86,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # as in vLLM: tiny temperatures are greedy (logits / 1e-40 would overflow float32)
+        return self.temperature < 1e-5

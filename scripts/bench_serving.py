@@ -265,6 +265,9 @@ def main():
         print_result(summary, rate, args.max_concurrency, percentiles)
         if summary["errors"]:
             print(f"first error: {summary['errors'][0]}")
+        expected = sum(r.max_tokens for r in reqs)
+        if args.ignore_eos and not summary["failed"] and summary["total_output_tokens"] != expected:
+            print(f"WARNING: the server generated {summary['total_output_tokens']} tokens, expected {expected}")
         if args.result_dir:
             label = args.label or base_url
             record = {**run_info(), "label": label,

@@ -37,9 +37,7 @@ def test_shared_prefix_is_cached_and_matches(llm, prompts, hf_reference):
     prefix = prompts[7][:64]
     a, b = prefix + tok.encode(" First question?"), prefix + tok.encode(" Second one!")
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in (a, b)]
-    llm.engine.kv.pool.cached.clear()  # start cold; freed blocks keep no hash now
-    for blk in llm.engine.kv.pool.blocks:
-        blk.block_hash = None
+    llm.reset_prefix_cache()  # start cold
     first = llm.generate([a], GREEDY, use_tqdm=False)[0]
     second = llm.generate([b], GREEDY, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0

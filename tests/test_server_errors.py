@@ -4,7 +4,6 @@ import json
 import pytest
 
 pytest_plugins = ["server_harness"]
-pytestmark = pytest.mark.asyncio
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "Hi"}]
@@ -60,6 +59,8 @@ BAD_REQUESTS = [
     ("POST", CMPL, cmpl(prompt=["x"] * 1025), 400, "prompt"),
     ("POST", CMPL, cmpl(stop_token_ids=[1] * 1025), 400, "stop_token_ids"),
     ("POST", CMPL, cmpl(logit_bias={"x": 1}), 400, "logit_bias"),
+    ("POST", CMPL, cmpl(logit_bias={"²": 1}), 400, "logit_bias"),
+    ("POST", CMPL, cmpl(logit_bias={"9" * 5000: 1}), 400, "logit_bias"),
     ("POST", CMPL, cmpl(logit_bias={"5": 101}), 400, "logit_bias"),
     ("POST", CMPL, cmpl(logit_bias={"99999999": 1}), 400, "logit_bias"),
     ("POST", CMPL, cmpl(stop_token_ids=[-1]), 400, "stop_token_ids"),

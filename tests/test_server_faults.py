@@ -15,7 +15,6 @@ from api.app import build_app
 from api.serving import ServerSettings
 from engine import AsyncEngine, EngineConfig
 
-pytestmark = pytest.mark.asyncio
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import pytest
 from openai import AsyncOpenAI
 
 pytest_plugins = ["server_harness"]
-pytestmark = pytest.mark.asyncio
 
 VLLM_METRICS = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",

@@ -9,7 +9,6 @@ from engine import LLM, SamplingParams
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 pytest_plugins = ["server_harness"]
-pytestmark = pytest.mark.asyncio
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,", "My favourite colour is"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
