@@ -1,9 +1,11 @@
-"""Attention backends: `torch_native` everywhere, `flashinfer` on CUDA when it is installed."""
+"""Attention backends: `torch_native` everywhere (the reference), `cpu` (torch_native with a C decode
+kernel; the CPU default), `flashinfer` on CUDA when it is installed."""
 import logging
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.cpu import CPUBackend, load_kernels
 from engine.attention.torch_native import TorchNativeBackend
 
 logger = logging.getLogger(__name__)
@@ -13,7 +15,8 @@ def make_backend(name: str | None, device: torch.device, dtype: torch.dtype, hf_
                  block_size: int) -> AttentionBackend:
     """Builds the attention backend for a model config.
 
-    name: "torch_native", "flashinfer", or None (flashinfer on CUDA when importable, else torch_native).
+    name: "torch_native", "cpu", "flashinfer", or None (flashinfer on CUDA when importable, cpu on the
+    CPU when its kernel builds, else torch_native).
     Raises ValueError for an unknown name or flashinfer asked for where it cannot run.
     """
     from models.llama import head_dim_of
@@ -30,6 +33,11 @@ def make_backend(name: str | None, device: torch.device, dtype: torch.dtype, hf_
         logger.warning("FlashInfer is not installed; falling back to the torch_native attention backend")
     elif name == "flashinfer":
         raise ValueError("attention_backend flashinfer needs a CUDA device")
-    if name not in (None, "torch_native", "flashinfer"):
-        raise ValueError(f"unknown attention_backend {name!r}; choose torch_native or flashinfer")
+    if name not in (None, "torch_native", "flashinfer", "cpu"):
+        raise ValueError(f"unknown attention_backend {name!r}; choose torch_native, cpu or flashinfer")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError("attention_backend cpu needs the CPU device")
+    if device.type == "cpu" and name in (None, "cpu") and dtype in (torch.float32, torch.bfloat16) \
+            and load_kernels() is not None:
+        return CPUBackend(*args)
     return TorchNativeBackend(*args)

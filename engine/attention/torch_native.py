@@ -37,26 +37,33 @@ class TorchNativeBackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            qd = q[:nd].view(nd, self.num_kv_heads, -1, self.head_dim)  # [nd, kvh, group, d]
-            # SDPA takes the gathered [nd, L, kvh, d] transposed as a strided view: no copy
-            kd = self._gather(k_cache, self.decode_blocks, self.decode_len).transpose(1, 2)
-            vd = self._gather(v_cache, self.decode_blocks, self.decode_len).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=self.scale)
-            out[:nd] = o.reshape(nd, self.num_heads, self.head_dim)
+            self._decode(q[:nd], k_cache, v_cache, meta, out[:nd])
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in range(nd, meta.num_seqs):
             start, end, ctx = qsl[i], qsl[i + 1], lens[i]
-            qh = q[start:end].transpose(0, 1)  # [h, q_len, d]
             if ctx == end - start:  # nothing before this chunk: attend over its own fresh K/V
-                o = F.scaled_dot_product_attention(qh, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
-                                                   is_causal=True, scale=self.scale, enable_gqa=True)
+                kc, vc, mask = k[start:end], v[start:end], None
             else:
                 nb = -(-ctx // self.block_size)
-                kc = self._gather(k_cache, meta.block_tables[i, :nb], ctx).transpose(0, 1)  # [kvh, ctx, d]
-                vc = self._gather(v_cache, meta.block_tables[i, :nb], ctx).transpose(0, 1)
+                kc = self._gather(k_cache, meta.block_tables[i, :nb], ctx)  # [ctx, kvh, d]
+                vc = self._gather(v_cache, meta.block_tables[i, :nb], ctx)
                 # query j sits at position ctx - q_len + j and sees keys up to that position
                 qpos = torch.arange(ctx - (end - start), ctx, device=q.device)[:, None]
                 mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
-                o = F.scaled_dot_product_attention(qh, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=True)
-            out[start:end] = o.transpose(0, 1)
+            # 4-D [1, heads, len, d] views: SDPA's fused CPU kernel (with GQA) only takes 4-D inputs,
+            # 3-D ones fall back to the slow math path.
+            o = F.scaled_dot_product_attention(q[None, start:end].transpose(1, 2), kc[None].transpose(1, 2),
+                                               vc[None].transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+                                               scale=self.scale, enable_gqa=True)
+            out[start:end] = o[0].transpose(0, 1)
         return out
+
+    def _decode(self, q, k_cache, v_cache, meta, out):
+        """Decode rows: q [nd, h, d] -> out [nd, h, d] (written in place)."""
+        nd = q.shape[0]
+        qd = q.view(nd, self.num_kv_heads, -1, self.head_dim)  # [nd, kvh, group, d]
+        # SDPA takes the gathered [nd, L, kvh, d] transposed as a strided view: no copy
+        kd = self._gather(k_cache, self.decode_blocks, self.decode_len).transpose(1, 2)
+        vd = self._gather(v_cache, self.decode_blocks, self.decode_len).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=self.scale)
+        out.copy_(o.reshape(nd, self.num_heads, self.head_dim))
