@@ -23,9 +23,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as the reference implementation does, then cast back.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
@@ -57,16 +55,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; positions: int64 [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions (int64 [T]) as [T, 1, head_dim // 2] in `dtype`, once per step."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x [T, heads, head_dim] by its positions' angles (cos, sin: [T, 1, head_dim // 2])."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, rotary: RotaryEmbedding, bias: bool):
+    def __init__(self, config, backend: AttentionBackend, bias: bool):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -75,13 +76,13 @@ class LlamaAttention(nn.Module):
         # q, k and v projections fused into one matmul; the loader stacks the checkpoint's three.
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.backend, self.rotary = backend, rotary
+        self.backend = backend
 
-    def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim))
-        k = self.rotary(positions, k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, heads + 2 kv heads, d]
+        qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], *rope)  # q and k in one go
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads:]
         o = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -99,15 +100,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, backend, rotary, bias):
+    def __init__(self, config, backend, bias):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend, rotary, bias)
+        self.self_attn = LlamaAttention(config, backend, bias)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -126,10 +127,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, backend: AttentionBackend, max_model_len: int, qkv_bias: bool = False):
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config, head_dim_of(config), max_model_len)
+        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_model_len)
         bias = qkv_bias or bool(getattr(config, "attention_bias", False))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, rotary, bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, bias)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -138,8 +139,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ def test_mixed_batch_matches_dense_attention(backend_cls, dtype):
     slots = [tables[i][p // BS] * BS + p % BS for i, (ctx, new) in enumerate(shapes) for p in range(ctx, ctx + new)]
     meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor([c + n for c, n in shapes], dtype=torch.int32),
                              bt, torch.tensor(slots), 3, qsl, [c + n for c, n in shapes])
-    q = torch.randn(qsl[-1], H, D, dtype=dtype)
+    q = torch.randn(qsl[-1], H + KVH, D, dtype=dtype)[:, :H]  # strided, as the model's slice of qkv
     k_new = torch.cat([keys[ctx:] for ctx, _, keys, _ in seqs])
     v_new = torch.cat([values[ctx:] for ctx, _, _, values in seqs])
     backend = backend_cls(H, KVH, D, BS, D ** -0.5)

@@ -66,7 +66,8 @@ class CPUBackend(TorchNativeBackend):
         # [B, max_blocks] and seq_lens [B] are contiguous, and the kernel reads their first nd rows.
         kernels = load_kernels()
         fn = kernels.paged_decode_bf16 if q.dtype == torch.bfloat16 else kernels.paged_decode_f32
-        rc = fn(q.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
+        q = q.contiguous()  # bound to a name: a temporary would be freed before the call reads it
+        rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
                 meta.seq_lens.data_ptr(), out.data_ptr(), q.shape[0], self.num_heads, self.num_kv_heads,
                 self.head_dim, self.block_size, meta.block_tables.shape[1], self.scale, torch.get_num_threads())
         if rc != 0:

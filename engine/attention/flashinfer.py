@@ -137,7 +137,8 @@ class FlashInferBackend(AttentionBackend):
         # this same step must see it.
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # the kernels write it densely
+        q = q.contiguous()  # the model hands q as a strided slice of its fused qkv projection
+        out = torch.empty_like(q)  # the kernels write it densely
         nd = meta.num_decodes  # decode rows have one token each, so they are q[:nd]
         if nd:
             self._decode.run(q[:nd], kv_cache, out=out[:nd])

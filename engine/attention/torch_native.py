@@ -34,7 +34,7 @@ class TorchNativeBackend(AttentionBackend):
         # filled in this same step (n > 1 siblings, same-step prefix hits) see them.
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         nd = meta.num_decodes
         if nd:
             self._decode(q[:nd], k_cache, v_cache, meta, out[:nd])
