@@ -10,6 +10,7 @@ from safetensors import safe_open
 from engine.attention import make_backend
 from engine.attention.base import AttentionMetadata
 from engine.config import EngineConfig
+from engine.cuda_graph import CUDAGraphRunner
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from models import get_model_class
@@ -54,10 +55,18 @@ class ModelRunner:
             log = logger.warning if config.max_model_len else logger.info
             log("max_model_len %d capped to %d tokens, what the KV cache holds", self.max_model_len, capacity)
             self.max_model_len = capacity
-        self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=self.dtype, device=self.device)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # With CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V.
+        self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks + use_graphs, self.block_size,
+                                    self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler()
+        self.graphs = None
+        if use_graphs:
+            self.graphs = CUDAGraphRunner(self.model, self.backend, self.kv_caches, config.max_num_seqs,
+                                          max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                                          block_size=self.block_size, dummy_block=self.num_blocks)
+            self.graphs.capture()
 
     @property
     def block_bytes(self) -> int:
@@ -98,7 +107,9 @@ class ModelRunner:
         del kv, hidden
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(total * self.config.gpu_memory_utilization) - peak
+        # CUDA graphs are captured after the cache exists: keep room for their pool and buffers
+        graph_reserve = 0 if self.config.enforce_eager else 1 << 30
+        return int(total * self.config.gpu_memory_utilization) - peak - graph_reserve
 
     def prepare(self, batch: SchedulerOutput, block_tables: list[list[int]]):
         """Builds the step's flat input tensors and attention metadata.
@@ -142,8 +153,11 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput, block_tables: list[list[int]]):
         """Runs one step. Returns (requests that sampled a token, their token ids, their Logprob|None)."""
         input_ids, positions, meta, logits_indices, sampled = self.prepare(batch, block_tables)
-        self.backend.plan(meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)  # plans for the padded batch itself
+        else:
+            self.backend.plan(meta)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sampled:
             return [], [], []
         logits = self.model.compute_logits(hidden[logits_indices])

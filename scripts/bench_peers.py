@@ -6,7 +6,8 @@ vLLM's CPU build through ../shared/peers/vllm_cpu.sh in a subprocess.
 Every engine gets the same model directory (`llm.model_dir`), dtype, prompt token ids and number of
 output tokens (greedy, EOS ignored: every request produces exactly its max_tokens); transformers runs
 with the same torch threads as our engine and, for continuous batching, the same KV-cache bytes and
-per-step token and request limits; prefix caching is off in both (the rounds repeat the prompts). The engines alternate within each of --repeats rounds, because
+per-step token and request limits; no engine reuses a previous round's KV blocks (ours starts
+each round with an empty prefix cache). The engines alternate within each of --repeats rounds, because
 this machine's speed drifts; the table reports each engine's median output tokens/s (output tokens
 / wall seconds of its generate call) and the ratio ours / engine. "same first 16" is the share of
 requests whose first 16 output tokens equal ours: a check that every engine ran the same model on
@@ -41,6 +42,7 @@ MATCH_PREFIX = 16  # output tokens compared with ours
 
 
 def run_ours(llm: LLM, reqs: list[Request]) -> list[list[int]]:
+    llm.reset_prefix_cache()  # the rounds repeat the prompts; each round starts cold
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     outs = llm.generate([r.prompt_token_ids for r in reqs], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -123,6 +125,8 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=128, help="requests per step (ours and transformers CB)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (ours and transformers CB)")
     ap.add_argument("--hf-batch-size", type=int, default=8, help="batch size of transformers' static generate")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["static", "continuous"],
+                    help="leave out transformers' static generate or its continuous batching (slow on CPU)")
     ap.add_argument("--with-vllm", action="store_true", help=f"also run {VLLM_SCRIPT} (installs vLLM-CPU once)")
     ap.add_argument("--vllm-script", type=Path, default=VLLM_SCRIPT)
     ap.add_argument("--output-json", help="write the config and every measurement here")
@@ -137,9 +141,10 @@ def main():
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # its per-call warnings are noise here
 
     dtype = getattr(torch, args.dtype)
-    # Prefix caching off in both engines that keep a cache between rounds: every round repeats the same
-    # prompts, so rounds 2+ would be served from the previous round's KV blocks.
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False,
+    # Every round repeats the same prompts: ours keeps its default prefix caching (hashing cost
+    # included) but empties the cache before each round; transformers' continuous batching, which
+    # cannot, runs without block sharing.
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     model = AutoModelForCausalLM.from_pretrained(llm.model_dir, dtype=dtype).eval()
     page_size = ContinuousBatchingConfig.page_size  # transformers' default page (block) size, in tokens
@@ -154,6 +159,8 @@ def main():
             lambda rs: timed(lambda r: run_hf_static(model, llm.tokenizer, r, args.hf_batch_size), rs),
         "transformers generate_batch (continuous)": lambda rs: timed(lambda r: run_hf_continuous(model, r, cb_config), rs),
     }
+    for skipped in args.skip:
+        del engines[next(name for name in engines if skipped in name)]
     # Warm-up on two short prompts outside the workload: first-call costs (allocations, the CB manager)
     # are not throughput. vLLM warms itself up.
     warm = random_requests(2, 32, 4, llm.tokenizer, seed=1)
