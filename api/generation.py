@@ -4,6 +4,9 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
+from starlette.responses import Response
+
+from api.errors import JSONResponse
 
 from api.metrics import RequestTracker
 from engine import RequestOutput, SamplingParams
@@ -104,3 +107,16 @@ async def unless_disconnected(request: Request, work):
     if task.cancelled():
         raise ClientDisconnected
     return task.result()
+
+
+async def final_response(request: Request, generation: Generation, body) -> Response:
+    """Runs a non-streaming request to the end and answers `body(outputs)` as JSON (outputs: each
+    prompt's final RequestOutput). A client that left first gets nothing: status 499 in the access
+    log, and its engine requests are aborted."""
+    try:
+        outputs = await unless_disconnected(request, generation.final_outputs())
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; the access log shows the client left
+    finally:
+        await generation.aclose()
+    return JSONResponse(body(outputs))

@@ -6,8 +6,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.errors import JSONResponse
-from api.generation import ClientDisconnected, Generation, unless_disconnected
+from api.generation import Generation, final_response
 from api.logprobs import chat_logprobs
 from api.protocol import ChatCompletionRequest
 from api.serving import ServingContext
@@ -27,13 +26,7 @@ async def create_chat_completion(request: Request) -> Response:
     generation = ctx.start([prompt], params, view.id)
     if req.stream:
         return sse_response(view.stream(generation), generation)
-    try:
-        [output] = await unless_disconnected(request, generation.final_outputs())
-    except ClientDisconnected:
-        return Response(status_code=499)  # nobody reads it; the access log shows the client left
-    finally:
-        await generation.aclose()
-    return JSONResponse(view.response(output))
+    return await final_response(request, generation, lambda outputs: view.response(outputs[0]))
 
 
 class _ChatCompletion:

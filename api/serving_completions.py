@@ -9,8 +9,8 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.errors import APIError, JSONResponse
-from api.generation import ClientDisconnected, Generation, unless_disconnected
+from api.errors import APIError
+from api.generation import Generation, final_response
 from api.logprobs import CompletionLogprobs, merge
 from api.protocol import CompletionRequest
 from api.serving import ServingContext
@@ -37,13 +37,7 @@ async def create_completion(request: Request) -> Response:
     generation = ctx.start(prompts, params, view.id)
     if req.stream:
         return sse_response(view.stream(generation), generation)
-    try:
-        outputs = await unless_disconnected(request, generation.final_outputs())
-    except ClientDisconnected:
-        return Response(status_code=499)  # nobody reads it; the access log shows the client left
-    finally:
-        await generation.aclose()
-    return JSONResponse(view.response(outputs))
+    return await final_response(request, generation, view.response)
 
 
 class _Completion:

@@ -1,5 +1,5 @@
 """Sampling parameters of one request, with vLLM's names and validation."""
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass

@@ -4,7 +4,7 @@ import logging
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionBackend
 from engine.attention.cpu import CPUBackend, load_kernels
 from engine.attention.torch_native import TorchNativeBackend
 
