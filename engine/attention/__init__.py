@@ -1,5 +1,5 @@
-"""Attention backends: `torch_native` everywhere (the reference), `cpu` (torch_native with a C decode
-kernel; the CPU default), `flashinfer` on CUDA when it is installed."""
+"""Attention backends: `torch_native` everywhere (the reference), `cpu` (a C paged-attention kernel;
+the CPU default), `flashinfer` on CUDA when it is installed."""
 import logging
 
 import torch

@@ -37,7 +37,12 @@ class TorchNativeBackend(AttentionBackend):
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         nd = meta.num_decodes
         if nd:
-            self._decode(q[:nd], k_cache, v_cache, meta, out[:nd])
+            qd = q[:nd].view(nd, self.num_kv_heads, -1, self.head_dim)  # [nd, kvh, group, d]
+            # SDPA takes the gathered [nd, L, kvh, d] transposed as a strided view: no copy
+            kd = self._gather(k_cache, self.decode_blocks, self.decode_len).transpose(1, 2)
+            vd = self._gather(v_cache, self.decode_blocks, self.decode_len).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=self.scale)
+            out[:nd] = o.reshape(nd, self.num_heads, self.head_dim)
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in range(nd, meta.num_seqs):
             start, end, ctx = qsl[i], qsl[i + 1], lens[i]
@@ -57,13 +62,3 @@ class TorchNativeBackend(AttentionBackend):
                                                scale=self.scale, enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1)
         return out
-
-    def _decode(self, q, k_cache, v_cache, meta, out):
-        """Decode rows: q [nd, h, d] -> out [nd, h, d] (written in place)."""
-        nd = q.shape[0]
-        qd = q.view(nd, self.num_kv_heads, -1, self.head_dim)  # [nd, kvh, group, d]
-        # SDPA takes the gathered [nd, L, kvh, d] transposed as a strided view: no copy
-        kd = self._gather(k_cache, self.decode_blocks, self.decode_len).transpose(1, 2)
-        vd = self._gather(v_cache, self.decode_blocks, self.decode_len).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=self.scale)
-        out.copy_(o.reshape(nd, self.num_heads, self.head_dim))
