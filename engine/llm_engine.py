@@ -49,8 +49,9 @@ class LLMEngine:
         self.groups: dict[str, list[Request]] = {}
         self.generation_tokens = 0
         self._ids = itertools.count()
-        logger.info("model %s: %s on %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
+        logger.info("model %s: %s on %s, %s attention, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
                     self.model_name, str(self.runner.dtype).removeprefix("torch."), self.runner.device,
+                    type(self.runner.backend).__name__,
                     self.runner.num_blocks, config.block_size, self.runner.num_blocks * config.block_size,
                     self.max_model_len)
 
