@@ -27,7 +27,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    attention_backend: str | None = None  # None = flashinfer on CUDA when installed, else torch_native
+    attention_backend: str | None = None  # torch_native, cpu, flashinfer; None = the best for the device
     seed: int = 0
     num_threads: int | None = None  # CPU threads for torch; None = all cores
 
