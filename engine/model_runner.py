@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from engine.attention import make_backend
 from engine.attention.base import AttentionMetadata
+from engine.attention.flashinfer import FlashInferBackend  # imports without flashinfer installed
 from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
 from engine.sampler import Sampler
@@ -55,7 +56,9 @@ class ModelRunner:
             log = logger.warning if config.max_model_len else logger.info
             log("max_model_len %d capped to %d tokens, what the KV cache holds", self.max_model_len, capacity)
             self.max_model_len = capacity
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        # Graphs only with FlashInfer's graph-safe decode: torch_native would be captured gathering
+        # every row at full max_model_len, which costs memory in proportion to it.
+        use_graphs = isinstance(self.backend, FlashInferBackend) and not config.enforce_eager
         # With CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V.
         self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks + use_graphs, self.block_size,
                                     self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
@@ -108,7 +111,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
         # CUDA graphs are captured after the cache exists: keep room for their pool and buffers
-        graph_reserve = 0 if self.config.enforce_eager else 1 << 30
+        graph_reserve = 1 << 30 if isinstance(self.backend, FlashInferBackend) and not self.config.enforce_eager else 0
         return int(total * self.config.gpu_memory_utilization) - peak - graph_reserve
 
     def prepare(self, batch: SchedulerOutput, block_tables: list[list[int]]):
