@@ -15,6 +15,7 @@ from api.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from api.serving import ServerSettings, ServingContext
 from api.serving_chat import create_chat_completion
 from api.serving_completions import create_completion
+from api.serving_router import get_load, get_server_info, render_chat_completion, render_completion
 from api.serving_tokenize import detokenize, tokenize
 
 
@@ -64,6 +65,10 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/completions/render", render_completion, methods=["POST"]),
+        Route("/v1/chat/completions/render", render_chat_completion, methods=["POST"]),
+        Route("/get_load", get_load, methods=["GET"]),
+        Route("/get_server_info", get_server_info, methods=["GET"]),
     ]
     middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)]
     if settings.api_key:

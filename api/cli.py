@@ -4,12 +4,16 @@ import argparse
 import logging
 import re
 import signal
+import sys
 
 import uvicorn
 
+from api import data_parallel
 from api.app import build_app
+from api.data_parallel import ROUTER_POLICIES
 from api.serving import ServerSettings
 from engine import AsyncEngine, EngineConfig
+from engine.kv_transfer import KVTransferConfig
 
 logger = logging.getLogger("api")
 
@@ -64,7 +68,24 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Jinja chat template file replacing the tokenizer's")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and uvicorn (default: %(default)s)")
+    p.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None, metavar="JSON",
+                   help='disaggregated prefill/decode role, vLLM\'s keys: \'{"kv_connector": "NixlConnector", '
+                        '"kv_role": "kv_producer" | "kv_consumer" | "kv_both"}\' (needs the [kv] extra)')
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="serve N engine replicas behind vllm-router on --port (needs the [router] extra; "
+                        "default: %(default)s, one engine, no router)")
+    p.add_argument("--data-parallel-rank", type=int, default=None, metavar="RANK",
+                   help="this engine's replica rank (set by the launcher); labels /metrics with engine=RANK")
+    p.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                   help="vllm-router policy with --data-parallel-size > 1 (default: %(default)s)")
     return p
+
+
+def _kv_transfer_config(text: str) -> KVTransferConfig:
+    try:
+        return KVTransferConfig.from_json(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _Server(uvicorn.Server):
@@ -96,14 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     1 if the model cannot be loaded). Bad flags exit with status 2 and a usage message."""
     parser = make_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.data_parallel_size < 1:
+        parser.error("--data-parallel-size must be >= 1")
+    rank = "" if args.data_parallel_rank is None else f"[dp{args.data_parallel_rank}] "
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {rank}%(name)s: %(message)s")
+    if args.data_parallel_size > 1:
+        return data_parallel.serve(args, sys.argv[1:] if argv is None else argv)
     try:
         config = EngineConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
                               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                               kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-                              seed=args.seed)
+                              seed=args.seed, kv_transfer_config=args.kv_transfer_config)
     except ValueError as e:
         parser.error(str(e))
     if args.max_queue_len is not None and args.max_queue_len < 0:
@@ -120,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         logger.error("cannot load model %s: %s", args.model or "(default)", e)
         return 1
+    except RuntimeError as e:  # e.g. --kv-transfer-config without NIXL installed
+        logger.error("cannot start the engine: %s", e)
+        return 1
     served_name = args.served_model_name or engine.model_name
     logger.info("serving %s as %r: %s on %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
                 engine.model_name, served_name, str(engine.dtype).removeprefix("torch."), engine.device,
@@ -128,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     if chat_template is None and engine.tokenizer.chat_template is None:
         logger.warning("the tokenizer has no chat template: /v1/chat/completions needs --chat-template")
     settings = ServerSettings(served_model_name=served_name, api_key=args.api_key, max_queue_len=args.max_queue_len,
-                              chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes)
+                              chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
+                              data_parallel_rank=args.data_parallel_rank)
     server = _Server(uvicorn.Config(build_app(engine, settings), host=args.host, port=args.port, log_config=None,
                                     log_level=args.log_level, timeout_graceful_shutdown=10), engine)
     # uvicorn re-raises the signal that stopped it once it has shut down, under the handlers it found;
@@ -137,3 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: None)
     server.run()
     return 0
+
+
+if __name__ == "__main__":  # how the data-parallel launcher starts each replica
+    sys.exit(main())

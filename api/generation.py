@@ -119,4 +119,5 @@ async def final_response(request: Request, generation: Generation, body) -> Resp
         return Response(status_code=499)  # nobody reads it; the access log shows the client left
     finally:
         await generation.aclose()
-    return JSONResponse(body(outputs))
+    params = outputs[0].kv_transfer_params if outputs else None  # a prefill server's answer to a router
+    return JSONResponse(body(outputs) | ({"kv_transfer_params": params} if params else {}))

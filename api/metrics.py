@@ -22,9 +22,9 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 class _EngineCollector(Collector):
     """The engine's own gauges and cumulative counters, read once per scrape."""
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine, label_names: list[str], label_values: list[str]):
         self._engine = engine
-        self._labels = [model_name]
+        self._names, self._labels = label_names, label_values
 
     def collect(self):
         s = self._engine.stats()
@@ -32,7 +32,7 @@ class _EngineCollector(Collector):
                 ("vllm:num_requests_running", "Requests running on the engine.", s.num_running),
                 ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
                 ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", s.kv_cache_usage)):
-            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge = GaugeMetricFamily(name, doc, labels=self._names)
             gauge.add_metric(self._labels, value)
             yield gauge
         for name, doc, value in (
@@ -40,33 +40,49 @@ class _EngineCollector(Collector):
                 ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
                 ("vllm:num_preemptions", "Preemptions of running requests.", s.num_preemptions),
                 ("vllm:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens),
-                ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)):
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+                ("vllm:prompt_tokens_recomputed", "Cached prompt tokens computed again (the last one).",
+                 s.prompt_tokens_recomputed),
+                ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens),
+                ("vllm:nixl_num_failed_transfers", "KV pulls from a prefill server that failed.", s.kv_transfer_failures),
+                ("vllm:nixl_num_kv_expired_reqs", "Requests whose KV blocks no decode server pulled in time.",
+                 s.kv_expired_requests)):
+            counter = CounterMetricFamily(name, doc, labels=self._names)
             counter.add_metric(self._labels, value)
             yield counter
+        by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
+                                        labels=[*self._names, "source"])
+        for source, value in s.prompt_tokens_by_source.items():
+            by_source.add_metric([*self._labels, source], value)
+        yield by_source
 
 
 class ServerMetrics:
-    """The registry behind GET /metrics (one per app, so several apps can live in one process)."""
+    """The registry behind GET /metrics (one per app, so several apps can live in one process).
 
-    def __init__(self, engine, model_name: str):
+    Every sample has the label model_name and, for a data-parallel replica (`data_parallel_rank` not
+    None), engine="<rank>" as in vLLM, so the scrapes of all replicas add up."""
+
+    def __init__(self, engine, model_name: str, data_parallel_rank: int | None = None):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
-        labels, reg = ["model_name"], self.registry
+        labels, values = ["model_name"], [model_name]
+        if data_parallel_rank is not None:
+            labels, values = [*labels, "engine"], [*values, str(data_parallel_rank)]
+        self.registry.register(_EngineCollector(engine, labels, values))
+        reg = self.registry
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
-                              registry=reg, buckets=_TTFT_BUCKETS).labels(model_name)
+                              registry=reg, buckets=_TTFT_BUCKETS).labels(*values)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", labels,
-                             registry=reg, buckets=_ITL_BUCKETS).labels(model_name)
+                             registry=reg, buckets=_ITL_BUCKETS).labels(*values)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
-                             registry=reg, buckets=_REQUEST_BUCKETS).labels(model_name)
+                             registry=reg, buckets=_REQUEST_BUCKETS).labels(*values)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", labels,
-                               registry=reg, buckets=_REQUEST_BUCKETS).labels(model_name)
+                               registry=reg, buckets=_REQUEST_BUCKETS).labels(*values)
         self._success = Counter("vllm:request_success", "Finished samples, by finish reason.",
-                                ["model_name", "finished_reason"], registry=reg)
-        self._model_name = model_name
+                                [*labels, "finished_reason"], registry=reg)
+        self._values = values
 
     def count_finished(self, finish_reason: str) -> None:
-        self._success.labels(self._model_name, finish_reason).inc()
+        self._success.labels(*self._values, finish_reason).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -54,6 +54,8 @@ class SamplingRequest(_Body):
     stop_token_ids: list[TokenId] = Field([], max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's disaggregated prefill/decode handshake (engine.kv_transfer); ignored without --kv-transfer-config
+    kv_transfer_params: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -78,6 +80,13 @@ class SamplingRequest(_Body):
             raise ValueError("stream_options is only allowed when stream is true")
         return options
 
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _prefill_is_not_streamed(cls, params, info: ValidationInfo):
+        if params.get("do_remote_decode") and info.data.get("stream"):
+            raise ValueError("do_remote_decode needs stream: false (the params come back in the response body)")
+        return params
+
     @property
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
@@ -96,7 +105,8 @@ class SamplingRequest(_Body):
             top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None)
 
 
 class CompletionRequest(SamplingRequest):

@@ -13,7 +13,7 @@ from api.errors import APIError, from_validation_error
 from api.generation import Generation
 from api.metrics import ServerMetrics
 from api.protocol import ChatMessage, SamplingRequest
-from engine import EngineStepError, SamplingParams
+from engine import EngineStepError, KVTransferError, SamplingParams
 
 logger = logging.getLogger("api")
 
@@ -25,7 +25,8 @@ class ServerSettings:
     served_model_name: the model id the API reports and accepts. api_key: bearer token required on the
     API routes, None = open. max_queue_len: new requests get 503 while this many accepted requests have
     not produced a token yet, None = no limit. chat_template: Jinja source overriding the tokenizer's.
-    max_request_body_bytes: larger bodies get 413.
+    max_request_body_bytes: larger bodies get 413. data_parallel_rank: this replica's rank behind a
+    router (labels /metrics as `engine`), None when serving alone.
     """
 
     served_model_name: str
@@ -33,6 +34,7 @@ class ServerSettings:
     max_queue_len: int | None = None
     chat_template: str | None = None
     max_request_body_bytes: int = 8 << 20
+    data_parallel_rank: int | None = None
 
 
 class ServingContext:
@@ -43,7 +45,7 @@ class ServingContext:
         self.settings = settings
         self.tokenizer = engine.tokenizer
         self.vocab_size = len(engine.tokenizer)
-        self.metrics = ServerMetrics(engine, settings.served_model_name)
+        self.metrics = ServerMetrics(engine, settings.served_model_name, settings.data_parallel_rank)
         self.created = int(time.time())  # reported as the model's creation time
         self.num_queued = 0  # engine requests accepted that have not produced output yet
         # Logprobs name the same few thousand tokens over and over.
@@ -121,6 +123,8 @@ class ServingContext:
         """
         if not self.engine.is_alive:
             raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
+        if params.extra_args and len(prompts) > 1:  # one kv_transfer_params in and out per response
+            raise APIError(400, "kv_transfer_params needs a single prompt", param="kv_transfer_params")
         limit = self.settings.max_queue_len
         if limit is not None and self.num_queued >= limit:
             raise APIError(503, f"server busy: {self.num_queued} requests are waiting (--max-queue-len {limit}); "
@@ -131,6 +135,9 @@ class ServingContext:
         """The API error for an exception raised by `engine.generate`."""
         if isinstance(error, ValueError):
             return APIError(400, str(error))
+        if isinstance(error, KVTransferError):
+            return APIError(500, f"the prompt's KV cache could not be pulled from the prefill server: {error.reason}",
+                            param="kv_transfer_params", code="kv_transfer_failed")
         if isinstance(error, EngineStepError):
             # The engine logged the traceback; the client learns only that its step failed.
             return APIError(500, "the engine step running this request failed; it was aborted")

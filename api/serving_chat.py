@@ -11,22 +11,28 @@ from api.logprobs import chat_logprobs
 from api.protocol import ChatCompletionRequest
 from api.serving import ServingContext
 from api.streaming import sse_response
-from engine import RequestOutput
+from engine import RequestOutput, SamplingParams
 
 
 async def create_chat_completion(request: Request) -> Response:
     """Raises APIError: 400 invalid request, 404 unknown model, 503 busy; 500 if the engine failed."""
     ctx: ServingContext = request.app.state.serving
     req = await ctx.parse(request, ChatCompletionRequest)
-    prompt = ctx.encode_chat(req.messages, req.add_generation_prompt)
-    max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-    max_tokens = ctx.max_tokens_for(len(prompt), req.requested_max_tokens, "messages", max_param)
-    params = ctx.sampling_params(req, max_tokens, req.engine_logprobs)
+    prompt, params = prepare_chat(ctx, req)
     view = _ChatCompletion(ctx, req, len(prompt))
     generation = ctx.start([prompt], params, view.id)
     if req.stream:
         return sse_response(view.stream(generation), generation)
     return await final_response(request, generation, lambda outputs: view.response(outputs[0]))
+
+
+def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    """The conversation as token ids (through the chat template) and the sampling parameters.
+    Raises APIError 400."""
+    prompt = ctx.encode_chat(req.messages, req.add_generation_prompt)
+    max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    max_tokens = ctx.max_tokens_for(len(prompt), req.requested_max_tokens, "messages", max_param)
+    return prompt, ctx.sampling_params(req, max_tokens, req.engine_logprobs)
 
 
 class _ChatCompletion:

@@ -15,13 +15,23 @@ from api.logprobs import CompletionLogprobs, merge
 from api.protocol import CompletionRequest
 from api.serving import ServingContext
 from api.streaming import sse_response
-from engine import RequestOutput
+from engine import RequestOutput, SamplingParams
 
 
 async def create_completion(request: Request) -> Response:
     """Raises APIError: 400 invalid request, 404 unknown model, 503 busy; 500 if the engine failed."""
     ctx: ServingContext = request.app.state.serving
     req = await ctx.parse(request, CompletionRequest)
+    prompts, params = prepare_completion(ctx, req)
+    view = _Completion(ctx, req, prompts)
+    generation = ctx.start(prompts, params, view.id)
+    if req.stream:
+        return sse_response(view.stream(generation), generation)
+    return await final_response(request, generation, view.response)
+
+
+def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+    """The request's prompts as token ids and its sampling parameters. Raises APIError 400."""
     prompts = []
     for prompt in req.prompts:
         if isinstance(prompt, str):
@@ -32,12 +42,7 @@ async def create_completion(request: Request) -> Response:
             ctx.check_token_ids(prompt, "prompt")
         ctx.max_tokens_for(len(prompt), req.max_tokens, "prompt", "max_tokens")
         prompts.append(prompt)
-    params = ctx.sampling_params(req, req.max_tokens, req.logprobs)
-    view = _Completion(ctx, req, prompts)
-    generation = ctx.start(prompts, params, view.id)
-    if req.stream:
-        return sse_response(view.stream(generation), generation)
-    return await final_response(request, generation, view.response)
+    return prompts, ctx.sampling_params(req, req.max_tokens, req.logprobs)
 
 
 class _Completion:

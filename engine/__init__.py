@@ -1,9 +1,9 @@
 """A small vLLM-style inference engine: paged KV cache, continuous batching, Llama-family models."""
-from engine.async_engine import AsyncEngine, EngineStepError
+from engine.async_engine import AsyncEngine, EngineStepError, KVTransferError
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = ["EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineStats",
-           "LLM", "AsyncEngine", "EngineStepError"]
+           "LLM", "AsyncEngine", "EngineStepError", "KVTransferError"]

@@ -1,5 +1,6 @@
 """The asyncio front of the engine: one step coroutine, per-request queues (what the server uses)."""
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -7,13 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from engine.config import EngineConfig
-from engine.llm_engine import EngineStepError, LLMEngine
+from engine.llm_engine import EngineStepError, KVTransferError, LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineStepError"]
+__all__ = ["AsyncEngine", "EngineStepError", "KVTransferError"]
 
 
 class AsyncEngine:
@@ -129,9 +130,12 @@ class AsyncEngine:
             self._apply_pending()
             if not self.engine.has_unfinished_requests():
                 self._wakeup.clear()
+                poll = self.engine.kv_poll_interval()  # KV transfers in flight need steps to move on
                 if not self._pending:
-                    await self._wakeup.wait()
-                continue
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wakeup.wait(), poll)
+                if poll is None:
+                    continue
             try:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
             except EngineStepError as e:

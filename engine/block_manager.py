@@ -127,11 +127,13 @@ class KVCacheManager:
         self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def allocate_slots(self, request, num_new_tokens: int, computed_blocks: list[Block] = ()) -> bool:
+    def allocate_slots(self, request, num_new_tokens: int, computed_blocks: list[Block] = (),
+                       delay_cache: bool = False) -> bool:
         """Gives `request` blocks for `num_new_tokens` more tokens (after `computed_blocks`, if it is
         new). Returns False, changing nothing, when too few blocks are free. Blocks that the new
         tokens fill are registered in the prefix cache at once: their K/V is written in this step,
-        before any later step can read them.
+        before any later step can read them. With `delay_cache` (K/V that arrives later, from a KV
+        transfer) they are not: `cache_blocks` registers them once it has arrived.
         """
         blocks = self.req_blocks.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -146,11 +148,17 @@ class KVCacheManager:
         if need > 0:
             blocks.extend(self.pool.allocate(need))
         self._update_hashes(request, num_tokens)
-        # blocks that were already full before these tokens are cached (or were cache hits)
-        first = num_tokens - num_new_tokens
-        for i in range(first // self.block_size, num_tokens // self.block_size):
-            self.pool.cache(blocks[i], request.block_hashes[i])
+        if not delay_cache:
+            # blocks that were already full before these tokens are cached (or were cache hits)
+            self.cache_blocks(request, num_tokens - num_new_tokens, num_tokens)
         return True
+
+    def cache_blocks(self, request, first_token: int, num_tokens: int) -> None:
+        """Registers the request's blocks that tokens [first_token, num_tokens) fill, once their K/V is
+        in the cache."""
+        blocks = self.req_blocks[request.request_id]
+        for i in range(first_token // self.block_size, num_tokens // self.block_size):
+            self.pool.cache(blocks[i], request.block_hashes[i])
 
     def _update_hashes(self, request, num_tokens: int) -> None:
         hashes, bs = request.block_hashes, self.block_size

@@ -1,6 +1,8 @@
 """Engine configuration: the knobs of `LLM(...)`, `AsyncEngine` and `server.py`, named as in vLLM."""
 from dataclasses import dataclass
 
+from engine.kv_transfer.config import KVTransferConfig
+
 
 @dataclass
 class EngineConfig:
@@ -30,6 +32,7 @@ class EngineConfig:
     attention_backend: str | None = None  # torch_native, cpu, flashinfer; None = the best for the device
     seed: int = 0
     num_threads: int | None = None  # CPU threads for torch; None = all cores
+    kv_transfer_config: KVTransferConfig | None = None  # disaggregated prefill/decode role (engine.kv_transfer)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):

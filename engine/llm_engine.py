@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_transfer import NixlConnector
 from engine.loader import resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -27,6 +28,16 @@ class EngineStepError(RuntimeError):
         self.request_ids = request_ids
 
 
+class KVTransferError(EngineStepError):
+    """The prompt K/V of these requests (`request_ids`) could not be pulled from their prefill server
+    (`reason` says why); they are finished and their blocks freed."""
+
+    def __init__(self, request_ids: list[str], reason: str):
+        RuntimeError.__init__(self, reason)
+        self.request_ids = request_ids
+        self.reason = reason
+
+
 class LLMEngine:
     """Scheduler + KV cache manager + model runner, driven by `step()`.
 
@@ -44,7 +55,9 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = hf_config.vocab_size
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.kv_connector = (NixlConnector(config.kv_transfer_config, self.runner.kv_cache, config.block_size)
+                             if config.kv_transfer_config else None)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.kv_connector)
         self.eos_token_ids = self._eos_token_ids(hf_config)
         self.groups: dict[str, list[Request]] = {}
         self.generation_tokens = 0
@@ -96,6 +109,8 @@ class LLMEngine:
             if any(t >= self.vocab_size for t in ids):
                 raise ValueError(f"{name} token ids must be below the vocabulary size {self.vocab_size}")
         ids = self.tokenize(prompt)
+        if self.kv_connector is not None:
+            self.kv_connector.check_request((params.extra_args or {}).get("kv_transfer_params"), len(ids), params.n)
         text = prompt if isinstance(prompt, str) else None
         arrival = arrival_time or time.monotonic()
         group = []
@@ -126,11 +141,24 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def kv_poll_interval(self) -> float | None:
+        """Seconds an idle engine may wait before `step` must run again to move KV transfers on
+        (None: nothing to watch)."""
+        return self.kv_connector.poll_interval() if self.kv_connector is not None else None
+
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step; returns the outputs of requests that changed.
 
-        Raises EngineStepError after finishing the step's requests if the model step failed.
+        Raises EngineStepError after finishing the step's requests if the model step failed, and its
+        KVTransferError (before scheduling) for requests whose prompt K/V could not be pulled.
         """
+        if self.kv_connector is not None:
+            failed = self.scheduler.update_from_kv_connector()
+            if failed:
+                parents = list(dict.fromkeys(req.parent_id for req, _ in failed))
+                for parent in parents:
+                    self.groups.pop(parent, None)
+                raise KVTransferError(parents, "; ".join(dict.fromkeys(reason for _, reason in failed)))
         batch = self.scheduler.schedule()
         if not batch.requests:
             return []
@@ -174,11 +202,16 @@ class LLMEngine:
         if finished:
             first.metrics.finished_time = time.monotonic()
         return RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids, completions, finished,
-                             max(first.num_cached_tokens, 0), first.metrics)
+                             max(first.num_cached_tokens, 0), first.metrics,
+                             first.kv_transfer_params if finished else None)
 
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=self.kv.usage,
                            prefix_cache_queries=self.kv.prefix_cache_queries,
                            prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=s.num_preemptions,
-                           prompt_tokens=s.num_prompt_tokens, generation_tokens=self.generation_tokens)
+                           prompt_tokens=s.num_prompt_tokens, generation_tokens=self.generation_tokens,
+                           prompt_tokens_by_source=dict(s.prompt_tokens_by_source),
+                           prompt_tokens_recomputed=s.num_prompt_tokens_recomputed,
+                           kv_transfer_failures=self.kv_connector.num_failed_transfers if self.kv_connector else 0,
+                           kv_expired_requests=self.kv_connector.num_expired_requests if self.kv_connector else 0)

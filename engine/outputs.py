@@ -65,6 +65,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    kv_transfer_params: dict | None = None  # for the decode server, when its blocks wait for one (engine.kv_transfer)
 
 
 @dataclass
@@ -79,3 +80,9 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int  # prompt tokens of requests that started
     generation_tokens: int  # tokens sampled
+    # prompt tokens by where their K/V came from: local_compute, local_cache_hit, external_kv_transfer;
+    # and cached ones computed again (a fully cached prompt still computes its last token), as in vLLM
+    prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    prompt_tokens_recomputed: int = 0
+    kv_transfer_failures: int = 0  # KV pulls that failed (decode side)
+    kv_expired_requests: int = 0  # pinned requests freed unread after the timeout (prefill side)

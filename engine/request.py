@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # its prompt's K/V is being pulled from a prefill server
     PREEMPTED = "preempted"
     FINISHED = "finished"
 
@@ -35,6 +36,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first admission; -1 until admitted
+        self.num_external_computed_tokens = 0  # prompt tokens whose K/V was pulled from a prefill server
+        # vLLM's kv_transfer_params: what the client sent; once finished, what goes back to it (see
+        # engine.kv_transfer; None unless its blocks wait for a remote decode)
+        self.kv_transfer_params: dict | None = (params.extra_args or {}).get("kv_transfer_params")
         self.block_hashes: list[int] = []
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None

@@ -35,6 +35,7 @@ class SamplingParams:
     prompt_logprobs: None = None  # not supported; kept so vLLM-style kwargs fail clearly if set
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    extra_args: dict | None = None  # for extensions, as in vLLM: {"kv_transfer_params": {...}} (engine.kv_transfer)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

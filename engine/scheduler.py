@@ -6,6 +6,10 @@ requests go first (their decode token, or the next chunk of a long prompt), then
 are admitted in FCFS order, their prompts chunked to the budget left. When the KV cache runs out of
 blocks, the newest running request is preempted by recompute: its blocks are freed and it goes back
 to the front of the waiting queue (Orca, Yu et al. OSDI 2022; vLLM, Kwon et al. SOSP 2023).
+
+With a KV connector (engine.kv_transfer), a waiting request whose prompt K/V comes from a prefill
+server gets its blocks, waits off the queue while they are pulled, and comes back to the front of
+the queue with its prompt computed but the last token: from there it runs like a prefix-cache hit.
 """
 import time
 from collections import deque
@@ -33,13 +37,18 @@ class Scheduler:
     max_num_seqs: running requests at most; max_num_batched_tokens: tokens per step at most.
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, connector=None):
         self.kv = kv
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.connector = connector  # an engine.kv_transfer.NixlConnector, or None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompt tokens of requests admitted for the first time
+        # of those, by where their K/V came from (vLLM's vllm:prompt_tokens_by_source), and how many
+        # cached ones were computed again because the last prompt token always is
+        self.prompt_tokens_by_source = dict.fromkeys(("local_compute", "local_cache_hit", "external_kv_transfer"), 0)
+        self.num_prompt_tokens_recomputed = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -73,7 +82,19 @@ class Scheduler:
         # to a newcomer while older requests wait (FCFS).
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if self.kv.req_blocks.get(req.request_id):  # back from a KV pull, its blocks allocated
+                hits, num_hit_tokens = [], req.num_computed_tokens
+            else:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+                num_external = self.connector.get_num_new_matched_tokens(req, num_hit_tokens) if self.connector else 0
+                if num_external:
+                    if not self.kv.allocate_slots(req, num_external, hits, delay_cache=True):
+                        break
+                    self.waiting.popleft()
+                    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    req.num_external_computed_tokens = num_external
+                    self.connector.start_load(req, self.kv.block_ids(req.request_id)[len(hits):])
+                    continue
             n = min(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break
@@ -83,12 +104,39 @@ class Scheduler:
                 req.num_cached_tokens = num_hit_tokens
                 req.metrics.first_scheduled_time = time.monotonic()
                 self.num_prompt_tokens += req.num_prompt_tokens
+                self._count_prompt_sources(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(req)
             counts.append(n)
             budget -= n
         return SchedulerOutput(scheduled, counts)
+
+    def _count_prompt_sources(self, req: Request) -> None:
+        # vLLM's accounting (PromptTokenStats): a fully cached prompt still computes its last token
+        cached, external, total = req.num_cached_tokens, req.num_external_computed_tokens, req.num_prompt_tokens
+        recomputed = int(cached + 1 == total)
+        self.prompt_tokens_by_source["local_compute"] += total - cached
+        self.prompt_tokens_by_source["local_cache_hit"] += cached + recomputed - external
+        self.prompt_tokens_by_source["external_kv_transfer"] += external
+        self.num_prompt_tokens_recomputed += recomputed
+
+    def update_from_kv_connector(self) -> list[tuple[Request, str]]:
+        """Applies the connector's news: requests whose K/V arrived go back to the front of the queue
+        with all prompt tokens but the last computed; released blocks are freed; requests whose pull
+        failed are finished and their blocks freed. Returns those with the reason."""
+        out = self.connector.poll()
+        for req in reversed(out.loaded):
+            req.num_computed_tokens = req.num_prompt_tokens - 1
+            self.kv.cache_blocks(req, req.num_prompt_tokens - req.num_external_computed_tokens, req.num_computed_tokens)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        for req in out.released:
+            self.kv.free(req)
+        for req, _ in out.failed:
+            self.kv.free(req, uncache=True)
+            req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+        return out.failed
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -98,11 +146,18 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, req: Request, reason: str, uncache: bool = False) -> None:
-        """Removes a request (finished, aborted or failed) and frees its blocks at once."""
+        """Removes a request (finished, aborted or failed) and frees its blocks at once, unless the KV
+        connector keeps them (for a remote decode, or while a pull into them is in flight)."""
+        free = True
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            free = self.connector.abort_load(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req, uncache=uncache)
-        req.status = RequestStatus.FINISHED
         req.finish_reason = req.finish_reason or reason
+        params = self.connector.request_finished(req, self.kv.block_ids(req.request_id)) if self.connector else None
+        if free and params is None:
+            self.kv.free(req, uncache=uncache)
+        req.kv_transfer_params = params
+        req.status = RequestStatus.FINISHED

@@ -22,17 +22,17 @@ ENGINE_ARGS = dict(dtype="float32", kv_cache_memory=256 << 20, max_model_len=204
 
 class ServerProcess:
     """`python server.py --port 0 ARGS` with its log in a temporary file; the port is read from the
-    "ready" line, so there is no race for a free port.
+    "ready" line (the first match of `ready_pattern`'s group), so there is no race for a free port.
 
     Raises RuntimeError (with the log) if the server exits or is not ready within `timeout` seconds.
     """
 
-    def __init__(self, *args: str, timeout: float = 180):
+    def __init__(self, *args: str, timeout: float = 180, ready_pattern: str = r"ready: (http://127\.0\.0\.1:\d+)"):
         self._log = tempfile.NamedTemporaryFile(prefix="server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "server.py", "--port", "0", *args], cwd=ROOT,
                                      stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
-        while not (ready := re.search(r"ready: (http://127\.0\.0\.1:\d+)", self.log())):
+        while not (ready := re.search(ready_pattern, self.log())):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
                 raise RuntimeError(f"server did not start (exit {self.proc.wait()}):\n{self.log()}")
