@@ -62,6 +62,18 @@ def _placements(n: int) -> list[dict]:
     return [{"env": {}, "cores": cores[i * per:(i + 1) * per]} for i in range(n)]
 
 
+def router_command(host: str, port: int, worker_urls: list[str], policy: str, log_level: str = "info",
+                   api_key: str | None = None) -> list[str]:
+    """The vllm-router command line serving `worker_urls` on host:port (its Prometheus port on a free
+    127.0.0.1 port; its own logs at warning level unless `log_level` is debug)."""
+    cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", host, "--port", str(port),
+           "--worker-urls", *worker_urls, "--policy", policy,
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+           "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL),
+           "--log-level", "debug" if log_level == "debug" else "warning"]
+    return cmd + (["--api-key", api_key] if api_key else [])
+
+
 class _Fleet:
     """The router and replica processes, stopped together by PID."""
 
@@ -143,14 +155,7 @@ def _run(args, argv: list[str], placements: list[dict], fleet: _Fleet, stop: thr
         stop.wait(0.5)
 
     port = args.port or free_port(args.host)
-    cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", args.host, "--port", str(port),
-           "--worker-urls", *urls, "--policy", args.router_policy,
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-           "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL),
-           "--log-level", "debug" if args.log_level == "debug" else "warning"]
-    if args.api_key:
-        cmd += ["--api-key", args.api_key]
-    fleet.router = subprocess.Popen(cmd)
+    fleet.router = subprocess.Popen(router_command(args.host, port, urls, args.router_policy, args.log_level, args.api_key))
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{port}"
     logger.info("vllm-router: pid %d on %s", fleet.router.pid, url)

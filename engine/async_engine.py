@@ -64,6 +64,8 @@ class AsyncEngine:
         for rid in list(self.engine.groups):
             self._deliver(self.engine.abort_request(rid))
         self._executor.shutdown(wait=True)
+        if self.engine.kv_connector is not None:
+            self.engine.kv_connector.close()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -207,7 +207,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=self.kv.usage,
+        loading = self.kv_connector.num_loading if self.kv_connector else 0  # waiting for their prompt's K/V
+        return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting) + loading, kv_cache_usage=self.kv.usage,
                            prefix_cache_queries=self.kv.prefix_cache_queries,
                            prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=s.num_preemptions,
                            prompt_tokens=s.num_prompt_tokens, generation_tokens=self.generation_tokens,

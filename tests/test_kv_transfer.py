@@ -1,11 +1,13 @@
-"""engine.kv_transfer without a model: `--kv-transfer-config` parsing, and NIXL reads of KV blocks
-between two caches (two agents in this process, talking over UCX as two servers would)."""
+"""engine.kv_transfer: `--kv-transfer-config` parsing, NIXL reads of KV blocks between two caches, and
+a prefill engine and a decode engine in this process (their agents talk over UCX as two servers' would),
+with the leak check of conftest after each test."""
 import time
 
 import numpy as np
 import pytest
 import torch
 
+from engine import SamplingParams
 from engine.kv_transfer import KVTransferConfig
 from engine.kv_transfer.nixl import KVLayout, NixlTransport, block_runs
 
@@ -73,3 +75,80 @@ def test_layout_mismatch_is_refused():
     assert "dtype differs" in a.mismatch(KVLayout.of(_cache(4, "NHD").half(), 16))
     descs = a.descs(np.array([1]), np.array([2]))
     assert descs.shape == (6, 3) and (descs[:, 1] == 2 * a.chunk_bytes).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Two engines in this process: a producer (prefill) and a consumer (decode)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair():
+    pytest.importorskip("nixl", reason="needs the [kv] extra")
+    from conftest import make_llm
+
+    producer = make_llm(kv_transfer_config=KVTransferConfig(
+        "NixlConnector", "kv_producer", kv_connector_extra_config={"abort_request_timeout": 2}))
+    consumer = make_llm(kv_transfer_config=KVTransferConfig("NixlConnector", "kv_consumer"))
+    yield producer, consumer
+    for llm in (producer, consumer):
+        llm.engine.kv_connector.close()
+
+
+def _prefill(producer, prompts: list[list[int]]) -> list[dict]:
+    """Runs the prompts to one token with do_remote_decode; returns their kv_transfer_params."""
+    params = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    return [out.kv_transfer_params for out in producer.generate(prompts, params, use_tqdm=False)]
+
+
+def _step_until(engine, done, timeout: float = 10) -> None:
+    """Steps an engine (which polls its KV connector) until `done()`."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline
+        engine.step()
+        time.sleep(0.005)
+
+
+def test_decode_engine_pulls_the_prompt_instead_of_computing_it(pair):
+    producer, consumer = pair
+    tok = consumer.tokenizer
+    prompts = [tok.encode("The capital of France is"), tok.encode("Hi"), tok.encode("1, 2, 3, 4, 5, 6, 7, 8,"),
+               tok.encode("Once upon a time, " * 12)]  # 1 token, part of a block, two blocks, many blocks
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    reference = consumer.generate(prompts, greedy, use_tqdm=False)
+    consumer.reset_prefix_cache()
+    before = consumer.engine.stats()
+    params = _prefill(producer, prompts)
+    pool = producer.engine.kv.pool
+    assert [len(p["remote_block_ids"]) for p in params] == [-(-len(p) // 16) for p in prompts]
+    assert pool.num_free_blocks < len(pool.blocks)  # pinned until pulled
+    outs = consumer.generate(prompts, [SamplingParams(temperature=0, max_tokens=12, extra_args={
+        "kv_transfer_params": p}) for p in params], use_tqdm=False)
+    for out, ref, prompt in zip(outs, reference, prompts):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.num_cached_tokens == len(prompt) - 1
+    after = consumer.engine.stats()
+    computed = after.prompt_tokens_by_source["local_compute"] - before.prompt_tokens_by_source["local_compute"]
+    assert computed == after.prompt_tokens_recomputed - before.prompt_tokens_recomputed == len(prompts)
+    assert (after.prompt_tokens_by_source["external_kv_transfer"] - before.prompt_tokens_by_source["external_kv_transfer"]
+            == sum(map(len, prompts)))
+    _step_until(producer.engine, lambda: pool.num_free_blocks == len(pool.blocks))  # freed once pulled
+
+
+def test_aborted_pull_and_unpulled_blocks_free_everything(pair):
+    producer, consumer = pair
+    prompt = consumer.tokenizer.encode("A long time ago in a galaxy far, far away " * 5)
+    params = _prefill(producer, [prompt, prompt])
+    # the decode request is aborted while its pull may be in flight: its blocks wait for the read
+    rid = consumer.engine.add_request(None, prompt, SamplingParams(extra_args={"kv_transfer_params": params[0]}))
+    consumer.engine.step()
+    consumer.engine.abort_request(rid)
+    _step_until(consumer.engine, lambda: not consumer.engine.kv_connector._loads)
+    # nobody pulls the second one: the producer frees it after abort_request_timeout (2 s)
+    expired = producer.engine.stats().kv_expired_requests
+    pool = producer.engine.kv.pool
+    _step_until(producer.engine, lambda: pool.num_free_blocks == len(pool.blocks), timeout=30)
+    # the unpulled one expired; so did the aborted one if its pull had not started yet
+    assert expired + 1 <= producer.engine.stats().kv_expired_requests <= expired + 2
+    with pytest.raises(ValueError, match="needs n = 1"):
+        consumer.engine.add_request(None, prompt, SamplingParams(n=2, extra_args={"kv_transfer_params": params[1]}))

@@ -4,6 +4,7 @@ kv_producer and a kv_consumer server behind `vllm-router --vllm-pd-disaggregatio
 text as one server, the prompt's K/V pulled over NIXL instead of computed, failures that free every
 block). Every process started here is stopped here."""
 import asyncio
+import importlib.util
 import json
 import os
 import re
@@ -111,13 +112,15 @@ def test_data_parallel_stops_everything_on_sigterm(dp):
     assert _pids_alive(pids) == []
 
 
-def test_data_parallel_needs_the_router_extra():
-    """Without vllm-router installed, the launcher names the extra to install."""
-    code = ("import importlib.util, sys; find = importlib.util.find_spec; "
-            "importlib.util.find_spec = lambda name, *a: None if name == 'vllm_router' else find(name, *a); "
-            "from api.cli import main; sys.exit(main(['--data-parallel-size', '2']))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and 'pip install -e ".[router]"' in out.stderr
+def test_data_parallel_needs_the_router_extra(monkeypatch, caplog):
+    """Without vllm-router installed, the launcher names the extra to install (and starts nothing)."""
+    from api import data_parallel
+    from api.cli import make_parser
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm_router" else find(name, *a))
+    assert data_parallel.serve(make_parser().parse_args(["--data-parallel-size", "2"]), []) == 1
+    assert 'needs vllm-router: pip install -e ".[router]"' in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,8 +172,9 @@ def pd():
     router = Router(servers[0].url, servers[1].url)
     yield servers[0], servers[1], router
     router.stop()
-    for server in servers:
-        assert server.stop() == 0
+    for server in servers:  # both shut down at once
+        server.proc.send_signal(signal.SIGTERM)
+    assert [server.stop() for server in servers] == [0, 0]
 
 
 async def _metrics(url: str) -> dict[str, float]:

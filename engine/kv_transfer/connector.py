@@ -46,6 +46,7 @@ class _Load:
     port: int
     remote_request_id: str
     handle: object = None
+    ended: bool = False
     aborted: bool = False
     error: str | None = None
 
@@ -106,6 +107,7 @@ class NixlConnector:
                 and request.finish_reason == "length" and block_ids):
             return None
         self._pinned[request.request_id] = (request, time.monotonic() + self.config.abort_request_timeout)
+        self.transport.busy = True
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.config.engine_id,
                 "remote_block_ids": list(block_ids), "remote_host": self.config.kv_ip,
                 "remote_port": self.server.port, "remote_request_id": request.request_id}
@@ -137,13 +139,14 @@ class NixlConnector:
                      params["remote_engine_id"], params["remote_host"], params["remote_port"],
                      params["remote_request_id"])
         self._loads[request.request_id] = load
+        self.transport.busy = True
         self._advance(load)
 
     def abort_load(self, request) -> bool:
         """Forgets a pull of an aborted request. Returns True if its blocks can be freed now, False if a
         read into them is in flight (`poll` releases them when it ends)."""
         load = self._loads.get(request.request_id)
-        if load is None or load.handle is None:
+        if load is None or load.handle is None:  # no read in flight (not started, or it has ended)
             self._loads.pop(request.request_id, None)
             return True
         load.aborted = True
@@ -151,6 +154,10 @@ class NixlConnector:
 
     def _advance(self, load: _Load) -> bool:
         """Moves a pull on (handshake, then read); returns True once it has ended (`error` if failed)."""
+        load.ended = load.ended or self._step(load)
+        return load.ended
+
+    def _step(self, load: _Load) -> bool:
         if load.handle is None:
             if self._addresses.get(load.engine_id) != (load.host, load.port):  # a producer never met there
                 key = (load.host, load.port, load.engine_id)
@@ -215,7 +222,20 @@ class NixlConnector:
                 out.failed.append((load.request, load.error))
             else:
                 out.loaded.append(load.request)
+        self.transport.busy = bool(self._pinned or self._loads)
         return out
+
+    @property
+    def num_loading(self) -> int:
+        """Requests waiting for their prompt's K/V to arrive."""
+        return len(self._loads)
+
+    def close(self) -> None:
+        """Stops the handshake server and the transport's progress thread."""
+        if self.server is not None:
+            self.server.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.transport.close()
 
     def poll_interval(self) -> float | None:
         """Seconds an idle engine may sleep before polling again; None when there is nothing to watch."""

@@ -11,9 +11,13 @@ import base64
 import dataclasses
 import ipaddress
 import os
+import threading
 
 import numpy as np
 import torch
+
+PROGRESS_INTERVAL = 0.001  # seconds between UCX progress calls while transfers may be under way
+IDLE_PROGRESS_INTERVAL = 0.05  # and otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +93,7 @@ def block_runs(local_ids: list[int], remote_ids: list[int], contiguous: bool):
 
 class NixlTransport:
     """This engine's NIXL agent (named `engine_id`) with `kv_cache` registered, and the remote engines
-    it has met. Not thread-safe: call it from one thread at a time (the engine's).
+    it has met. Call it from one thread (the engine's); a thread of its own progresses UCX.
 
     Raises RuntimeError when NIXL is not installed (the message gives the pip command).
     """
@@ -99,16 +103,38 @@ class NixlTransport:
         if ipaddress.ip_address(host).is_loopback:
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
+            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as e:
             raise RuntimeError("--kv-transfer-config with NixlConnector needs NIXL: "
                                "pip install -e \".[kv]\" (nixl-cu13), then pip install --no-deps nixl") from e
         self.engine_id = engine_id
         self.layout = KVLayout.of(kv_cache, block_size)
-        self.agent = nixl_agent(engine_id, nixl_agent_config(backends=["UCX"]))
+        # NIXL's own progress thread never sleeps, which takes a core from the model on a CPU server;
+        # ours (below) drives UCX every millisecond instead, so the agent must be thread-safe.
+        self.agent = nixl_agent(engine_id, nixl_agent_config(
+            backends=["UCX"], enable_prog_thread=False, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         self._registration = self.agent.register_memory(kv_cache)
         self._kv_cache = kv_cache  # registered memory must outlive the agent's use of it
         self.remotes: dict[str, KVLayout] = {}
+        self.busy = False  # set while transfers may be under way (blocks pinned, pulls in flight)
+        self._notifs: list[bytes] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        threading.Thread(target=self._progress, name="nixl-progress", daemon=True).start()
+
+    def _progress(self) -> None:
+        """UCX moves only when its worker is progressed: peers' connection set-up and the reads they
+        serve from our memory need it even while this engine is busy computing. Fetching notifications
+        progresses the worker."""
+        while not self._stop.wait(PROGRESS_INTERVAL if self.busy else IDLE_PROGRESS_INTERVAL):
+            notifs = self.agent.get_new_notifs()
+            if notifs:
+                with self._lock:
+                    self._notifs.extend(msg for msgs in notifs.values() for msg in msgs)
+
+    def close(self) -> None:
+        """Stops the progress thread (the agent itself lives as long as this object)."""
+        self._stop.set()
 
     def metadata(self) -> dict:
         """What a peer needs to read from us: agent metadata (base64) and the cache layout."""
@@ -156,4 +182,6 @@ class NixlTransport:
 
     def notifications(self) -> list[bytes]:
         """Messages that arrived from peers since the last call (their finished reads)."""
-        return [msg for msgs in self.agent.get_new_notifs().values() for msg in msgs]
+        with self._lock:
+            out, self._notifs = self._notifs, []
+        return out

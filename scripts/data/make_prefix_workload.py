@@ -2,7 +2,14 @@
 the same system prompt (421 tokens once in the model's chat template), so a prefix cache can skip
 almost all of every prompt. Compare bench_throughput.py with and without --no-enable-prefix-caching.
 
-Usage: python scripts/data/make_prefix_workload.py [--tokenizer HF_DIR] [--max-tokens 64]
+With --documents, writes multi_prefix_workload.jsonl instead: 16 documents x 4 questions = 64 chat
+requests, each document (the first 16 excerpts of workload.jsonl) a system prompt shared by its 4
+questions, interleaved (question 1 of every document, then question 2, ...) so the requests of one
+document are spread over a run, as sessions are. Where a router sends them decides how much a
+replica's prefix cache saves (one engine ~3/4 of the prompt tokens, round_robin over two replicas ~1/2);
+the one-prefix workload cannot show that, as every replica caches its single system prompt at once.
+
+Usage: python scripts/data/make_prefix_workload.py [--documents] [--tokenizer HF_DIR] [--max-tokens N]
 With no --tokenizer, uses the default model's directory (engine.loader.resolve_model).
 Fields, as in workload.jsonl: id, prompt (templated text), prompt_token_ids, num_prompt_tokens, max_tokens.
 """
@@ -108,11 +115,32 @@ QUESTIONS = [
 ]
 
 
+DOCUMENT_QUESTIONS = ["Summarize this text in one sentence.", "Who is protected by this text?",
+                      "What does this text allow?", "What does this text forbid?"]
+NUM_DOCUMENTS = 16
+
+
+def write_documents(tok, out: str, max_tokens: int) -> None:
+    with open(HERE / "workload.jsonl") as f:
+        documents = [json.loads(line)["prompt"] for line in f if line.strip()][:NUM_DOCUMENTS]
+    with open(out, "w") as f:
+        for q, question in enumerate(DOCUMENT_QUESTIONS):
+            for d, document in enumerate(documents):
+                messages = [{"role": "system", "content": document}, {"role": "user", "content": question}]
+                prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                ids = tok(prompt, add_special_tokens=False)["input_ids"]
+                f.write(json.dumps({"id": q * NUM_DOCUMENTS + d, "document": d, "prompt": prompt,
+                                    "prompt_token_ids": ids, "num_prompt_tokens": len(ids),
+                                    "max_tokens": max_tokens}) + "\n")
+    print(f"wrote {NUM_DOCUMENTS * len(DOCUMENT_QUESTIONS)} requests to {out}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--documents", action="store_true", help="write the multi-prefix workload instead")
     ap.add_argument("--tokenizer", help="Hugging Face directory with the tokenizer (default: the default model's)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per request")
-    ap.add_argument("--out", default=str(HERE / "prefix_workload.jsonl"))
+    ap.add_argument("--max-tokens", type=int, help="tokens to generate per request (default: 64; 32 with --documents)")
+    ap.add_argument("--out", help="default: prefix_workload.jsonl, or multi_prefix_workload.jsonl with --documents")
     a = ap.parse_args()
     if a.tokenizer is None:
         sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `engine`
@@ -121,6 +149,9 @@ def main():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(a.tokenizer)
+    if a.documents:
+        return write_documents(tok, a.out or str(HERE / "multi_prefix_workload.jsonl"), a.max_tokens or 32)
+    a.out, a.max_tokens = a.out or str(HERE / "prefix_workload.jsonl"), a.max_tokens or 64
     system = {"role": "system", "content": SYSTEM_PROMPT}
     shared = tok.apply_chat_template([system], tokenize=False)
     with open(a.out, "w") as f:
