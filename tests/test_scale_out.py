@@ -103,13 +103,20 @@ async def test_data_parallel_replicas_behind_the_router(dp):
     assert sorted(hits)[0] == 0 and sorted(hits)[1] >= 2 * ((len(prompt) - 1) // 16 * 16)
 
 
-def test_data_parallel_stops_everything_on_sigterm(dp):
+def test_data_parallel_survives_a_dead_replica_and_stops_everything_on_sigterm(dp):
     pids = [int(p) for p in re.findall(r"(?:replica \d|vllm-router): pid (\d+)", dp.log())]
     assert len(pids) == 3 and _pids_alive(pids) == pids
+    os.kill(pids[1], signal.SIGKILL)  # replica 1 dies: logged, not restarted, the router serves on
+    deadline = time.monotonic() + 30
+    while f"replica 1 (pid {pids[1]}) exited with status -9; not restarted" not in dp.log():
+        assert time.monotonic() < deadline, dp.log()[-2000:]
+        time.sleep(0.2)
+    r = httpx.post(f"{dp.url}/v1/completions", json={"prompt": "Still there?", "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200 and dp.proc.poll() is None
     dp.proc.send_signal(signal.SIGTERM)
     assert dp.proc.wait(timeout=60) == 0
     assert "stopped the router and 2 replicas" in dp.log()
-    assert _pids_alive(pids) == []
+    assert _pids_alive(pids) == []  # the router and the live replica were stopped by PID
 
 
 def test_data_parallel_needs_the_router_extra(monkeypatch, caplog):
