@@ -2,6 +2,7 @@
 and uvicorn running the app with the engine loop on the same event loop."""
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
@@ -129,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                               kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-                              seed=args.seed, kv_transfer_config=args.kv_transfer_config)
+                              seed=args.seed, kv_transfer_config=args.kv_transfer_config,
+                              # a data-parallel replica runs as many threads as the cores it was bound to
+                              num_threads=len(os.sched_getaffinity(0)) if args.data_parallel_rank is not None
+                              and hasattr(os, "sched_getaffinity") else None)
     except ValueError as e:
         parser.error(str(e))
     if args.max_queue_len is not None and args.max_queue_len < 0:

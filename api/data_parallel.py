@@ -133,8 +133,8 @@ def _run(args, argv: list[str], placements: list[dict], fleet: _Fleet, stop: thr
         # later flags win in argparse: these override the launcher's own --host/--port/--data-parallel-size
         cmd = [sys.executable, "-m", "api.cli", *argv, "--host", "127.0.0.1", "--port", str(port),
                "--data-parallel-size", "1", "--data-parallel-rank", str(rank)]
-        fleet.replicas.append(subprocess.Popen(
-            cmd, env=env, preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if hasattr(os, "sched_setaffinity") else None))
+        bind = (lambda c=cores: os.sched_setaffinity(0, c)) if hasattr(os, "sched_setaffinity") else None
+        fleet.replicas.append(subprocess.Popen(cmd, env=env, preexec_fn=bind))
         logger.info("replica %d: pid %d on %s, cores %s%s", rank, fleet.replicas[-1].pid, urls[-1],
                     ",".join(map(str, cores)), "".join(f", {k}={v}" for k, v in place["env"].items()))
     deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -155,7 +155,8 @@ def _run(args, argv: list[str], placements: list[dict], fleet: _Fleet, stop: thr
         stop.wait(0.5)
 
     port = args.port or free_port(args.host)
-    fleet.router = subprocess.Popen(router_command(args.host, port, urls, args.router_policy, args.log_level, args.api_key))
+    fleet.router = subprocess.Popen(router_command(args.host, port, urls, args.router_policy, args.log_level,
+                                                   args.api_key))
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{port}"
     logger.info("vllm-router: pid %d on %s", fleet.router.pid, url)

@@ -43,7 +43,8 @@ class _EngineCollector(Collector):
                 ("vllm:prompt_tokens_recomputed", "Cached prompt tokens computed again (the last one).",
                  s.prompt_tokens_recomputed),
                 ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens),
-                ("vllm:nixl_num_failed_transfers", "KV pulls from a prefill server that failed.", s.kv_transfer_failures),
+                ("vllm:nixl_num_failed_transfers", "KV pulls from a prefill server that failed.",
+                 s.kv_transfer_failures),
                 ("vllm:nixl_num_kv_expired_reqs", "Requests whose KV blocks no decode server pulled in time.",
                  s.kv_expired_requests)):
             counter = CounterMetricFamily(name, doc, labels=self._names)
