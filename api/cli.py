@@ -10,6 +10,7 @@ import uvicorn
 from api.app import build_app
 from api.serving import ServerSettings
 from engine import AsyncEngine, EngineConfig
+from engine.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger("api")
 
@@ -56,6 +57,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="reuse KV blocks of prompt prefixes seen before (default: on)")
     p.add_argument("--enforce-eager", action="store_true", help="on CUDA, do not capture CUDA graphs")
     p.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling (default: %(default)s)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": PATH, '
+                        '"num_speculative_tokens": 4}\' (default: off)')
     p.add_argument("--max-queue-len", type=int, default=None, help="answer 503 with Retry-After while this many "
                    "accepted requests have not produced a token yet (default: no limit)")
     p.add_argument("--max-request-body-bytes", type=byte_size, default=8 << 20, metavar="BYTES",
@@ -97,13 +102,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    speculative_config = None
+    if args.speculative_config is not None:
+        try:
+            speculative_config = SpeculativeConfig.from_json(args.speculative_config)
+        except (TypeError, ValueError) as e:  # one line, no usage block: the JSON is the problem
+            parser.exit(2, f"{parser.prog}: error: --speculative-config: {e}\n")
     try:
         config = EngineConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
                               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                               kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-                              seed=args.seed)
+                              seed=args.seed, speculative_config=speculative_config)
     except ValueError as e:
         parser.error(str(e))
     if args.max_queue_len is not None and args.max_queue_len < 0:

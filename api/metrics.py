@@ -44,6 +44,24 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(self._labels, value)
             yield counter
+        if s.spec_decoding is not None:
+            yield from _spec_decoding_metrics(s.spec_decoding, self._labels)
+
+
+def _spec_decoding_metrics(spec, labels: list[str]):
+    """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py), `position` 0..k-1."""
+    for name, doc, value in (("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+                             ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+                             ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                              spec.num_accepted_tokens)):
+        counter = CounterMetricFamily(name, doc, labels=["model_name"])
+        counter.add_metric(labels, value)
+        yield counter
+    counter = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Number of accepted tokens per draft position.", labels=["model_name", "position"])
+    for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+        counter.add_metric(labels + [str(position)], value)
+    yield counter
 
 
 class ServerMetrics:

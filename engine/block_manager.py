@@ -96,6 +96,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[Block]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request registered in the cache
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -131,7 +132,9 @@ class KVCacheManager:
         """Gives `request` blocks for `num_new_tokens` more tokens (after `computed_blocks`, if it is
         new). Returns False, changing nothing, when too few blocks are free. Blocks that the new
         tokens fill are registered in the prefix cache at once: their K/V is written in this step,
-        before any later step can read them.
+        before any later step can read them. New tokens past `request.all_token_ids` (draft tokens
+        of speculative decoding, which may be rejected) get slots, but their blocks are registered
+        only once a later call finds them verified.
         """
         blocks = self.req_blocks.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -145,11 +148,14 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
-        self._update_hashes(request, num_tokens)
-        # blocks that were already full before these tokens are cached (or were cache hits)
-        first = num_tokens - num_new_tokens
-        for i in range(first // self.block_size, num_tokens // self.block_size):
+        num_verified = min(num_tokens, len(request.all_token_ids))
+        self._update_hashes(request, num_verified)
+        # blocks before `first` are cached already (or were cache hits)
+        first = self.num_cached_blocks.get(request.request_id, len(computed_blocks))
+        last = num_verified // self.block_size
+        for i in range(first, last):
             self.pool.cache(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(first, last)
         return True
 
     def _update_hashes(self, request, num_tokens: int) -> None:
@@ -165,6 +171,7 @@ class KVCacheManager:
         """Releases all blocks of a request, tail first. `uncache` also drops their prefix-cache
         hashes (their K/V may be garbage after a failed step)."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
         if uncache:
             self.pool.uncache([b for b in blocks if b.ref_cnt == 1])
         self.pool.free(list(reversed(blocks)))

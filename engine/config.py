@@ -1,6 +1,8 @@
 """Engine configuration: the knobs of `LLM(...)`, `AsyncEngine` and `server.py`, named as in vLLM."""
 from dataclasses import dataclass
 
+from engine.spec_decode.config import SpeculativeConfig
+
 
 @dataclass
 class EngineConfig:
@@ -13,6 +15,8 @@ class EngineConfig:
     max_num_seqs: requests running at once. max_num_batched_tokens: tokens per engine step.
     block_size: tokens per KV block. kv_cache_memory: bytes for the KV cache (CPU); on CUDA the cache
         takes `gpu_memory_utilization` of the GPU's memory minus what the model uses.
+    speculative_config: speculative decoding, vLLM's keys as a dict or a `SpeculativeConfig`
+        (e.g. {"method": "ngram", "num_speculative_tokens": 4}); None = off.
     """
 
     model: str | None = None
@@ -30,6 +34,7 @@ class EngineConfig:
     attention_backend: str | None = None  # torch_native, cpu, flashinfer; None = the best for the device
     seed: int = 0
     num_threads: int | None = None  # CPU threads for torch; None = all cores
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
@@ -41,3 +46,5 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)

@@ -14,6 +14,7 @@ from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,12 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = hf_config.vocab_size
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.speculator = None
+        if config.speculative_config is not None:
+            self.speculator = Speculator(config.speculative_config, config, self.runner, self.tokenizer,
+                                         self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   on_free=self.speculator.free if self.speculator is not None else None)
         self.eos_token_ids = self._eos_token_ids(hf_config)
         self.groups: dict[str, list[Request]] = {}
         self.generation_tokens = 0
@@ -148,12 +154,20 @@ class LLMEngine:
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
         changed: dict[str, list[Request]] = {}
-        for req, token, logprob in zip(sampled, tokens, logprobs):
-            req.append_token(token, logprob, self.max_model_len)
-            if req.finish_reason is not None:
-                self.scheduler.finish(req, req.finish_reason)
+        for req, new_tokens, new_logprobs in zip(sampled, tokens, logprobs):
+            # rejected draft tokens: their K/V slots are simply overwritten by later steps
+            req.num_computed_tokens -= len(req.spec_token_ids) + 1 - len(new_tokens)
+            if self.speculator is not None:
+                self.speculator.observe(req, new_tokens)
+            for token, logprob in zip(new_tokens, new_logprobs):
+                req.append_token(token, logprob, self.max_model_len)
+                self.generation_tokens += 1
+                if req.finish_reason is not None:  # tokens after a stop are dropped
+                    self.scheduler.finish(req, req.finish_reason)
+                    break
             changed.setdefault(req.parent_id, []).append(req)
-        self.generation_tokens += len(sampled)
+        if self.speculator is not None:
+            self.speculator.propose([r for r in sampled if not r.is_finished], len(self.scheduler.running))
         outputs = []
         for parent, reqs in changed.items():
             group = self.groups[parent]
@@ -181,4 +195,5 @@ class LLMEngine:
         return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=self.kv.usage,
                            prefix_cache_queries=self.kv.prefix_cache_queries,
                            prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=s.num_preemptions,
-                           prompt_tokens=s.num_prompt_tokens, generation_tokens=self.generation_tokens)
+                           prompt_tokens=s.num_prompt_tokens, generation_tokens=self.generation_tokens,
+                           spec_decoding=self.speculator.stats.copy() if self.speculator is not None else None)

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from engine.spec_decode.rejection_sampler import RejectionSampler
 from models import get_model_class
 from models.llama import head_dim_of
 
@@ -31,7 +32,7 @@ class ModelRunner:
     request can always run alone and nothing deadlocks.
     """
 
-    def __init__(self, config: EngineConfig, hf_config, model_dir: str):
+    def __init__(self, config: EngineConfig, hf_config, model_dir: str, num_blocks: int | None = None):
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         auto = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -50,7 +51,7 @@ class ModelRunner:
             self.model = cls(hf_config, self.backend, self.max_model_len, **kwargs).to(self.dtype)
         self.model.load_weights(_iter_safetensors(model_dir))
         self.model.eval()
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = num_blocks or self._num_kv_blocks()  # a draft model's: as many as the target's
         capacity = self.num_blocks * self.block_size
         if self.max_model_len > capacity:
             log = logger.warning if config.max_model_len else logger.info
@@ -64,6 +65,7 @@ class ModelRunner:
                                     self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
         self.graphs = None
         if use_graphs:
             self.graphs = CUDAGraphRunner(self.model, self.backend, self.kv_caches, config.max_num_seqs,
@@ -119,7 +121,9 @@ class ModelRunner:
 
         Rows with one new token (decodes) go first, as the attention backends want. Returns
         (input_ids int64 [T], positions int64 [T], meta, logits_indices int64 [N], sampled requests):
-        a request is sampled when its new tokens reach its last token; N <= B.
+        a request is sampled when its new tokens reach its last token. A row that goes on past it
+        into d draft tokens (`spec_token_ids`) gets logits at its last 1 + d positions, so N >= the
+        number of sampled requests.
         """
         order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] != 1)
         reqs = [batch.requests[i] for i in order]
@@ -132,14 +136,15 @@ class ModelRunner:
         # position of every token: its row's start + its rank inside the row
         row_of_token = np.repeat(np.arange(len(reqs)), counts)
         positions = starts[row_of_token] + np.arange(qsl[-1]) - qsl[row_of_token]
-        input_ids = np.concatenate([r.all_token_ids[s:e] for r, s, e in zip(reqs, starts, seq_lens)])
+        input_ids = np.concatenate([_new_token_ids(r, s, e) for r, s, e in zip(reqs, starts, seq_lens)])
         max_blocks = max(len(t) for t in tables)
         bt = np.zeros((len(reqs), max_blocks), dtype=np.int32)
         for i, t in enumerate(tables):
             bt[i, :len(t)] = t
         bs = self.block_size
         slots = bt[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        sampled = [i for i, r in enumerate(reqs) if seq_lens[i] == r.num_tokens]
+        num_drafts = seq_lens - np.array([r.num_tokens for r in reqs], dtype=np.int64)  # -k: still prefilling
+        sampled = np.flatnonzero(num_drafts >= 0)
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
@@ -148,13 +153,28 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(slots).to(dev),
             num_decodes=int((counts == 1).sum()),
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
-        logits_indices = torch.from_numpy(qsl[1:][sampled] - 1).to(dev)
+        # the last 1 + d tokens of each sampled row: row end - width + rank inside the row
+        widths = num_drafts[sampled] + 1
+        rank = np.arange(widths.sum()) - np.repeat(np.cumsum(widths) - widths, widths)
+        logits_indices = torch.from_numpy(np.repeat(qsl[1:][sampled] - widths, widths) + rank).to(dev)
         return (torch.from_numpy(input_ids.astype(np.int64)).to(dev), torch.from_numpy(positions).to(dev),
                 meta, logits_indices, [reqs[i] for i in sampled])
 
-    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, block_tables: list[list[int]]):
-        """Runs one step. Returns (requests that sampled a token, their token ids, their Logprob|None)."""
+        """Runs one step. Returns (requests that sampled, their new token ids, their Logprob|None):
+        one token per request, or with drafts the accepted ones and one more (see RejectionSampler)."""
+        logits, sampled = self.compute_logits(batch, block_tables)
+        if not sampled:
+            return [], [], []
+        if any(r.spec_token_ids for r in sampled):
+            return sampled, *self.rejection_sampler(logits, sampled)
+        tokens, logprobs = self.sampler(logits, sampled)
+        return sampled, [[t] for t in tokens], [[lp] for lp in logprobs]
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: SchedulerOutput, block_tables: list[list[int]]):
+        """The step's forward. Returns (float32 CPU logits [N, vocab] at `prepare`'s logits_indices,
+        or None, and the requests that sampled)."""
         input_ids, positions, meta, logits_indices, sampled = self.prepare(batch, block_tables)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)  # plans for the padded batch itself
@@ -162,10 +182,16 @@ class ModelRunner:
             self.backend.plan(meta)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sampled:
-            return [], [], []
-        logits = self.model.compute_logits(hidden[logits_indices])
-        tokens, logprobs = self.sampler(logits.cpu(), sampled)
-        return sampled, tokens, logprobs
+            return None, []
+        return self.model.compute_logits(hidden[logits_indices]).cpu(), sampled
+
+
+def _new_token_ids(request, start: int, end: int) -> list[int]:
+    """Token ids at positions [start, end) of a request, its draft tokens after its last token."""
+    ids = request.all_token_ids[start:end]
+    if end > request.num_tokens:
+        ids = ids + request.spec_token_ids[:end - request.num_tokens]
+    return ids
 
 
 def _iter_safetensors(model_dir: str):

@@ -1,6 +1,8 @@
 """What the engine hands back: per-request outputs (vLLM's shapes), and engine-wide statistics."""
 from dataclasses import dataclass, field
 
+from engine.spec_decode.metrics import SpecDecodingStats
+
 
 @dataclass
 class Logprob:
@@ -79,3 +81,4 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int  # prompt tokens of requests that started
     generation_tokens: int  # tokens sampled
+    spec_decoding: SpecDecodingStats | None = None  # with speculative decoding: drafts and acceptances

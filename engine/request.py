@@ -36,6 +36,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first admission; -1 until admitted
         self.block_hashes: list[int] = []
+        # speculative decoding: draft tokens to verify after the last token in the next step, and the
+        # distributions q [len, vocab] they were drawn from (None: one-hot, as n-gram drafts)
+        self.spec_token_ids: list[int] = []
+        self.spec_token_probs = None
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -50,6 +50,10 @@ class Sampler:
         return logits
 
     def _sample(self, logits, requests):
+        return self._draw(self._probs(logits, requests), requests)
+
+    def _probs(self, logits, requests):
+        """Sampling distributions [N, vocab] of processed logits: temperature, top-k/top-p, min-p."""
         temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
         logits = logits / temps[:, None]
         top_k = [r.params.top_k for r in requests]
@@ -60,6 +64,12 @@ class Sampler:
         min_p = torch.tensor([r.params.min_p for r in requests], dtype=probs.dtype)
         if min_p.any():
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
+
+    @staticmethod
+    def _draw(probs, requests):
+        """One token per row of (unnormalised) `probs` by the exponential race, each row from its
+        request's generator."""
         noise = torch.empty_like(probs)
         for i, r in enumerate(requests):
             noise[i].exponential_(generator=r.generator)

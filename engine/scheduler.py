@@ -6,6 +6,8 @@ requests go first (their decode token, or the next chunk of a long prompt), then
 are admitted in FCFS order, their prompts chunked to the budget left. When the KV cache runs out of
 blocks, the newest running request is preempted by recompute: its blocks are freed and it goes back
 to the front of the waiting queue (Orca, Yu et al. OSDI 2022; vLLM, Kwon et al. SOSP 2023).
+With speculative decoding a running request also asks for its draft tokens (`spec_token_ids`),
+under the same budget; the drafts that do not fit are dropped.
 """
 import time
 from collections import deque
@@ -33,8 +35,9 @@ class Scheduler:
     max_num_seqs: running requests at most; max_num_batched_tokens: tokens per step at most.
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, on_free=None):
         self.kv = kv
+        self.on_free = on_free  # called with each request whose blocks are freed (a draft model's KV goes too)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -55,7 +58,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -88,10 +91,14 @@ class Scheduler:
             scheduled.append(req)
             counts.append(n)
             budget -= n
+        for req, n in zip(scheduled, counts):
+            del req.spec_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens):]
         return SchedulerOutput(scheduled, counts)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        if self.on_free is not None:
+            self.on_free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
@@ -104,5 +111,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req, uncache=uncache)
+        if self.on_free is not None:
+            self.on_free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = req.finish_reason or reason
