@@ -78,10 +78,24 @@ def test_config_defaults_as_vllm(data, expected):
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown speculative_config key"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[2, 8, 1]]},
+     "must start at 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 8, 1], [8, 9, 0]]},
+     "must not overlap"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 8]]},
+     "3 integers"),
 ])
 def test_config_errors(data, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.from_dict(data)
+
+
+def test_batch_size_schedule_as_vllm():
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4,
+                                          "num_speculative_tokens_per_batch_size": [[17, 32, 1], [1, 8, 6], [64, 64, 0]]})
+    # k capped at num_speculative_tokens; gaps and the tail keep the k before them
+    assert [config.tokens_for_batch(b) for b in (1, 8, 9, 16, 17, 32, 33, 63, 64, 200)] == [4, 4, 4, 4, 1, 1, 1, 1, 0, 0]
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3}).tokens_for_batch(500) == 3
 
 
 def test_server_refuses_a_bad_config_in_one_line():

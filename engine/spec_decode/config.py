@@ -19,8 +19,11 @@ class SpeculativeConfig:
     prompt_lookup_min / prompt_lookup_max: the n-gram sizes searched (ngram). Neither set: both 5;
         one set: the other copies it (vLLM's defaults).
     model: the draft model (draft_model): anything the loader takes, with the target's vocabulary.
-    disable_by_batch_size: no proposals while this many requests or more are running. None (vLLM's
-        default) leaves the decision to the acceptance-aware policy alone (see `policy.py`).
+    num_speculative_tokens_per_batch_size: vLLM's dynamic schedule, [[first, last, k], ...]: inclusive
+        ranges of the number of running requests and the most tokens proposed there (0: none);
+        ranges sorted, non-overlapping, the first starting at 1; gaps and batches past the last
+        range keep the k before them. None: k at every batch size. Within it the acceptance-aware
+        policy (policy.py) decides per request.
     max_model_len: proposals stop once a sequence would pass this length (None: the target's).
     draft_tensor_parallel_size: 1 or None (this engine runs on one device).
 
@@ -33,7 +36,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None
-    disable_by_batch_size: int | None = None
+    num_speculative_tokens_per_batch_size: list | None = None
     max_model_len: int | None = None
     draft_tensor_parallel_size: int | None = None
 
@@ -91,12 +94,42 @@ class SpeculativeConfig:
                 self.model = None
         elif self.model is None:
             raise ValueError("speculative_config method draft_model needs a model")
-        for name in ("disable_by_batch_size", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be an integer >= 1, got {self.max_model_len!r}")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            self.num_speculative_tokens_per_batch_size = _schedule(self.num_speculative_tokens_per_batch_size)
         if self.draft_tensor_parallel_size not in (None, 1):
             raise ValueError(f"draft_tensor_parallel_size must be 1 on this engine, got {self.draft_tensor_parallel_size!r}")
+
+
+    def tokens_for_batch(self, num_running: int) -> int:
+        """The most tokens to propose per request while `num_running` requests run."""
+        k = self.num_speculative_tokens
+        for first, _, k_range in self.num_speculative_tokens_per_batch_size or ():
+            if first > num_running:
+                break
+            k = min(k_range, self.num_speculative_tokens)
+        return k
+
+
+def _schedule(entries) -> list[tuple[int, int, int]]:
+    """vLLM's validation of num_speculative_tokens_per_batch_size (v1/spec_decode/dynamic/utils.py)."""
+    name = "num_speculative_tokens_per_batch_size"
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{name} must be a non-empty list of [range_start, range_end, num_speculative_tokens]")
+    if any(not isinstance(e, (list, tuple)) or len(e) != 3 or not all(map(_is_int, e)) for e in entries):
+        raise ValueError(f"each {name} entry must be 3 integers [range_start, range_end, num_speculative_tokens]")
+    schedule = sorted(tuple(e) for e in entries)
+    previous_end = 0
+    for first, last, k in schedule:
+        if first < 1 or first > last or k < 0:
+            raise ValueError(f"{name} entry {[first, last, k]}: need 1 <= range_start <= range_end and k >= 0")
+        if first <= previous_end:
+            raise ValueError(f"{name} ranges must not overlap")
+        previous_end = last
+    if schedule[0][0] != 1:
+        raise ValueError(f"{name}: the first range must start at 1")
+    return schedule
 
 
 def _is_int(value) -> bool:

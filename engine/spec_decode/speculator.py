@@ -53,10 +53,10 @@ class Speculator:
         """Sets drafts on `requests` (running, just sampled) for the next step; `num_running` is the
         number of running requests. Drafts never reach past max_tokens or max_model_len."""
         self.logging.maybe_log()
-        limit = self.config.disable_by_batch_size
-        if not requests or (limit is not None and num_running >= limit):
+        k = self.config.tokens_for_batch(num_running)
+        if not requests or k == 0:
             return
-        caps = [self._cap(r) for r in requests]
+        caps = [min(k, self._cap(r)) for r in requests]
         lengths = self.policy.lengths(requests, caps, num_running)
         # a cheap proposer also proposes (one token) where nothing is sent, to score it next step
         asked = [max(n, min(cap, 1)) if self.proposer.cheap else n for n, cap in zip(lengths, caps)]
