@@ -191,6 +191,10 @@ def main():
                 if args.with_vllm:
                     runs["vllm"].append(run_vllm(model_dir, args.dtype, reqs, batch_size, None))
                     runs["vllm+spec"].append(run_vllm(model_dir, args.dtype, reqs, batch_size, args.speculative_config))
+                for name, engine_runs in runs.items():  # progress, as the runs are long
+                    r = engine_runs[-1]
+                    rate = r.get("error") or f"{r['output_tokens'] / r['elapsed_s']:.1f} output tok/s"
+                    print(f"{workload} batch {batch_size} {name}: {rate}", file=sys.stderr, flush=True)
             for name, engine_runs in runs.items():
                 base = runs[name.removesuffix("+spec")][-1] if name.endswith("+spec") else None
                 row = summarize(engine_runs, base.get("tokens") if base and "error" not in base else None)

@@ -147,6 +147,14 @@ def test_draft_model_target_as_its_own_draft(llm, prompts):
     assert stats.num_accepted_tokens_per_pos == [10, 10, 10]
     draft_kv = spec.engine.speculator.proposer.kv
     assert draft_kv.pool.num_free_blocks == draft_kv.num_blocks and not draft_kv.req_blocks
+    # an abort with drafts in flight frees the target's and the draft's blocks at once
+    engine = spec.engine
+    rid = engine.add_request(None, prompts[1], params)
+    while not engine.groups[rid][0].spec_token_ids:
+        engine.step()
+    assert draft_kv.req_blocks
+    engine.abort_request(rid)
+    assert draft_kv.pool.num_free_blocks == draft_kv.num_blocks and not draft_kv.req_blocks
 
 
 def test_draft_model_with_another_vocabulary_is_refused(tmp_path, llm):

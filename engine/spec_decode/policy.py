@@ -1,9 +1,10 @@
 """How many tokens to draft per request: only as many as verification is expected to pay for."""
 from dataclasses import dataclass, field
 
-# Batch at which a decode step's per-token compute equals its fixed cost (reading the weights):
-# about FLOP/s per byte/s of the machine x bytes per weight / 2. Measured on the 2-core EPYC with
-# SmolLM2-135M (docs/benchmarks.md); GPUs balance at a few hundred tokens.
+# Batch at which a decode step's per-token cost equals its fixed cost (one read of the weights). On
+# the 2-core EPYC with SmolLM2-135M in bfloat16 a decode step takes ~30 ms at batch 1 and ~106 ms at
+# batch 64 (docs/benchmarks.md): ~1.2 ms per token on top of ~29 ms, so ~24. GPUs, whose FLOP/s per
+# byte/s of memory is much higher, balance at a few hundred tokens.
 BREAK_EVEN_BATCH = {"cpu": 24, "cuda": 256}
 DECAY = 0.8  # weight of an older outcome per newer one: the last ~5 positions dominate the estimate
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # an unseen request is assumed to accept half its draft tokens
