@@ -75,14 +75,14 @@ def run_vllm(model_dir: str, dtype: str, reqs, batch_size: int, spec: str | None
             f.write(json.dumps({"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}) + "\n")
         f.flush()
         cmd = [VLLM_PYTHON, os.path.abspath(__file__), "--vllm-driver", "--model", model_dir, "--dtype", dtype,
-               "--workload", f.name, "--max-num-seqs", str(batch_size)]
-        if spec:
-            cmd += ["--speculative-config", spec]
+               "--workload", f.name, "--max-num-seqs", str(batch_size), "--speculative-config", spec or ""]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        err = [line for line in proc.stderr.splitlines() if line.strip()]
-        return {"error": err[-1][:300] if err else f"exit {proc.returncode}"}
+        # the exception's line, not the warnings that follow it at shutdown
+        err = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line] or \
+              [line for line in proc.stderr.splitlines() if line.strip()]
+        return {"error": err[-1].strip()[:300] if err else f"exit {proc.returncode}"}
     return json.loads(lines[-1])
 
 
