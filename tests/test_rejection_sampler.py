@@ -114,3 +114,15 @@ def test_no_draft_row_draws_what_the_plain_sampler_draws():
     ours = [RejectionSampler()(logits, [request([], params, seed=s)])[0][0][0] for s in range(30)]
     plain = [Sampler()(logits, [request([], params, seed=s)])[0][0] for s in range(30)]
     assert ours == plain
+
+
+def test_penalties_see_the_drafts_before_each_position():
+    # position 1 slightly prefers token 2 over 5; the draft already holds a 2 there, so a presence
+    # penalty moves the target to 5, exactly as without speculation after sampling that 2
+    logits = torch.zeros(3, VOCAB)
+    logits[0, 2] = 5.0
+    logits[1, 2], logits[1, 5] = 4.0, 3.5
+    logits[2, 7] = 5.0
+    penalized = SamplingParams(temperature=0, presence_penalty=1.0)
+    assert RejectionSampler()(logits, [request([2, 2], penalized)])[0] == [[2, 5]]
+    assert RejectionSampler()(logits, [request([2, 2], GREEDY)])[0] == [[2, 2, 7]]
