@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import EngineStepError, LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class AsyncEngine:
         for rid in list(self.engine.groups):
             self._deliver(self.engine.abort_request(rid))
         self._executor.shutdown(wait=True)
+        self.engine.structured.shutdown()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -72,12 +74,15 @@ class AsyncEngine:
         """Streams a request's outputs, one RequestOutput per step that changed it, the last with
         `finished` True. Leaving the loop early (or a client disconnect cancelling it) aborts it.
 
-        Raises ValueError for bad input (before any output) and EngineStepError if its step failed.
+        Raises ValueError for bad input (before any output, including a grammar that does not compile
+        in time) and EngineStepError if its step failed.
         """
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.engine.tokenize(prompt)  # validate now, so the caller gets the error, not the loop
+        if params.structured_outputs is not None:
+            await self.compile_grammar(params.structured_outputs)
         if not self.is_alive:
             raise RuntimeError("the engine loop is not running")
         queue: asyncio.Queue = asyncio.Queue()
@@ -96,6 +101,20 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 await self.abort(request_id)
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compiles a structured-outputs constraint on the engine's compile pool (or finds it in the cache),
+        waiting `compile_timeout` seconds at most; the event loop and the step loop keep running.
+
+        Raises ValueError: the constraint is invalid, xgrammar is missing, or the compile took too long
+        (it goes on in the background and fills the cache).
+        """
+        structured = self.engine.structured
+        future = structured.compile(spec)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), structured.config.compile_timeout)
+        except TimeoutError:
+            raise structured.timeout_error() from None
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its blocks are freed before the next step runs."""

@@ -1,6 +1,8 @@
 """Engine configuration: the knobs of `LLM(...)`, `AsyncEngine` and `server.py`, named as in vLLM."""
 from dataclasses import dataclass
 
+from engine.structured.params import StructuredOutputsConfig
+
 
 @dataclass
 class EngineConfig:
@@ -13,6 +15,7 @@ class EngineConfig:
     max_num_seqs: requests running at once. max_num_batched_tokens: tokens per engine step.
     block_size: tokens per KV block. kv_cache_memory: bytes for the KV cache (CPU); on CUDA the cache
         takes `gpu_memory_utilization` of the GPU's memory minus what the model uses.
+    structured_outputs_config: a StructuredOutputsConfig or a dict of its fields (None = defaults).
     """
 
     model: str | None = None
@@ -30,8 +33,11 @@ class EngineConfig:
     attention_backend: str | None = None  # torch_native, cpu, flashinfer; None = the best for the device
     seed: int = 0
     num_threads: int | None = None  # CPU threads for torch; None = all cores
+    structured_outputs_config: StructuredOutputsConfig | dict | None = None
 
     def __post_init__(self):
+        if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):
+            self.structured_outputs_config = StructuredOutputsConfig(**(self.structured_outputs_config or {}))
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,4 +1,5 @@
 """The synchronous engine: requests in, one scheduled model step at a time, outputs out."""
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -14,6 +15,7 @@ from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured import RequestGrammar, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,10 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids(hf_config)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                  config.structured_outputs_config)
         self.groups: dict[str, list[Request]] = {}
+        self._compiling: list[str] = []  # ids of groups queued before their grammar had compiled
         self.generation_tokens = 0
         self._ids = itertools.count()
         logger.info("model %s: %s on %s, %s attention, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
@@ -88,7 +93,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> str:
-        """Queues a request (n sequences); returns its id. Raises ValueError for bad input."""
+        """Queues a request (n sequences); returns its id. Raises ValueError for bad input.
+
+        A structured-output request waits in the queue until its grammar has compiled (on the manager's
+        pool); if the compile fails there, the request finishes with "abort" (callers that want the error
+        compile first: `structured.compile(spec)`, as `LLM.generate` and the server do).
+        """
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -96,6 +106,9 @@ class LLMEngine:
             if any(t >= self.vocab_size for t in ids):
                 raise ValueError(f"{name} token ids must be below the vocabulary size {self.vocab_size}")
         ids = self.tokenize(prompt)
+        compiled = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
+        if compiled is not None and compiled.done() and compiled.exception() is not None:
+            raise compiled.exception()
         text = prompt if isinstance(prompt, str) else None
         arrival = arrival_time or time.monotonic()
         group = []
@@ -103,8 +116,12 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
                                            params.skip_special_tokens)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            group.append(Request(seq_id, request_id, i, text, ids, params, detok, self.eos_token_ids, arrival))
+            grammar = RequestGrammar(compiled) if compiled is not None else None
+            group.append(Request(seq_id, request_id, i, text, ids, params, detok, self.eos_token_ids, arrival,
+                                 grammar))
         self.groups[request_id] = group
+        if compiled is not None and not compiled.done():
+            self._compiling.append(request_id)
         for req in group:
             self.scheduler.add_request(req)
         return request_id
@@ -131,8 +148,14 @@ class LLMEngine:
 
         Raises EngineStepError after finishing the step's requests if the model step failed.
         """
+        failed = self._abort_failed_compiles() if self._compiling else []
+        if failed:
+            return failed
         batch = self.scheduler.schedule()
         if not batch.requests:
+            if self._compiling:  # only compiles are left: wait for one rather than spin
+                concurrent.futures.wait([self.groups[g][0].grammar.compiled for g in self._compiling],
+                                        timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
             return []
         tables = [self.kv.block_ids(r.request_id) for r in batch.requests]
         try:
@@ -161,6 +184,22 @@ class LLMEngine:
             if out.finished:
                 del self.groups[parent]
             outputs.append(out)
+        return outputs
+
+    def _abort_failed_compiles(self) -> list[RequestOutput]:
+        """Aborts the queued groups whose grammar failed to compile; forgets those that compiled."""
+        outputs, still = [], []
+        for parent in self._compiling:
+            group = self.groups.get(parent)
+            if group is None:  # aborted meanwhile
+                continue
+            compiled = group[0].grammar.compiled
+            if not compiled.done():
+                still.append(parent)
+            elif compiled.exception() is not None:
+                logger.error("request %s: structured outputs: %s", parent, compiled.exception())
+                outputs.append(self.abort_request(parent))
+        self._compiling = still
         return outputs
 
     def _output(self, group: list[Request], changed: list[Request]) -> RequestOutput:

@@ -7,6 +7,7 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import Logprob, RequestMetrics
 from engine.sampling_params import SamplingParams
+from engine.structured import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -27,7 +28,8 @@ class Request:
 
     def __init__(self, request_id: str, parent_id: str, index: int, prompt: str | None,
                  prompt_token_ids: list[int], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer, eos_token_ids: frozenset[int], arrival_time: float):
+                 detokenizer: IncrementalDetokenizer, eos_token_ids: frozenset[int], arrival_time: float,
+                 grammar: RequestGrammar | None = None):
         self.request_id, self.parent_id, self.index = request_id, parent_id, index
         self.prompt, self.prompt_token_ids = prompt, prompt_token_ids
         self.params = params
@@ -44,6 +46,7 @@ class Request:
         self.logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.grammar = grammar  # structured outputs: advanced with every sampled token
         self.generator = None
         if params.seed is not None:
             # index keeps the n samples of one seeded request apart while each stays reproducible
@@ -65,7 +68,7 @@ class Request:
         """Adds a sampled token, detokenizes it and sets `finish_reason` / `stop_reason` if it ends
         the request: EOS or a stop token ("stop"; not shown as text unless
         include_stop_str_in_output), a stop string ("stop"), max_tokens or max_model_len ("length").
-        No stop applies before min_tokens."""
+        No stop applies before min_tokens, except the end of the request's grammar ("stop")."""
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         if logprob is not None and self.logprobs is not None:
@@ -82,6 +85,10 @@ class Request:
             self.finish_reason = "stop"
         elif may_stop and token_id in p.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token_id
+        # A grammar ends with its stop token; it rejects a token only when min_tokens banned that stop
+        # token and nothing else was allowed: the structure is complete either way.
+        if self.grammar is not None and (self.grammar.accept_tokens([token_id]) == 0 or self.grammar.is_terminated):
+            self.finish_reason = self.finish_reason or "stop"
         if self.finish_reason is None or p.include_stop_str_in_output:
             self.detokenizer.update(token_id, check_stop=may_stop)
             if self.finish_reason is None and self.detokenizer.stop_string is not None:

@@ -1,6 +1,8 @@
 """Sampling parameters of one request, with vLLM's names and validation."""
 from dataclasses import dataclass
 
+from engine.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -10,6 +12,7 @@ class SamplingParams:
     not depend on what else is in the batch. Penalties follow vLLM/OpenAI: presence and frequency over
     generated tokens, repetition (multiplicative, CTRL paper, Keskar et al. 2019) over prompt + output.
     `logprobs` = N returns the sampled token's log-probability and the top N (0 = only the sampled one).
+    `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar (needs xgrammar).
 
     Raises:
         ValueError: a field is out of range; the message names the field.
@@ -35,6 +38,7 @@ class SamplingParams:
     prompt_logprobs: None = None  # not supported; kept so vLLM-style kwargs fail clearly if set
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -83,6 +87,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias and any(not -100 <= b <= 100 for b in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

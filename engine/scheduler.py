@@ -70,9 +70,14 @@ class Scheduler:
                 continue
             break  # `req` itself was preempted: nothing below it can run either
         # New requests only when nothing had to be preempted, so a freed block is not handed straight
-        # to a newcomer while older requests wait (FCFS).
+        # to a newcomer while older requests wait (FCFS). Requests whose grammar still compiles stay
+        # waiting, in order, and do not hold up the others.
+        compiling: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.grammar is not None and not req.grammar.ready:
+                compiling.append(self.waiting.popleft())
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, n, hits):
@@ -88,6 +93,7 @@ class Scheduler:
             scheduled.append(req)
             counts.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(compiling))
         return SchedulerOutput(scheduled, counts)
 
     def _preempt(self, req: Request) -> None:
