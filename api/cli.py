@@ -9,7 +9,8 @@ import uvicorn
 
 from api.app import build_app
 from api.serving import ServerSettings
-from engine import AsyncEngine, EngineConfig
+from api.tool_calls import TOOL_CALL_PARSERS
+from engine import AsyncEngine, EngineConfig, StructuredOutputsConfig
 
 logger = logging.getLogger("api")
 
@@ -26,6 +27,13 @@ def byte_size(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 268435456, 256M, 2G)")
     return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _structured_outputs_config(text: str) -> StructuredOutputsConfig:
+    try:
+        return StructuredOutputsConfig.from_json(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -62,6 +70,15 @@ def make_parser() -> argparse.ArgumentParser:
                    help="larger request bodies get 413 (default: %(default)s)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file replacing the tokenizer's")
+    p.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=StructuredOutputsConfig(),
+                   metavar="JSON", help='structured outputs (response_format, structured_outputs, tool_choice '
+                   '"required"/named): JSON object with backend ("xgrammar"), disable_any_whitespace, compile_timeout '
+                   '(seconds, default 10), max_cached_grammars; e.g. \'{"backend": "xgrammar"}\'')
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide on tool calls (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how tool calls are read from the output with --enable-auto-tool-choice: hermes = "
+                        "<tool_call>{...}</tool_call> blocks (Hermes, Qwen)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and uvicorn (default: %(default)s)")
     return p
@@ -103,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
                               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                               kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-                              seed=args.seed)
+                              seed=args.seed, structured_outputs_config=args.structured_outputs_config)
     except ValueError as e:
         parser.error(str(e))
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.max_queue_len is not None and args.max_queue_len < 0:
         parser.error("--max-queue-len must be >= 0")
     chat_template = None
@@ -128,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     if chat_template is None and engine.tokenizer.chat_template is None:
         logger.warning("the tokenizer has no chat template: /v1/chat/completions needs --chat-template")
     settings = ServerSettings(served_model_name=served_name, api_key=args.api_key, max_queue_len=args.max_queue_len,
-                              chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes)
+                              chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
+                              enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              tool_call_parser=args.tool_call_parser)
     server = _Server(uvicorn.Config(build_app(engine, settings), host=args.host, port=args.port, log_config=None,
                                     log_level=args.log_level, timeout_graceful_shutdown=10), engine)
     # uvicorn re-raises the signal that stopped it once it has shut down, under the handlers it found;

@@ -14,6 +14,7 @@ from api.generation import Generation, final_response
 from api.logprobs import CompletionLogprobs, merge
 from api.protocol import CompletionRequest
 from api.serving import ServingContext
+from api.structured_outputs import structured_outputs_params
 from api.streaming import sse_response
 from engine import RequestOutput
 
@@ -33,6 +34,7 @@ async def create_completion(request: Request) -> Response:
         ctx.max_tokens_for(len(prompt), req.max_tokens, "prompt", "max_tokens")
         prompts.append(prompt)
     params = ctx.sampling_params(req, req.max_tokens, req.logprobs)
+    await ctx.constrain(params, *structured_outputs_params(req))
     view = _Completion(ctx, req, prompts)
     generation = ctx.start(prompts, params, view.id)
     if req.stream:
