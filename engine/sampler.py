@@ -8,8 +8,8 @@ from engine.structured import apply_grammar_bitmask
 class Sampler:
     """Samples one token per row of `logits` for the requests that caught up in this step.
 
-    Order, as in vLLM: the grammar mask of structured-output rows, logit_bias, min_tokens (EOS and stop tokens banned), repetition/presence/
-    frequency penalties; then greedy rows take the argmax and the others apply temperature, top-k,
+    Order, as in vLLM: the grammar mask of structured-output rows, logit_bias, min_tokens (EOS and stop
+    tokens banned), repetition/presence/frequency penalties; then greedy rows take the argmax and the others apply temperature, top-k,
     top-p (nucleus, Holtzman et al. 2019) and min-p before drawing with the exponential race
     (argmax p / E, E ~ Exp(1)), which a seeded request draws from its own generator so its samples do
     not depend on the rest of the batch. Logprobs come from the raw logits (grammar-masked).

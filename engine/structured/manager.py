@@ -63,24 +63,25 @@ class StructuredOutputManager:
         return future
 
     def compile_and_wait(self, specs: list[StructuredOutputsParams]) -> None:
-        """Compiles `specs` (in parallel on the pool) and waits for them, `config.compile_timeout` seconds
-        at most. Raises ValueError for the first invalid spec, or if one is still compiling then."""
-        futures = [self.compile(spec) for spec in specs]
-        _, not_done = concurrent.futures.wait(futures, timeout=self.config.compile_timeout)
-        if not_done:
-            raise self.timeout_error()
-        for future in futures:
-            if future.exception() is not None:
-                raise future.exception()
+        """Compiles `specs` (on the pool, in parallel) and waits for each in turn, `config.compile_timeout`
+        seconds at most after the one before (the pool compiles in order, so each grammar gets about that
+        long of its own). Raises ValueError for the first invalid spec, or one still compiling then."""
+        for future in [self.compile(spec) for spec in specs]:
+            try:
+                future.result(timeout=self.config.compile_timeout)
+            except concurrent.futures.TimeoutError:
+                raise self.timeout_error() from None
 
     def timeout_error(self) -> ValueError:
         return ValueError(f"structured outputs: the grammar did not compile within {self.config.compile_timeout} s "
                           f"(compile_timeout of --structured-outputs-config)")
 
     def shutdown(self) -> None:
-        """Stops the compile pool (compiles in flight finish first)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        """Stops the compile pool (compiles in flight finish first); a later compile starts a new one."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
 
     def _compile(self, kind: str, text: str, any_whitespace: bool):
         compiler = self._get_compiler()
