@@ -44,6 +44,7 @@ def in_ebnf_language(text: str) -> bool:
     return re.fullmatch(r"\d{1,3}([-+*/]\d{1,3})*", text) is not None
 
 
+@pytest.mark.slow
 def test_fifty_json_schemas_greedy_and_sampled_validate(llm):
     """Every output of 50 schemas, at temperature 0 and 1, parses and validates; all in one batch. The
     sampled half is compact JSON: with free whitespace the 135M model at temperature 1 wanders through
