@@ -25,8 +25,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class ModelRunner:
     """Loads the model, allocates the paged KV cache, and executes scheduled batches.
 
-    The KV cache is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] in
-    the model dtype; its size comes from `kv_cache_memory` bytes on CPU and from
+    The KV cache is one tensor [num_layers, 2, *backend.kv_cache_shape(num_blocks)] in the model
+    dtype (a block's K/V in each layer is contiguous, in the backend's layout); its size comes from `kv_cache_memory` bytes on CPU and from
     `gpu_memory_utilization` on CUDA. `max_model_len` is capped by what the cache holds, so a
     request can always run alone and nothing deadlocks.
     """
@@ -60,8 +60,8 @@ class ModelRunner:
         # every row at full max_model_len, which costs memory in proportion to it.
         use_graphs = isinstance(self.backend, FlashInferBackend) and not config.enforce_eager
         # With CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V.
-        self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks + use_graphs, self.block_size,
-                                    self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(self.num_layers, 2, *self.backend.kv_cache_shape(self.num_blocks + use_graphs),
+                                    dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler()
         self.graphs = None
@@ -91,8 +91,7 @@ class ModelRunner:
         activations of a forward over max_num_batched_tokens tokens (measured with a tiny cache)."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-n // self.block_size)
-        kv = torch.zeros(self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                         dtype=self.dtype, device=self.device)
+        kv = torch.zeros(self.num_layers, 2, *self.backend.kv_cache_shape(blocks), dtype=self.dtype, device=self.device)
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),

@@ -10,20 +10,21 @@ from typing import Iterable
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from models import ops
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm that first adds a sublayer's output to the float32 residual stream (in place)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as the reference implementation does, then cast back.
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.add_rms_norm(residual, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
@@ -47,23 +48,17 @@ def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE over a precomputed cos/sin table of [max_len, head_dim // 2]."""
+    """Rotate-half RoPE over a precomputed float32 cos/sin table of [max_len, head_dim // 2]."""
 
     def __init__(self, config, head_dim: int, max_len: int):
         super().__init__()
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config, head_dim))
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # Plain attributes, not buffers: `model.to(bfloat16)` must leave the angles in float32.
+        self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of positions (int64 [T]) as [T, 1, head_dim // 2] in `dtype`, once per step."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates x [T, heads, head_dim] by its positions' angles (cos, sin: [T, 1, head_dim // 2])."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions (int64 [T]): float32 [T, head_dim // 2] each, gathered once per step."""
+        return self.cos[positions], self.sin[positions]
 
 
 class LlamaAttention(nn.Module):
@@ -79,12 +74,11 @@ class LlamaAttention(nn.Module):
         self.backend = backend
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
-        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, heads + 2 kv heads, d]
-        qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], *rope)  # q and k in one go
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.num_heads + self.num_kv_heads:]
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(x.shape[0], -1, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # views of qkv
+        ops.rotary_(qkv[:, :self.num_heads + self.num_kv_heads], *rope)  # q and k in place, in one go
         o = self.backend.forward(q, k, v, kv_cache, meta)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return ops.linear(o.view(-1, self.q_size), self.o_proj.weight)
 
 
 class LlamaMLP(nn.Module):
@@ -95,8 +89,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -107,9 +100,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, residual, x, rope, kv_cache, meta):
+        """residual: the float32 stream [T, hidden], updated in place; x: the previous layer's MLP output
+        (None before the first layer). Returns this layer's MLP output, not yet added."""
+        x = self.self_attn(self.input_layernorm(residual, x), rope, kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm(residual, x))
 
 
 def head_dim_of(config) -> int:
@@ -138,15 +133,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
+        # The residual stream stays float32 (see engine/csrc/layer_ops.c); sublayers run in the model dtype.
+        residual, x = self.embed_tokens(input_ids).float(), None
+        rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x = layer(residual, x, rope, kv_cache, meta)
+        return self.norm(residual, x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return ops.linear(hidden, weight).float()
 
     # checkpoint name -> (our parameter, shard index) for the fused projections
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

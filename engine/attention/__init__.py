@@ -5,7 +5,8 @@ import logging
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.attention.cpu import CPUBackend, load_kernels
+from engine import cpu_kernels
+from engine.attention.cpu import CPUBackend
 from engine.attention.torch_native import TorchNativeBackend
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,6 @@ def make_backend(name: str | None, device: torch.device, dtype: torch.dtype, hf_
     if name == "cpu" and device.type != "cpu":
         raise ValueError("attention_backend cpu needs the CPU device")
     if device.type == "cpu" and name in (None, "cpu") and dtype in (torch.float32, torch.bfloat16) \
-            and load_kernels() is not None:
+            and cpu_kernels.load() is not None:
         return CPUBackend(*args)
     return TorchNativeBackend(*args)

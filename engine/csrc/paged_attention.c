@@ -1,0 +1,315 @@
+/* Paged attention on the CPU for a whole engine step: writes the step's new K/V into the paged cache,
+ * then runs every row (decodes and prefill chunks alike), reading K/V in place through the block table.
+ *
+ * Layouts. q, out: [num_tokens, num_heads, head_dim] with a row stride per token (q may be a view of
+ * the fused qkv tensor); k, v (new): [num_tokens, num_kv_heads, head_dim], row strides likewise.
+ * k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] ("HND": one head's keys of one
+ * block are contiguous, so a task streams whole 2 KiB runs instead of every num_kv_heads-th row).
+ * block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs] (cached + new tokens);
+ * query_start_loc int32 [num_seqs + 1]; slot_mapping int64 [num_tokens] (block * block_size + offset).
+ * Query j of a sequence with q new tokens and n in all sits at position n - q + j and sees keys
+ * 0 .. n - q + j (causal).
+ *
+ * Work. A task is (sequence, kv head, tile of up to QT query positions): it computes all G query heads
+ * of the kv head's GQA group for those positions, so each K/V row is read once for G * QT query rows.
+ * Keys are consumed in chunks of up to 16 (never crossing a block) with the online softmax of
+ * FlashAttention (Dao et al. 2022): no score row is stored, K and V are each read once. When a step has
+ * fewer tasks than threads can share (batch 1), each task's keys are split into partitions that run in
+ * parallel and are merged by their log-sum-exp (flash-decoding, Dao et al. 2023).
+ *
+ * ISA. Scores for bfloat16 use AVX512-BF16 dot products (_mm512_dpbf16_ps, products exact, float32
+ * sums) when the CPU has them (checked at run time; `isa` 0 forces the portable path). The portable
+ * path is plain C that the compiler vectorizes, for float32 and for CPUs without AVX512-BF16.
+ * Accumulation is float32 throughout.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define MAX_HEAD_DIM 256
+#define QT 8         /* query positions per task */
+#define MAX_ROWS 64  /* query rows per task: group size * QT positions, at most */
+#define CHUNK 16     /* keys per online-softmax step */
+#define MIN_PART 256 /* keys per partition when a task's keys are split */
+/* "minus infinity" for masked scores and empty maxima: finite, because -ffast-math assumes no infinities */
+#define NEG_INF (-1e30f)
+#define IS_NEG_INF(x) ((x) <= 0.5f * NEG_INF)
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline bf16 f32_to_bf16(float f) { /* round to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+/* Per-task state: rows r = j * G + g (tile position j, head g of the group). */
+typedef struct {
+    int R, G, D;       /* rows, group size, head dim */
+    int first_pos;     /* absolute position of the tile's first query */
+    float scale;
+    float m[MAX_ROWS]; /* running max of each row's scores */
+    float l[MAX_ROWS]; /* running sum of exp(score - m) */
+    float *acc;        /* [R, D] running sum of exp(score - m) * v */
+    float *qf;         /* [R, D] queries in float32 (portable path) */
+    const bf16 *qb[MAX_ROWS]; /* query rows in bfloat16 (AVX512-BF16 path) */
+} Task;
+
+/* Online-softmax update of every row with one chunk's scores s[r][0..n) (already scaled; rows that
+ * cannot see key t have s = NEG_INF), then acc += p @ vf, where vf [n, D] is the chunk's values. */
+static inline void softmax_update(Task *tk, float s[][CHUNK], int n, const float *vf) {
+    const int D = tk->D;
+    for (int r = 0; r < tk->R; r++) {
+        float mx = tk->m[r];
+        for (int t = 0; t < n; t++) mx = s[r][t] > mx ? s[r][t] : mx;
+        if (IS_NEG_INF(mx)) continue; /* the row sees none of these keys */
+        const float alpha = IS_NEG_INF(tk->m[r]) ? 0.f : expf(tk->m[r] - mx);
+        float sum = 0.f;
+        for (int t = 0; t < n; t++) {
+            s[r][t] = IS_NEG_INF(s[r][t]) ? 0.f : expf(s[r][t] - mx);
+            sum += s[r][t];
+        }
+        tk->m[r] = mx;
+        tk->l[r] = tk->l[r] * alpha + sum;
+        float *acc = tk->acc + (size_t)r * D;
+        for (int d = 0; d < D; d++) acc[d] *= alpha;
+        for (int t = 0; t < n; t++) {
+            const float p = s[r][t];
+            const float *vr = vf + (size_t)t * D;
+            for (int d = 0; d < D; d++) acc[d] += p * vr[d];
+        }
+    }
+}
+
+/* Rows that see key position `pos`: those whose query position is >= pos. */
+static inline int first_row_seeing(const Task *tk, int pos) {
+    return pos > tk->first_pos ? (pos - tk->first_pos) * tk->G : 0;
+}
+
+#define LOAD_ROWS(T, CONVERT)                                                                          \
+    static inline void load_rows_##T(const T *src, int n, int D, float *dst) {                         \
+        for (int t = 0; t < n; t++)                                                                    \
+            for (int d = 0; d < D; d++) dst[(size_t)t * D + d] = CONVERT(src[(size_t)t * D + d]);      \
+    }
+static inline float f32_id(float x) { return x; }
+LOAD_ROWS(float, f32_id)
+LOAD_ROWS(bf16, bf16_to_f32)
+
+/* Portable chunk step: scores from float32 copies of the chunk's keys. */
+#define CHUNK_PORTABLE(T)                                                                              \
+    static void chunk_portable_##T(Task *tk, const T *kp, const T *vp, int pos0, int n, float *kvf) {  \
+        const int D = tk->D;                                                                           \
+        float s[MAX_ROWS][CHUNK];                                                                      \
+        load_rows_##T(kp, n, D, kvf);                                                                  \
+        for (int r = 0; r < tk->R; r++) {                                                              \
+            const float *q = tk->qf + (size_t)r * D;                                                   \
+            const int qpos = tk->first_pos + r / tk->G;                                                \
+            for (int t = 0; t < n; t++) {                                                              \
+                float dot = 0.f;                                                                       \
+                const float *kr = kvf + (size_t)t * D;                                                 \
+                for (int d = 0; d < D; d++) dot += q[d] * kr[d];                                       \
+                s[r][t] = pos0 + t <= qpos ? dot * tk->scale : NEG_INF;                                \
+            }                                                                                          \
+        }                                                                                              \
+        load_rows_##T(vp, n, D, kvf);                                                                  \
+        softmax_update(tk, s, n, kvf);                                                                 \
+    }
+CHUNK_PORTABLE(float)
+CHUNK_PORTABLE(bf16)
+
+#if defined(__x86_64__)
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* AVX512-BF16 chunk step (head_dim a multiple of 32): each score is a dot product of bfloat16 pairs
+ * with exact products and float32 sums; values are widened to float32 once per chunk. */
+AVX512BF16 static void chunk_avx512bf16(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n, float *vf) {
+    const int D = tk->D, nv = D / 32;
+    float s[MAX_ROWS][CHUNK];
+    for (int r = 0; r < tk->R; r++)
+        for (int t = 0; t < n; t++) s[r][t] = NEG_INF;
+    for (int t = 0; t < n; t++) {
+        const bf16 *kr = kp + (size_t)t * D;
+        __m512bh k[MAX_HEAD_DIM / 32];
+        for (int c = 0; c < nv; c++) k[c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
+        for (int r = first_row_seeing(tk, pos0 + t); r < tk->R; r++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int c = 0; c < nv; c++)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(tk->qb[r] + 32 * c), k[c]);
+            s[r][t] = _mm512_reduce_add_ps(a) * tk->scale;
+        }
+    }
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < D / 16; c++) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)(vp + (size_t)t * D + 16 * c));
+            _mm512_storeu_ps(vf + (size_t)t * D + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
+    softmax_update(tk, s, n, vf);
+}
+
+static int cpu_has_avx512bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+}
+#else
+static int cpu_has_avx512bf16(void) { return 0; }
+#endif
+
+/* Which path `paged_attention_bf16` takes here: 1 = AVX512-BF16, 0 = portable. */
+int attention_isa(void) { return cpu_has_avx512bf16(); }
+
+/* Runs keys [k_begin, k_end) of one task through its chunks. */
+#define RUN_KEYS(T)                                                                                    \
+    static void run_keys_##T(Task *tk, const T *k_cache, const T *v_cache, const int32_t *table,       \
+                             int k_begin, int k_end, int h, int num_kv_heads, int bs, int avx, float *kvf) { \
+        for (int t = k_begin; t < k_end;) {                                                            \
+            const int off = t % bs;                                                                    \
+            int n = bs - off < CHUNK ? bs - off : CHUNK;                                               \
+            n = k_end - t < n ? k_end - t : n;                                                         \
+            const size_t base = (((size_t)table[t / bs] * num_kv_heads + h) * bs + off) * tk->D;       \
+            CHUNK_DISPATCH_##T(tk, k_cache + base, v_cache + base, t, n, kvf, avx);                    \
+            t += n;                                                                                    \
+        }                                                                                              \
+    }
+#define CHUNK_DISPATCH_float(tk, kp, vp, t, n, kvf, avx) chunk_portable_float(tk, kp, vp, t, n, kvf)
+#if defined(__x86_64__)
+#define CHUNK_DISPATCH_bf16(tk, kp, vp, t, n, kvf, avx)                                                \
+    do {                                                                                               \
+        if (avx) chunk_avx512bf16(tk, kp, vp, t, n, kvf);                                              \
+        else chunk_portable_bf16(tk, kp, vp, t, n, kvf);                                               \
+    } while (0)
+#else
+#define CHUNK_DISPATCH_bf16(tk, kp, vp, t, n, kvf, avx) chunk_portable_bf16(tk, kp, vp, t, n, kvf)
+#endif
+RUN_KEYS(float)
+RUN_KEYS(bf16)
+
+#define PAGED_ATTENTION(T, FROM_F32, TO_F32)                                                           \
+    int paged_attention_##T(const T *q, int q_stride, const T *k, int k_stride, const T *v, int v_stride,   \
+                            T *k_cache, T *v_cache, const int64_t *slot_mapping, int num_tokens,       \
+                            const int32_t *block_tables, const int32_t *seq_lens,                      \
+                            const int32_t *query_start_loc, T *out, int num_seqs, int num_heads,       \
+                            int num_kv_heads, int D, int bs, int max_blocks, float scale,             \
+                            int num_threads, int isa) {                                                \
+        const int G = num_heads / num_kv_heads;                                                        \
+        if (D > MAX_HEAD_DIM || G * QT > MAX_ROWS) return -1;                                          \
+        const int avx = isa && sizeof(T) == 2 && D % 32 == 0 && cpu_has_avx512bf16();                  \
+        /* 1. the new tokens' K/V into their slots (every read below may need them) */                 \
+        _Pragma("omp parallel for num_threads(num_threads)")                                           \
+        for (int i = 0; i < num_tokens; i++) {                                                         \
+            const int64_t blk = slot_mapping[i] / bs, off = slot_mapping[i] % bs;                      \
+            for (int h = 0; h < num_kv_heads; h++) {                                                   \
+                const size_t dst = (((size_t)blk * num_kv_heads + h) * bs + off) * D;                  \
+                memcpy(k_cache + dst, k + (size_t)i * k_stride + (size_t)h * D, D * sizeof(T));        \
+                memcpy(v_cache + dst, v + (size_t)i * v_stride + (size_t)h * D, D * sizeof(T));        \
+            }                                                                                          \
+        }                                                                                              \
+        /* 2. tasks (sequence, kv head, query tile), numbered through a prefix sum of tiles */         \
+        int *tile_start = malloc(sizeof(int) * (num_seqs + 1));                                        \
+        int max_len = 0;                                                                               \
+        tile_start[0] = 0;                                                                             \
+        for (int s = 0; s < num_seqs; s++) {                                                           \
+            const int nq = query_start_loc[s + 1] - query_start_loc[s];                                \
+            tile_start[s + 1] = tile_start[s] + (nq + QT - 1) / QT;                                    \
+            max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;                                   \
+        }                                                                                              \
+        const int num_tasks = tile_start[num_seqs] * num_kv_heads;                                     \
+        /* split keys when tasks are too few to keep every thread busy */                              \
+        int parts = 1;                                                                                 \
+        if (num_tasks < 4 * num_threads) {                                                             \
+            parts = (4 * num_threads + num_tasks - 1) / num_tasks;                                     \
+            const int most = (max_len + MIN_PART - 1) / MIN_PART;                                      \
+            parts = parts < most ? parts : most;                                                       \
+        }                                                                                              \
+        const size_t row_floats = (size_t)MAX_ROWS * D;                                                \
+        /* per thread: acc, qf, key/value chunk; per unit when split: acc, m, l */                     \
+        float *thread_ws = malloc(sizeof(float) * (size_t)num_threads * (2 * row_floats + CHUNK * D));  \
+        float *part_ws = parts > 1 ? malloc(sizeof(float) * (size_t)num_tasks * parts * (row_floats + 2 * MAX_ROWS)) : NULL; \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
+        for (int unit = num_tasks * parts - 1; unit >= 0; unit--) { /* late tiles (long) first */      \
+            const int task = unit / parts, part = unit % parts;                                        \
+            const int h = task % num_kv_heads, tile = task / num_kv_heads;                             \
+            int s = 0;                                                                                 \
+            while (tile_start[s + 1] <= tile) s++;                                                     \
+            const int q_len = query_start_loc[s + 1] - query_start_loc[s];                             \
+            const int j_first = (tile - tile_start[s]) * QT;                                           \
+            const int nq = q_len - j_first < QT ? q_len - j_first : QT;                                \
+            float *ws = thread_ws + (size_t)omp_get_thread_num() * (2 * row_floats + CHUNK * D);       \
+            Task tk = {.R = nq * G, .G = G, .D = D, .first_pos = seq_lens[s] - q_len + j_first,        \
+                       .scale = scale, .acc = ws, .qf = ws + row_floats};                              \
+            const int L = tk.first_pos + nq; /* keys the tile's last query sees */                     \
+            const int per = (L + parts - 1) / parts;                                                   \
+            const int k_begin = part * per, k_end = k_begin + per < L ? k_begin + per : L;             \
+            const size_t tok0 = (size_t)query_start_loc[s] + j_first;                                  \
+            for (int r = 0; r < tk.R; r++) {                                                           \
+                const T *qr = q + (tok0 + r / G) * q_stride + ((size_t)h * G + r % G) * D;             \
+                for (int d = 0; d < D; d++) tk.qf[(size_t)r * D + d] = TO_F32(qr[d]);                  \
+                tk.qb[r] = (const bf16 *)qr;                                                           \
+                tk.m[r] = NEG_INF;                                                                     \
+                tk.l[r] = 0.f;                                                                         \
+            }                                                                                          \
+            memset(tk.acc, 0, sizeof(float) * tk.R * D);                                               \
+            if (k_begin < k_end)                                                                       \
+                run_keys_##T(&tk, k_cache, v_cache, block_tables + (size_t)s * max_blocks, k_begin,   \
+                             k_end, h, num_kv_heads, bs, avx, ws + 2 * row_floats);                    \
+            if (parts == 1) {                                                                          \
+                for (int r = 0; r < tk.R; r++) {                                                       \
+                    T *o = out + (tok0 + r / G) * num_heads * D + ((size_t)h * G + r % G) * D;         \
+                    const float inv = 1.f / tk.l[r];                                                   \
+                    for (int d = 0; d < D; d++) o[d] = FROM_F32(tk.acc[(size_t)r * D + d] * inv);      \
+                }                                                                                      \
+            } else {                                                                                   \
+                float *pw = part_ws + (size_t)unit * (row_floats + 2 * MAX_ROWS);                      \
+                memcpy(pw, tk.acc, sizeof(float) * tk.R * D);                                          \
+                memcpy(pw + row_floats, tk.m, sizeof(float) * tk.R);                                   \
+                memcpy(pw + row_floats + MAX_ROWS, tk.l, sizeof(float) * tk.R);                        \
+            }                                                                                          \
+        }                                                                                              \
+        if (parts > 1) { /* 3. merge each task's partitions by their log-sum-exp */                    \
+            _Pragma("omp parallel for num_threads(num_threads)")                                       \
+            for (int task = 0; task < num_tasks; task++) {                                             \
+                const int h = task % num_kv_heads, tile = task / num_kv_heads;                         \
+                int s = 0;                                                                             \
+                while (tile_start[s + 1] <= tile) s++;                                                 \
+                const int q_len = query_start_loc[s + 1] - query_start_loc[s];                         \
+                const int j_first = (tile - tile_start[s]) * QT;                                       \
+                const int nq = q_len - j_first < QT ? q_len - j_first : QT;                            \
+                const size_t tok0 = (size_t)query_start_loc[s] + j_first;                              \
+                const float *base = part_ws + (size_t)task * parts * (row_floats + 2 * MAX_ROWS);      \
+                for (int r = 0; r < nq * G; r++) {                                                     \
+                    float mx = NEG_INF, l = 0.f, o[MAX_HEAD_DIM] = {0};                                \
+                    for (int p = 0; p < parts; p++) {                                                  \
+                        const float m = base[p * (row_floats + 2 * MAX_ROWS) + row_floats + r];        \
+                        mx = m > mx ? m : mx;                                                          \
+                    }                                                                                  \
+                    for (int p = 0; p < parts; p++) {                                                  \
+                        const float *pw = base + p * (row_floats + 2 * MAX_ROWS);                      \
+                        if (IS_NEG_INF(pw[row_floats + r])) continue; /* an empty partition */         \
+                        const float w = expf(pw[row_floats + r] - mx);                                 \
+                        l += w * pw[row_floats + MAX_ROWS + r];                                        \
+                        for (int d = 0; d < D; d++) o[d] += w * pw[(size_t)r * D + d];                 \
+                    }                                                                                  \
+                    T *dst = out + (tok0 + r / G) * num_heads * D + ((size_t)h * G + r % G) * D;       \
+                    for (int d = 0; d < D; d++) dst[d] = FROM_F32(o[d] / l);                           \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        free(part_ws);                                                                                 \
+        free(thread_ws);                                                                               \
+        free(tile_start);                                                                              \
+        return 0;                                                                                      \
+    }
+
+PAGED_ATTENTION(float, f32_id, f32_id)
+PAGED_ATTENTION(bf16, f32_to_bf16, bf16_to_f32)
