@@ -51,7 +51,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="on CUDA, fraction of GPU memory for model + KV cache (default: %(default)s)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations (default: auto = float32 on CPU, bfloat16 on CUDA)")
+                   help="weights and activations (default: auto = bfloat16 on CUDA and on CPUs with "
+                        "AVX512-BF16 or AMX, float32 on other CPUs)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse KV blocks of prompt prefixes seen before (default: on)")
     p.add_argument("--enforce-eager", action="store_true", help="on CUDA, do not capture CUDA graphs")

