@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from engine import cpu_kernels
 
-SMALL_M = 16  # rows up to which the bfloat16 weight-streaming kernel beats torch's GEMM here
+SMALL_M = 1  # rows up to which the bfloat16 weight-streaming kernel beats torch's GEMM here
 _SUFFIX = {torch.float32: "float", torch.bfloat16: "bf16"}
 
 

@@ -1,12 +1,13 @@
 """The roofline of this machine and of the engine's steps: how far each step kind is from its floor.
 
-1. Measures the machine: bf16 and fp32 GEMM throughput through torch (at 64 and 2048 rows, on the
-   model's MLP shape) and the DRAM read bandwidth (summing a tensor far larger than the caches).
+1. Measures the machine: GEMM throughput through torch on the model's own linear shapes (qkv, o, gate_up,
+   down, LM head; FLOP-weighted) at 64, 256 and 2048 rows, and the DRAM read bandwidth (summing a
+   tensor far larger than the caches).
 2. Counts, for the loaded model, the bytes and FLOPs of a step: the weights of every linear (the
    embedding lookup is negligible), the K/V read for the batch's context lengths, the FLOPs of the
    linears (2 per weight per row) and of attention (4 * context * head_dim per query head per row).
    The floor of a step is max(bytes / bandwidth, FLOPs / compute roof), the compute roof being the
-   measured GEMM rate at the step's row count (at least 64 rows: below that the memory term dominates).
+   GEMM rate measured at the step's row count (64 for fewer rows: there the memory term dominates).
 3. Times real engine steps of each kind (`LLMEngine.step`, scheduling and sampling included): a prefill
    step of --prefill-tokens prompt tokens, and decode steps at batch 1, 8, 64 and 256 with every
    sequence at --context-len tokens; prints measured vs floor; draws the classic roofline plot
@@ -39,6 +40,9 @@ GPU_PEAKS = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12)}
 DECODE_BATCHES = (1, 8, 64, 256)
 
 
+GEMM_ROWS = (64, 256, 2048)
+
+
 @dataclass
 class Machine:
     """Peaks in FLOP/s and bytes/s: `gemm` maps rows (M) to the measured GEMM rate at that M."""
@@ -49,18 +53,29 @@ class Machine:
 
     def compute_roof(self, rows: int) -> float:
         ms = sorted(self.gemm)
-        return self.gemm[max([m for m in ms if m <= max(rows, ms[0])] or ms[:1])]
+        return self.gemm[max([m for m in ms if m <= rows] or ms[:1])]
 
 
-def measure_gemm(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 20) -> float:
-    """FLOP/s of torch's [m, k] @ [k, n] on this CPU (best of `repeats`)."""
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-    best = float("inf")
-    for _ in range(repeats + 3):
-        t = time.perf_counter()
-        torch.nn.functional.linear(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * m * k * n / best
+def measure_gemm(m: int, shapes: list[tuple[int, int]], dtype: torch.dtype, repeats: int = 10) -> float:
+    """FLOP/s of torch's linear on [m, k] x [n, k]^T over `shapes` (k, n), FLOP-weighted: the total
+    FLOPs over the total of each shape's best time."""
+    flops = seconds = 0.0
+    for k, n in shapes:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+        best = float("inf")
+        for _ in range(repeats + 3):
+            t = time.perf_counter()
+            torch.nn.functional.linear(a, b)
+            best = min(best, time.perf_counter() - t)
+        flops, seconds = flops + 2 * m * k * n, seconds + best
+    return flops / seconds
+
+
+def linear_shapes(cfg) -> list[tuple[int, int]]:
+    """(in, out) of each distinct linear of the model: qkv, o, gate_up, down, LM head."""
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    h, kvh, hid, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size, cfg.intermediate_size
+    return [(hid, (h + 2 * kvh) * d), (h * d, hid), (hid, 2 * inter), (inter, hid), (hid, cfg.vocab_size)]
 
 
 def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -160,16 +175,15 @@ def main():
     cfg = llm.engine.runner.model.config if llm else AutoConfig.from_pretrained(resolve_model(None))
     shape = ModelShape.of(cfg, dtype.itemsize)
     if args.device == "cpu":
-        hid, inter = cfg.hidden_size, cfg.intermediate_size
-        machine = Machine("this CPU", {m: measure_gemm(m, hid, 2 * inter, dtype) for m in (64, 2048)},
-                          measure_bandwidth())
-        print(f"this CPU: {dtype} GEMM {machine.gemm[64] / 1e9:.0f} GFLOP/s at 64 rows, "
-              f"{machine.gemm[2048] / 1e9:.0f} at 2048; float32 GEMM "
-              f"{measure_gemm(2048, hid, 2 * inter, torch.float32) / 1e9:.0f} at 2048; "
-              f"DRAM read {machine.bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads")
+        shapes = linear_shapes(cfg)
+        machine = Machine("this CPU", {m: measure_gemm(m, shapes, dtype) for m in GEMM_ROWS}, measure_bandwidth())
+        print(f"this CPU, {torch.get_num_threads()} threads: {args.dtype} GEMM on the model's linears "
+              + ", ".join(f"{machine.gemm[m] / 1e9:.0f} GFLOP/s at {m} rows" for m in GEMM_ROWS)
+              + f"; float32 {measure_gemm(2048, shapes[:4], torch.float32) / 1e9:.0f} at 2048; "
+              f"DRAM read {machine.bandwidth / 1e9:.1f} GB/s")
     else:
         flops, bw = GPU_PEAKS[args.device]
-        machine = Machine(args.device.upper(), {64: flops}, bw)
+        machine = Machine(args.device.upper(), {GEMM_ROWS[0]: flops}, bw)
 
     kinds = [("prefill", args.prefill_tokens, 1 + args.prefill_tokens // 512,
               args.prefill_tokens // 512 * 512 * 513 // 2, 0)]

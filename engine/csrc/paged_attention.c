@@ -179,8 +179,9 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
 /* AVX512-BF16 chunk step for head_dim D (64 or 128), RB query rows at a time. The chunk's keys are
  * transposed into bfloat16 pairs (kt[p] = pair p of all 16 keys), so one dot-product sweep over a query
  * row gives its 16 scores in one register (products exact, sums float32) with no horizontal sums; the
- * softmax runs on those registers; values are widened to float32 as they stream into RB rows x D
- * accumulators held in registers. */
+ * softmax runs on those registers; then P V is again dot products of bfloat16 pairs, weights of two
+ * keys against their interleaved values, into RB rows x D float32 accumulators held in registers
+ * (P in bfloat16 for P V, as FlashAttention does). */
 #define CHUNK_AVX512(D, RB)                                                                            \
     AVX512BF16 static void chunk_avx512_##D##_##RB(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n) { \
         enum { NV = D / 16, NP = D / 2 };                                                              \
@@ -193,6 +194,17 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
             transpose16(rows);                                                                         \
             for (int i = 0; i < 16; i++) kt[p0 + i] = rows[i];                                         \
         }                                                                                              \
+        /* values of keys 2q, 2q + 1 interleaved: vv[q][v], v = 2c (+1) for the low (high) half of   \
+         * each 128-bit lane of the 32 dims c*32.. (see unpermute_acc) */                               \
+        __m512i vv[CHUNK / 2][NV];                                                                     \
+        for (int q = 0; q < (n + 1) / 2; q++)                                                          \
+            for (int c = 0; c < NV / 2; c++) {                                                         \
+                const __m512i a = _mm512_loadu_si512(vp + (size_t)(2 * q) * D + 32 * c);               \
+                const __m512i b = 2 * q + 1 < n ? _mm512_loadu_si512(vp + (size_t)(2 * q + 1) * D + 32 * c) \
+                                                : _mm512_setzero_si512();                              \
+                vv[q][2 * c] = _mm512_unpacklo_epi16(a, b);                                            \
+                vv[q][2 * c + 1] = _mm512_unpackhi_epi16(a, b);                                        \
+            }                                                                                          \
         const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(pos0),                              \
             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));                   \
         const __m512 scale = _mm512_set1_ps(tk->scale), neg = _mm512_set1_ps(NEG_INF);                 \
@@ -205,13 +217,14 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
                 for (int j = 0; j < RB; j++)                                                           \
                     s[j] = _mm512_dpbf16_ps(s[j], (__m512bh)_mm512_set1_epi32(((const int32_t *)tk->qb[row[j]])[p]), \
                                             (__m512bh)kt[p]);                                          \
-            float pw[RB][CHUNK], alpha[RB];                                                            \
+            float alpha[RB];                                                                           \
+            int32_t pw[RB][CHUNK / 2]; /* bfloat16 weight pairs of keys 2q, 2q + 1 */                  \
             for (int j = 0; j < RB; j++) {                                                             \
                 const int r = row[j];                                                                  \
                 const __mmask16 seen = live & _mm512_cmple_epi32_mask(key_pos,                         \
                     _mm512_set1_epi32(tk->first_pos + r / tk->G));                                     \
                 alpha[j] = 1.f;                                                                        \
-                _mm512_storeu_ps(pw[j], _mm512_setzero_ps());                                          \
+                _mm256_storeu_si256((__m256i *)pw[j], _mm256_setzero_si256());                        \
                 if (!seen || r0 + j >= tk->R) continue;                                                \
                 const __m512 sc = _mm512_mask_mov_ps(neg, seen, _mm512_mul_ps(s[j], scale));           \
                 const float mx = fmaxf(tk->m[r], _mm512_reduce_max_ps(sc));                            \
@@ -219,19 +232,17 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
                 alpha[j] = IS_NEG_INF(tk->m[r]) ? 0.f : expf(tk->m[r] - mx);                           \
                 tk->l[r] = tk->l[r] * alpha[j] + _mm512_reduce_add_ps(e);                              \
                 tk->m[r] = mx;                                                                         \
-                _mm512_storeu_ps(pw[j], e);                                                            \
+                _mm256_storeu_si256((__m256i *)pw[j], (__m256i)_mm512_cvtneps_pbh(e));                 \
             }                                                                                          \
             __m512 acc[RB][NV];                                                                        \
             for (int j = 0; j < RB; j++)                                                               \
                 for (int c = 0; c < NV; c++)                                                           \
                     acc[j][c] = _mm512_mul_ps(_mm512_loadu_ps(tk->acc + (size_t)row[j] * D + 16 * c),  \
                                               _mm512_set1_ps(alpha[j]));                               \
-            for (int t = 0; t < n; t++)                                                                \
-                for (int c = 0; c < NV; c++) { /* bfloat16 -> float32 is a 16-bit shift */              \
-                    const __m256i h = _mm256_loadu_si256((const __m256i *)(vp + (size_t)t * D + 16 * c)); \
-                    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); \
-                    for (int j = 0; j < RB; j++)                                                       \
-                        acc[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(pw[j][t]), v, acc[j][c]);           \
+            for (int q = 0; q < (n + 1) / 2; q++)                                                      \
+                for (int j = 0; j < RB; j++) {                                                         \
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[j][q]);                          \
+                    for (int v = 0; v < NV; v++) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], w, (__m512bh)vv[q][v]); \
                 }                                                                                      \
             for (int j = 0; j < RB && r0 + j < tk->R; j++)                                             \
                 for (int c = 0; c < NV; c++) _mm512_storeu_ps(tk->acc + (size_t)(r0 + j) * D + 16 * c, acc[j][c]); \
@@ -243,6 +254,19 @@ CHUNK_AVX512(64, 3)
 CHUNK_AVX512(64, 4)
 CHUNK_AVX512(128, 1)
 CHUNK_AVX512(128, 2)
+
+/* The AVX-512 chunks accumulate each 32 dims c*32.. in two registers in unpack order (v = 2c holds
+ * dims 8L..8L+3 of each 128-bit lane L at 4L.., v = 2c + 1 dims 8L+4..8L+7): back to dim order. */
+AVX512BF16 static void unpermute_acc(Task *tk) {
+    for (int r = 0; r < tk->R; r++)
+        for (int c = 0; c < tk->D / 32; c++) {
+            float *a = tk->acc + (size_t)r * tk->D + 32 * c;
+            const __m512 lo = _mm512_loadu_ps(a), hi = _mm512_loadu_ps(a + 16);
+            const __m512 x0 = _mm512_shuffle_f32x4(lo, hi, 0x44), x1 = _mm512_shuffle_f32x4(lo, hi, 0xEE);
+            _mm512_storeu_ps(a, _mm512_shuffle_f32x4(x0, x0, 0xD8));
+            _mm512_storeu_ps(a + 16, _mm512_shuffle_f32x4(x1, x1, 0xD8));
+        }
+}
 
 /* Rows per block: as many as the task has, up to what keeps 16 accumulator registers. */
 AVX512BF16 static void chunk_avx512(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n) {
@@ -295,6 +319,12 @@ int attention_isa(void) { return cpu_has_avx512bf16(); }
 #endif
 RUN_KEYS(float)
 RUN_KEYS(bf16)
+#define UNPERMUTE_float(tk, avx)
+#if defined(__x86_64__)
+#define UNPERMUTE_bf16(tk, avx) if (avx) unpermute_acc(tk)
+#else
+#define UNPERMUTE_bf16(tk, avx)
+#endif
 
 #define PAGED_ATTENTION(T, FROM_F32, TO_F32)                                                           \
     int paged_attention_##T(const T *q, int q_stride, const T *k, int k_stride, const T *v, int v_stride,   \
@@ -364,6 +394,7 @@ RUN_KEYS(bf16)
             if (k_begin < k_end)                                                                       \
                 run_keys_##T(&tk, k_cache, v_cache, block_tables + (size_t)s * max_blocks, k_begin,   \
                              k_end, h, num_kv_heads, bs, avx, ws + 2 * row_floats);                    \
+            UNPERMUTE_##T(&tk, avx);                                                                   \
             if (parts == 1) {                                                                          \
                 for (int r = 0; r < tk.R; r++) {                                                       \
                     T *o = out + (tok0 + r / G) * num_heads * D + ((size_t)h * G + r % G) * D;         \
