@@ -22,22 +22,31 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
+def save_tiny_model(name: str, path, tokenizer_dir: str, **overrides):
+    """Saves a random tiny `name` model (CONFIGS, with `overrides` of config fields) as a Hugging Face
+    directory with the default model's tokenizer at `path`; returns the transformers model (float32)."""
     torch.manual_seed(0)
     config = CONFIGS[name]()
-    if name == "llama3":  # the scaling really changes the frequencies we use
-        plain = type("Plain", (), {"rope_theta": 500000.0})()
-        assert not torch.allclose(rope_inv_freq(config, 16), rope_inv_freq(plain, 16))
+    for key, value in overrides.items():
+        setattr(config, key, value)
     config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
     ref_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     if name == "qwen2":  # random init leaves biases at zero; make them matter
         for layer in ref_model.model.layers:
             torch.nn.init.normal_(layer.self_attn.q_proj.bias, std=0.5)
             torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=0.5)
-    ref_model.save_pretrained(tmp_path)
+    ref_model.save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{llm.model_dir}/{f}", tmp_path)
+        shutil.copy(f"{tokenizer_dir}/{f}", path)
+    return ref_model
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
+    if name == "llama3":  # the scaling really changes the frequencies we use
+        plain = type("Plain", (), {"rope_theta": 500000.0})()
+        assert not torch.allclose(rope_inv_freq(CONFIGS[name](), 16), rope_inv_freq(plain, 16))
+    ref_model = save_tiny_model(name, tmp_path, llm.model_dir)
     ours = make_llm(model=str(tmp_path))
     prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)  # > 64 positions
     out = ours.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
