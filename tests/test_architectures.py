@@ -1,44 +1,14 @@
-"""Each supported architecture against transformers, on tiny random models saved as HF directories:
+"""Each supported architecture against transformers, on tiny random models saved as HF directories
+(scripts/make_tiny_model.py):
 Llama 3 (llama3 RoPE scaling, untied LM head), Qwen2 (q/k/v biases), Mistral. Plus the registry error."""
-import shutil
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from engine import SamplingParams
 from models import get_model_class
 from models.llama import rope_inv_freq
+from scripts.make_tiny_model import CONFIGS, save_tiny_model
 from tests.conftest import assert_greedy_matches, make_llm
-
-COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
-CONFIGS = {
-    "llama3": lambda: LlamaConfig(**COMMON, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    "qwen2": lambda: Qwen2Config(**COMMON),
-    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
-}
-
-
-def save_tiny_model(name: str, path, tokenizer_dir: str, **overrides):
-    """Saves a random tiny `name` model (CONFIGS, with `overrides` of config fields) as a Hugging Face
-    directory with the default model's tokenizer at `path`; returns the transformers model (float32)."""
-    torch.manual_seed(0)
-    config = CONFIGS[name]()
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
-    ref_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if name == "qwen2":  # random init leaves biases at zero; make them matter
-        for layer in ref_model.model.layers:
-            torch.nn.init.normal_(layer.self_attn.q_proj.bias, std=0.5)
-            torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=0.5)
-    ref_model.save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{f}", path)
-    return ref_model
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -20,8 +20,8 @@ from api.cli import main as server_main
 from engine import LLM, SamplingParams
 from engine.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, partition_heads
 from engine.llm_engine import EngineStepError
+from scripts.make_tiny_model import save_tiny_model
 from tests.conftest import assert_greedy_matches, make_llm
-from tests.test_architectures import save_tiny_model
 
 pytest_plugins = ["server_harness"]
 

@@ -106,6 +106,12 @@ class TPGroup:
         """Rank 0: tells the other ranks to leave their step loop (they exit with status 0)."""
         self._run(self.cpu_group.broadcast, torch.tensor([-1] + [0] * (_HEADER - 1)), 0)
 
+    def abort(self) -> None:
+        """Rank 0, after a rank died: NCCL does not notice a dead peer (gloo does, its sockets close),
+        so its communicators are aborted to release the kernels waiting on it."""
+        if self.device_group is not self.cpu_group:
+            self.device_group.abort()
+
     def _run(self, op, *args) -> None:
         """Runs the collective `op(*args)` to completion; raises EngineDeadError if it fails or the
         group already has."""

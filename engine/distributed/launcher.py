@@ -120,11 +120,12 @@ class Workers:
             return
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
         self.death = f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
-        if self.group is not None and self.group.error is None:
-            self.group.error = self.death
         logger.error("%s; stopping the other ranks: the engine cannot run any more", self.death)
+        self._kill()  # first, so that whoever sees the error finds every rank stopped
+        if self.group is not None:
+            self.group.error = self.group.error or self.death
+            self.group.abort()
         self._died.set()
-        self._kill()
 
     def on_collective_failure(self) -> str | None:
         """Rank 0's collective failed: gives the watchdog a moment to name a rank that died (its
