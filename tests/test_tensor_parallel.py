@@ -1,7 +1,8 @@
 """Tensor parallelism (engine/distributed) on the CPU over gloo: greedy float32 tokens equal the
 reference's under the near-tie rule (the all-reduces change the summation order) with TP=3 on the real
 model (9 query / 3 KV heads: 3 + 1 per rank; against transformers, as TP=1 is) and TP=2 on tiny random
-Llama-3 and Qwen2 models (against TP=1; KV heads split, and replicated); a server with --tensor-parallel-size 3; a killed rank failing the engine
+Llama-3 and Qwen2 models (against TP=1; KV heads split, and replicated); the parallel layers' shards
+against the full layers; a server with --tensor-parallel-size 3; a killed rank failing the engine
 (offline) and taking the server down, with a clear error and no hang; the start-up errors."""
 import asyncio
 import dataclasses
@@ -55,16 +56,19 @@ def tp3():
     stop_workers(llm)
 
 
+@pytest.mark.slow
 def test_tp3_greedy_matches_the_reference_on_the_real_model(tp3, prompts, hf_reference):
     """Against transformers' greedy tokens and top-two gaps, the reference TP=1 is held to in
     test_greedy_vs_hf.py (and already computed in a full run)."""
     attn = tp3.engine.runner.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads) == (3, 1)  # of 9 and 3
     assert attn.qkv_proj.weight.shape == ((3 + 2) * 64, 576) and tp3.engine.runner.kv_cache.shape[-2] == 1
-    for out, ref in zip(tp3.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False), hf_reference):
+    outs = tp3.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    for out, ref in zip(outs, hf_reference):
         assert_greedy_matches(out.outputs[0].token_ids, ref)
 
 
+@pytest.mark.slow
 def test_killed_rank_fails_the_engine_with_a_clear_error(tp3):
     workers = tp3.engine.runner.tp.workers
     victim = workers.procs[1]  # rank 2
@@ -80,6 +84,7 @@ def test_killed_rank_fails_the_engine_with_a_clear_error(tp3):
         tp3.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kv_heads", [("llama3", 2), ("qwen2", 1)])
 def test_tp2_tiny_models_match_tp1(name, kv_heads, llm, tmp_path):
     """llama3: 4 query / 2 KV heads, one KV head per rank; qwen2 (q/k/v biases): one KV head,
@@ -112,8 +117,22 @@ class Shard:
 
 def test_parallel_layers_reassemble_the_full_layers():
     """Shards of 3 ranks loaded from full tensors compute, summed or joined, what the full layer does:
-    column- and row-parallel linears, and a vocabulary (10) that 3 does not divide (padded rows)."""
+    column- and row-parallel linears, and a vocabulary (10) that 3 does not divide (padded rows). And
+    each rank's q/k/v rows: its query heads, its KV head group (shared by ranks when replicated)."""
     torch.manual_seed(0)
+    for heads, kv_heads, n in [(6, 3, 3), (4, 1, 2), (8, 2, 4)]:
+        config, d = SimpleNamespace(hidden_size=8, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                    intermediate_size=8 * n), 2
+        q, k, v = torch.randn(heads * d, 8), torch.randn(kv_heads * d, 8), torch.randn(kv_heads * d, 8)
+        for r in range(n):
+            layer = ColumnParallelLinear.qkv(config, d, False, Shard(r, n))
+            for shard, tensor in enumerate((q, k, v)):
+                layer.weight_loader(layer.weight, tensor, shard)
+            q_rows, kv_rows = heads // n * d, max(1, kv_heads // n) * d
+            group = r * kv_heads // n if kv_heads < n else r  # the KV head group of rank r
+            torch.testing.assert_close(layer.weight, torch.cat([q[r * q_rows:(r + 1) * q_rows],
+                                                                k[group * kv_rows:(group + 1) * kv_rows],
+                                                                v[group * kv_rows:(group + 1) * kv_rows]]))
     n, x = 3, torch.randn(5, 8)
     full_w, full_b = torch.randn(12, 8), torch.randn(12)
     column = [ColumnParallelLinear.merged(8, [6, 6], True, Shard(r, n)) for r in range(n)]
@@ -172,6 +191,7 @@ def tp_server(server_factory, engine_args):
     return server_factory(*args, "--tensor-parallel-size", "3")
 
 
+@pytest.mark.slow
 async def test_tp3_server_answers_requests(tp_server, llm):
     prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,"]
     expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8),
@@ -186,6 +206,7 @@ async def test_tp3_server_answers_requests(tp_server, llm):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
+@pytest.mark.slow
 async def test_killed_rank_takes_the_server_down(tp_server):
     pids = {int(rank): int(pid) for rank, pid in re.findall(r"tensor-parallel rank (\d) of 3: pid (\d+)", tp_server.log())}
     async with httpx.AsyncClient(base_url=tp_server.url, timeout=120) as http:

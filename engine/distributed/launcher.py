@@ -3,7 +3,7 @@
 Rank 0 is the engine's own process (it runs the scheduler, its model shard and the sampler); ranks
 1..N-1 are `python -m engine.distributed.worker` processes that only run their model shard, started
 with torchrun's semantics: rank, world size and the address of the rendezvous (a TCPStore that rank
-0 serves on a free 127.0.0.1 port) on the command line. Unlike multiprocessing's "spawn", this never
+0 serves on a free 127.0.0.1 port, holding the engine config) on the command line. Unlike multiprocessing's "spawn", this never
 re-imports the caller's main module, so a script needs no `if __name__ == "__main__"` guard.
 
 A rank that exits (killed, crashed, out of memory) is seen at once by a watchdog thread waiting on
@@ -12,10 +12,9 @@ fails at once (their sockets close) and every later step raises EngineDeadError;
 the group's `error` and shuts down (api/cli.py).
 """
 import atexit
-import dataclasses
-import json
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -75,11 +74,12 @@ class Workers:
         world = config.tensor_parallel_size
         store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=START_TIMEOUT),
                               wait_for_workers=False)
+        store.set("engine_config", pickle.dumps(config))  # whatever fields it grows
         # the ranks import this very copy of the package, whatever their working directory
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         args = ["--world-size", str(world), "--port", str(store.port), "--device-type", device_type,
-                "--model-dir", model_dir, "--config", json.dumps(dataclasses.asdict(config))]
+                "--model-dir", model_dir]
         self.group: TPGroup | None = None
         self.death: str | None = None  # which rank exited, as the watchdog saw it
         self._died = threading.Event()

@@ -2,9 +2,9 @@
 loads its shard of the model and the KV cache of its heads, then runs the forward pass of every step
 rank 0 broadcasts, until rank 0 says stop."""
 import argparse
-import json
 import logging
 import os
+import pickle
 import signal
 from datetime import timedelta
 
@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from engine.config import EngineConfig
 from engine.distributed.group import EngineDeadError, TPGroup
 from engine.distributed.launcher import START_TIMEOUT, rank_device
 from engine.model_runner import ModelRunner
@@ -29,7 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True, help="rank 0's TCPStore on 127.0.0.1")
     p.add_argument("--device-type", choices=["cpu", "cuda"], required=True)
     p.add_argument("--model-dir", required=True)
-    p.add_argument("--config", required=True, help="the EngineConfig as JSON")
     args = p.parse_args(argv)
     # Ctrl-C reaches the whole process group; rank 0 decides when the ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -42,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     store.set(f"rank{args.rank}", "ready")
     try:
         group = TPGroup(store, args.rank, args.world_size, device)
-        runner = ModelRunner(EngineConfig(**json.loads(args.config)), AutoConfig.from_pretrained(args.model_dir),
-                             args.model_dir, group)
+        config = pickle.loads(store.get("engine_config"))  # rank 0's EngineConfig
+        runner = ModelRunner(config, AutoConfig.from_pretrained(args.model_dir), args.model_dir, group)
         while (step := group.recv_step()) is not None:
             runner.run_model(*step)
     except EngineDeadError as e:
