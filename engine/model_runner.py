@@ -40,7 +40,8 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         world = tp.world_size if tp else 1
-        self.device = tp.device if tp else torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        default_device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = tp.device if tp else torch.device(default_device)
         auto = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.dtype = auto if config.dtype == "auto" else DTYPES[config.dtype]
         if self.device.type == "cpu":  # ranks share the cores

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.distributed.group import TPGroup
-from engine.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, partition_heads
+from engine.distributed.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+                                       partition_heads)
 
 
 class RMSNorm(nn.Module):
@@ -138,8 +139,7 @@ class LlamaForCausalLM(nn.Module):
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else VocabParallelEmbedding(config.vocab_size,
-                                                                                     config.hidden_size, tp)
+        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

@@ -175,7 +175,8 @@ def test_heads_split_or_replicated_or_refused():
 
 
 def test_heads_that_do_not_divide_are_a_startup_error():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide the model's num_attention_heads \(9\)"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide the model's "
+                                         r"num_attention_heads \(9\)"):
         LLM(tensor_parallel_size=2, dtype="float32", kv_cache_memory=64 << 20)
 
 
@@ -208,7 +209,8 @@ async def test_tp3_server_answers_requests(tp_server, llm):
 
 @pytest.mark.slow
 async def test_killed_rank_takes_the_server_down(tp_server):
-    pids = {int(rank): int(pid) for rank, pid in re.findall(r"tensor-parallel rank (\d) of 3: pid (\d+)", tp_server.log())}
+    started = re.findall(r"tensor-parallel rank (\d) of 3: pid (\d+)", tp_server.log())
+    pids = {int(rank): int(pid) for rank, pid in started}
     async with httpx.AsyncClient(base_url=tp_server.url, timeout=120) as http:
         async with http.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 2000,
                                                                 "ignore_eos": True, "stream": True}) as r:

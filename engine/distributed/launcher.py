@@ -3,8 +3,9 @@
 Rank 0 is the engine's own process (it runs the scheduler, its model shard and the sampler); ranks
 1..N-1 are `python -m engine.distributed.worker` processes that only run their model shard, started
 with torchrun's semantics: rank, world size and the address of the rendezvous (a TCPStore that rank
-0 serves on a free 127.0.0.1 port, holding the engine config) on the command line. Unlike multiprocessing's "spawn", this never
-re-imports the caller's main module, so a script needs no `if __name__ == "__main__"` guard.
+0 serves on a free 127.0.0.1 port, holding the engine config) on the command line. Unlike
+multiprocessing's "spawn", this never re-imports the caller's main module, so a script needs no
+`if __name__ == "__main__"` guard.
 
 A rank that exits (killed, crashed, out of memory) is seen at once by a watchdog thread waiting on
 it: the thread records the error, logs it and kills the other ranks, so any collective rank 0 is in

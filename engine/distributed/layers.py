@@ -6,10 +6,13 @@ partial outputs with one all-reduce. Attention heads are split N ways (qkv colum
 row-parallel), as is the MLP's intermediate dimension (gate_up column-, down row-parallel). The
 embedding table and the LM head are split by vocabulary rows.
 
-With `tp` None (one rank) every layer is the plain layer it replaces, at the same cost. Each layer
-has a `weight_loader(param, loaded, shard_id)` that copies this rank's part of a full checkpoint
+With `tp` None (one rank) every layer is the plain layer it replaces, at the same cost, and starts
+from the same random initialisation (scripts/gpu_check.py runs a model that loads no weights). Each
+layer has a `weight_loader(param, loaded, shard_id)` that copies this rank's part of a full checkpoint
 tensor into its parameter.
 """
+import math
+
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -44,6 +47,14 @@ def partition_heads(config, tp_size: int) -> tuple[int, int]:
     return heads // tp_size, max(1, kv_heads // tp_size)
 
 
+def _linear_parameters(out_features: int, in_features: int, bias: bool, fan_in: int):
+    """weight [out_features, in_features] (and bias [out_features]) drawn as nn.Linear draws them for a
+    layer of `fan_in` inputs: uniform in +-1 / sqrt(fan_in)."""
+    bound = 1 / math.sqrt(fan_in)
+    weight = nn.Parameter(torch.empty(out_features, in_features).uniform_(-bound, bound))
+    return weight, nn.Parameter(torch.empty(out_features).uniform_(-bound, bound)) if bias else None
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b for this rank's slice of the output features; one or more projections stacked.
 
@@ -56,8 +67,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, shard_index: list[int]):
         super().__init__()
         self.output_sizes, self.shard_index = output_sizes, shard_index
-        self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size))
-        self.bias = nn.Parameter(torch.empty(sum(output_sizes))) if bias else None
+        self.weight, self.bias = _linear_parameters(sum(output_sizes), input_size, bias, input_size)
 
     @classmethod
     def merged(cls, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup | None):
@@ -95,7 +105,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         rank, size = _rank_size(tp)
-        self.weight = nn.Parameter(torch.empty(output_size, input_size // size))
+        self.weight, _ = _linear_parameters(output_size, input_size // size, False, input_size)
         self.start = rank * (input_size // size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,6 +131,10 @@ class VocabParallelEmbedding(nn.Module):
         rows = -(-vocab_size // size)
         self.start = rank * rows
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)  # as nn.Embedding starts
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -143,3 +157,11 @@ class VocabParallelEmbedding(nn.Module):
         rows = loaded[self.start:self.start + param.shape[0]]
         param.data[:rows.shape[0]].copy_(rows)
         param.data[rows.shape[0]:].zero_()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """An untied LM head: the same vocabulary split, initialised as nn.Linear(hidden, vocab) would be."""
+
+    def reset_parameters(self) -> None:
+        bound = 1 / math.sqrt(self.weight.shape[1])
+        nn.init.uniform_(self.weight, -bound, bound)
