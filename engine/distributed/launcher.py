@@ -153,12 +153,9 @@ class Workers:
         if self.group is not None and self.group.error is None and all(p.poll() is None for p in self.procs):
             try:
                 self.group.stop()
-            except EngineDeadError:
-                pass  # a rank is gone already; the others are killed below
+                for proc in self.procs:
+                    proc.wait(10)
+            except (EngineDeadError, subprocess.TimeoutExpired):
+                pass  # the ones left are killed below
             self.group.error = "the engine was shut down"
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
         self._kill()
