@@ -10,6 +10,7 @@ import uvicorn
 from api.app import build_app
 from api.serving import ServerSettings
 from engine import AsyncEngine, EngineConfig
+from engine.distributed.group import EngineDeadError
 
 logger = logging.getLogger("api")
 
@@ -56,6 +57,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse KV blocks of prompt prefixes seen before (default: on)")
     p.add_argument("--enforce-eager", action="store_true", help="on CUDA, do not capture CUDA graphs")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   help="split the model over this many processes (GPUs on CUDA); see README \"Scale out\" "
+                        "(default: %(default)s)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
+                   help="only 1: pipeline parallelism is not implemented (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling (default: %(default)s)")
     p.add_argument("--max-queue-len", type=int, default=None, help="answer 503 with Retry-After while this many "
                    "accepted requests have not produced a token yet (default: no limit)")
@@ -83,6 +89,12 @@ class _Server(uvicorn.Server):
             url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
             logger.info("ready: %s (OpenAI base_url %s/v1)", url, url)
 
+    async def on_tick(self, counter: int) -> bool:
+        if self._engine.dead_error is not None:  # e.g. a tensor-parallel rank died: nothing can be served
+            logger.error("shutting down: %s", self._engine.dead_error)
+            return True
+        return await super().on_tick(counter)
+
     async def shutdown(self, sockets=None) -> None:
         for server in self.servers:
             server.close()
@@ -94,7 +106,8 @@ class _Server(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the server until SIGINT or SIGTERM; returns the exit status (0 after a clean shutdown,
-    1 if the model cannot be loaded). Bad flags exit with status 2 and a usage message."""
+    1 if the model cannot be loaded or the engine died, e.g. a tensor-parallel rank exited). Bad flags
+    exit with status 2 and a usage message."""
     parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -104,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                               kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-                              seed=args.seed)
+                              seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size)
     except ValueError as e:
         parser.error(str(e))
     if args.max_queue_len is not None and args.max_queue_len < 0:
@@ -118,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--chat-template: {e}")
     try:
         engine = AsyncEngine(config)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EngineDeadError) as e:
         logger.error("cannot load model %s: %s", args.model or "(default)", e)
         return 1
     served_name = args.served_model_name or engine.model_name
@@ -137,4 +151,4 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
-    return 0
+    return 0 if engine.dead_error is None else 1

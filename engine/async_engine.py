@@ -45,6 +45,12 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    @property
+    def dead_error(self) -> str | None:
+        """Why the engine can run no more steps (a tensor-parallel rank died), or None."""
+        tp = self.engine.runner.tp
+        return tp.error if tp is not None else None
+
     async def start(self) -> None:
         """Starts the step coroutine on the running loop (idempotent)."""
         if not self.is_alive:

@@ -8,8 +8,8 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.distributed.launcher import build_runner
 from engine.loader import resolve_model
-from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -40,7 +40,7 @@ class LLMEngine:
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
         hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.runner = ModelRunner(config, hf_config, self.model_dir)
+        self.runner = build_runner(config, hf_config, self.model_dir)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = hf_config.vocab_size
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -12,6 +12,8 @@ from engine.attention.base import AttentionMetadata
 from engine.attention.flashinfer import FlashInferBackend  # imports without flashinfer installed
 from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
+from engine.distributed.group import TPGroup
+from engine.distributed.layers import partition_heads
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from models import get_model_class
@@ -29,31 +31,39 @@ class ModelRunner:
     dtype (a block's K/V in each layer is contiguous, in the backend's layout); its size comes from
     `kv_cache_memory` bytes on CPU and from `gpu_memory_utilization` on CUDA. `max_model_len` is capped by what the cache holds, so a
     request can always run alone and nothing deadlocks.
+
+    With `tp` (tensor parallelism, engine/distributed) this runner is one rank: it holds its shard of
+    the model and the KV cache of its heads, and rank 0 broadcasts each step's inputs to the others.
     """
 
-    def __init__(self, config: EngineConfig, hf_config, model_dir: str):
+    def __init__(self, config: EngineConfig, hf_config, model_dir: str, tp: TPGroup | None = None):
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tp = tp
+        world = tp.world_size if tp else 1
+        default_device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = tp.device if tp else torch.device(default_device)
         if config.dtype == "auto":
             self.dtype, why = auto_dtype(self.device)
             logger.info("dtype %s (auto: %s; --dtype overrides)", str(self.dtype).removeprefix("torch."), why)
         else:
             self.dtype = DTYPES[config.dtype]
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or os.cpu_count())
+        if self.device.type == "cpu":  # ranks share the cores
+            torch.set_num_threads(config.num_threads or max(1, os.cpu_count() // world))
         torch.manual_seed(config.seed)
         self.block_size = config.block_size
         self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads, self.head_dim = hf_config.num_key_value_heads, head_dim_of(hf_config)
+        _, self.num_kv_heads = partition_heads(hf_config, world)  # this rank's
+        self.head_dim = head_dim_of(hf_config)
         model_limit = getattr(hf_config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
-        self.backend = make_backend(config.attention_backend, self.device, self.dtype, hf_config, self.block_size)
+        self.backend = make_backend(config.attention_backend, self.device, self.dtype, hf_config, self.block_size,
+                                    world)
         cls, kwargs = get_model_class(hf_config)
         with torch.device(self.device):
-            self.model = cls(hf_config, self.backend, self.max_model_len, **kwargs).to(self.dtype)
+            self.model = cls(hf_config, self.backend, self.max_model_len, tp=tp, **kwargs).to(self.dtype)
         self.model.load_weights(_iter_safetensors(model_dir))
         self.model.eval()
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = self._num_kv_blocks() if tp is None else tp.min(self._num_kv_blocks())
         capacity = self.num_blocks * self.block_size
         if self.max_model_len > capacity:
             log = logger.warning if config.max_model_len else logger.info
@@ -61,7 +71,8 @@ class ModelRunner:
             self.max_model_len = capacity
         # Graphs only with FlashInfer's graph-safe decode: torch_native would be captured gathering
         # every row at full max_model_len, which costs memory in proportion to it.
-        use_graphs = isinstance(self.backend, FlashInferBackend) and not config.enforce_eager
+        # Not with tensor parallelism: its collectives would have to be captured too.
+        use_graphs = isinstance(self.backend, FlashInferBackend) and not config.enforce_eager and tp is None
         # With CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V.
         self.kv_cache = torch.zeros(self.num_layers, 2, *self.backend.kv_cache_shape(self.num_blocks + use_graphs),
                                     dtype=self.dtype, device=self.device)
@@ -82,8 +93,8 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         if self.device.type == "cuda":
             budget = self._profile_cuda_budget()
-        else:
-            budget = self.config.kv_cache_memory
+        else:  # the ranks share the machine's memory: kv_cache_memory is for all of them
+            budget = self.config.kv_cache_memory // (self.tp.world_size if self.tp else 1)
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:
             raise ValueError(f"KV cache budget of {budget} bytes is below one block ({self.block_bytes} bytes)")
@@ -158,16 +169,27 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput, block_tables: list[list[int]]):
         """Runs one step. Returns (requests that sampled a token, their token ids, their Logprob|None)."""
         input_ids, positions, meta, logits_indices, sampled = self.prepare(batch, block_tables)
+        if self.tp is not None:
+            self.tp.broadcast_step(input_ids, positions, meta, logits_indices)
+        logits = self.run_model(input_ids, positions, meta, logits_indices)
+        if not sampled:
+            return [], [], []
+        tokens, logprobs = self.sampler(logits.cpu(), sampled)
+        return sampled, tokens, logprobs
+
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                  logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """The forward pass of one step (what every tensor-parallel rank runs): float32 logits
+        [N, vocab] of the rows at logits_indices; None when N is 0 and on ranks other than 0."""
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)  # plans for the padded batch itself
         else:
             self.backend.plan(meta)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not sampled:
-            return [], [], []
-        logits = self.model.compute_logits(hidden[logits_indices])
-        tokens, logprobs = self.sampler(logits.cpu(), sampled)
-        return sampled, tokens, logprobs
+        if logits_indices.shape[0] == 0:
+            return None
+        return self.model.compute_logits(hidden[logits_indices])
 
 
 def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:

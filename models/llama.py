@@ -12,7 +12,10 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from models import ops
+from engine import ops
+from engine.distributed.group import TPGroup
+from engine.distributed.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+                                       partition_heads)
 
 
 class RMSNorm(nn.Module):
@@ -62,43 +65,42 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, bias: bool):
+    def __init__(self, config, backend: AttentionBackend, bias: bool, tp: TPGroup | None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # this rank's heads (all of them without tensor parallelism)
+        self.num_heads, self.num_kv_heads = partition_heads(config, tp.world_size if tp else 1)
         self.head_dim = head_dim_of(config)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q, k and v projections fused into one matmul; the loader stacks the checkpoint's three.
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = ColumnParallelLinear.qkv(config, self.head_dim, bias, tp)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, tp)
         self.backend = backend
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(x.shape[0], -1, self.head_dim)
+        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # views of qkv
         ops.rotary_(qkv[:, :self.num_heads + self.num_kv_heads], *rope)  # q and k in place, in one go
         o = self.backend.forward(q, k, v, kv_cache, meta)
-        return ops.linear(o.view(-1, self.q_size), self.o_proj.weight)
+        return self.o_proj(o.view(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup | None):
         super().__init__()
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+        self.gate_up_proj = ColumnParallelLinear.merged(config.hidden_size, [config.intermediate_size] * 2, False, tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
 
     def forward(self, x):
-        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, backend, bias):
+    def __init__(self, config, backend, bias, tp):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend, bias)
+        self.self_attn = LlamaAttention(config, backend, bias, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, residual, x, rope, kv_cache, meta):
         """residual: the float32 stream [T, hidden], updated in place; x: the previous layer's MLP output
@@ -116,20 +118,22 @@ class LlamaForCausalLM(nn.Module):
 
     `forward` maps a flat step batch (input_ids, positions: int64 [T]) to hidden states
     [T, hidden_size]; `compute_logits` maps selected hidden states [N, hidden] to float32 logits
-    [N, vocab]. `qkv_bias` is True for Qwen2 (and any config with `attention_bias`).
+    [N, vocab] (on rank 0 only under tensor parallelism). `qkv_bias` is True for Qwen2 (and any config
+    with `attention_bias`). With `tp`, this rank holds its shard of every layer (engine/distributed).
     """
 
-    def __init__(self, config, backend: AttentionBackend, max_model_len: int, qkv_bias: bool = False):
+    def __init__(self, config, backend: AttentionBackend, max_model_len: int, qkv_bias: bool = False,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_model_len)
         bias = qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, bias)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, bias, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -140,16 +144,16 @@ class LlamaForCausalLM(nn.Module):
             x = layer(residual, x, rope, kv_cache, meta)
         return self.norm(residual, x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear(hidden, weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     # checkpoint name -> (our parameter, shard index) for the fused projections
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies Hugging Face checkpoint tensors into this model, stacking q/k/v and gate/up.
+        """Copies Hugging Face checkpoint tensors into this model, stacking q/k/v and gate/up; a
+        parallel layer's `weight_loader` keeps this rank's part of each tensor.
 
         Raises KeyError for an unknown tensor name and ValueError when a parameter stays unset.
         """
@@ -160,23 +164,17 @@ class LlamaForCausalLM(nn.Module):
                 continue
             name = name.removeprefix("model.")
             parts = name.split(".")
+            shard = 0
             if len(parts) >= 2 and parts[-2] in self._STACKED:
                 fused, shard = self._STACKED[parts[-2]]
-                target = ".".join(parts[:-2] + [fused, parts[-1]])
-                param = params[target]
-                offset = sum(self._shard_sizes(fused)[:shard])
-                param.data[offset:offset + tensor.shape[0]].copy_(tensor)
-                loaded.add((target, shard))
+                name = ".".join(parts[:-2] + [fused, parts[-1]])
+            param = params[name]
+            loader = getattr(self.get_submodule(name.rpartition(".")[0]), "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard)
             else:
-                params[name].data.copy_(tensor)
-                loaded.add((name, 0))
-        missing = [n for n in params if not any(t == n for t, _ in loaded)]
+                param.data.copy_(tensor)
+            loaded.add(name)
+        missing = [n for n in params if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
-
-    def _shard_sizes(self, fused: str) -> list[int]:
-        c = self.config
-        if fused == "qkv_proj":
-            d = head_dim_of(c)
-            return [c.num_attention_heads * d, c.num_key_value_heads * d, c.num_key_value_heads * d]
-        return [c.intermediate_size, c.intermediate_size]

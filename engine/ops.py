@@ -1,10 +1,10 @@
 """The decoder layer's ops: the C kernels of `engine/csrc/` on the CPU, torch everywhere else.
 
-Each op takes and returns plain tensors, so `models/llama.py` reads the same on every device. On the
-CPU (float32 or bfloat16, kernels built) residual-add + RMSNorm, rotary and SiLU-and-mul are one C
-pass each instead of several torch ops, and bfloat16 linears over few rows (decode steps up to
-`SMALL_M` sequences) run a weight-streaming kernel (see engine/csrc/linear.c); a missing compiler or
-another device takes the torch path, which computes the same thing.
+Each op takes and returns plain tensors, so the model (`models/llama.py`, `engine/distributed/layers.py`)
+reads the same on every device. On the CPU (float32 or bfloat16, kernels built) residual-add + RMSNorm,
+rotary and SiLU-and-mul are one C pass each instead of several torch ops, and bfloat16 linears over few
+rows (decode steps up to `SMALL_M` sequences) run a weight-streaming kernel (see engine/csrc/linear.c);
+a missing compiler or another device takes the torch path, which computes the same thing.
 """
 import torch
 import torch.nn.functional as F
