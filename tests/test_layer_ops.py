@@ -63,3 +63,17 @@ def test_small_batch_bf16_linear(m, n, k):
     for bias in (None, b):
         expect = F.linear(x.float(), w.float(), None if bias is None else bias.float())
         torch.testing.assert_close(ops.linear(x, w, bias).float(), expect, atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_logits_refine_the_top_candidates():
+    """A bfloat16 LM head's top logits are float32-exact (the greedy choice is the float32 one); the
+    others keep the GEMM's bfloat16 rounding."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(5, 576, dtype=torch.bfloat16), torch.randn(3000, 576, dtype=torch.bfloat16)
+    exact = F.linear(hidden.float(), weight.float())
+    out = ops.logits(hidden, weight)
+    assert out.dtype == torch.float32
+    top = exact.topk(ops.REFINE_TOP, dim=-1).indices
+    torch.testing.assert_close(out.gather(1, top), exact.gather(1, top), atol=1e-4, rtol=1e-5)
+    assert torch.equal(out.argmax(-1), exact.argmax(-1))
+    torch.testing.assert_close(out, exact, atol=0.3, rtol=1e-2)  # the rest: bfloat16-rounded

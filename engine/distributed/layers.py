@@ -149,10 +149,10 @@ class VocabParallelEmbedding(nn.Module):
         """Float32 logits [N, vocab_size] of hidden [N, hidden] on rank 0 (None on the others): each rank
         computes its vocabulary slice, gathered on rank 0 (vLLM's choice on GPUs; an all-gather would
         send every rank logits it throws away)."""
-        logits = ops.linear(hidden, self.weight)
+        logits = ops.logits(hidden, self.weight)
         if self.tp is not None and (logits := self.tp.gather(logits)) is None:
             return None
-        return logits[:, :self.vocab_size].float()
+        return logits[:, :self.vocab_size]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         rows = loaded[self.start:self.start + param.shape[0]]
