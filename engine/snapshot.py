@@ -12,6 +12,7 @@ import base64
 import itertools
 import time
 from collections import deque
+from operator import attrgetter
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from engine.scheduler import SchedulerOutput
 # allocation may evict), in use by one request, shared (ref count > 1: prefix hits, n > 1 samples).
 FREE, CACHED, USED, SHARED = 0, 1, 2, 3
 FINISHED_SHOWN_S = 5.0  # finished requests stay in snapshots this long (the page fades them out)
+_block_id = attrgetter("block_id")
 
 
 class StepLog:
@@ -88,20 +90,23 @@ class Snapshotter:
         sched, kv = eng.scheduler, eng.kv
         now = time.monotonic()
         n = kv.num_blocks
-        refs = np.zeros(n, np.int32)
+        # every block table as one array (a pool can hold 100k+ blocks: no Python loop per block)
+        reqs = list(itertools.chain(sched.running, sched.waiting))
+        tables = [kv.req_blocks.get(req.request_id, ()) for req in reqs]
+        lengths = np.fromiter(map(len, tables), np.int64, len(tables))
+        ids = np.fromiter(itertools.chain.from_iterable(map(_block_id, t) for t in tables), np.int64, lengths.sum())
+        starts = np.cumsum(lengths) - lengths
+        refs = np.bincount(ids, minlength=n)  # a request holds each of its blocks once
         pos = np.full(n, self._unknown, self._pos_dtype)
-        rows = []
-        for req in itertools.chain(sched.running, sched.waiting):
-            ids = [b.block_id for b in kv.req_blocks.get(req.request_id, ())]
-            refs[ids] += 1  # a request holds each of its blocks once
-            pos[ids] = np.arange(len(ids))
-            rows.append(self._row(req, ids, now))
+        pos[ids] = np.arange(len(ids)) - np.repeat(starts, lengths)
+        rows = [self._row(req, ids[s:s + k].tolist(), now) for req, s, k in zip(reqs, starts, lengths)]
         finished = [dict(self._row(req, [], now), state="finished", reason=req.finish_reason, age=now - t)
                     for t, req in eng.step_log.finished if now - t < FINISHED_SHOWN_S]
 
         # blocks registered in the prefix cache: the ones no request holds are evictable
-        cached_ids = np.fromiter((b.block_id for b in kv.pool.cached.values()), np.int64, len(kv.pool.cached))
-        cached_hash = np.fromiter(kv.pool.cached.keys(), np.int64, len(kv.pool.cached))
+        cached = kv.pool.cached
+        cached_ids = np.fromiter(map(_block_id, cached.values()), np.int64, len(cached))
+        cached_hash = np.fromiter(cached.keys(), np.int64, len(cached))
         state = np.where(refs > 1, SHARED, np.where(refs == 1, USED, FREE)).astype(np.uint8)
         state[cached_ids[refs[cached_ids] == 0]] = CACHED
         # chain positions: remember those of held blocks with their hash, recall them for cached ones

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import make_llm
 from engine import SamplingParams
-from engine.snapshot import CACHED, FREE, SHARED, USED, SnapshotSlot, Snapshotter
+from engine.snapshot import CACHED, FINISHED_SHOWN_S, FREE, SHARED, USED, SnapshotSlot, Snapshotter
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -85,9 +85,12 @@ def test_request_states_counts_and_chunks(llm):
             engine.step()
         snap = snapper.take()
         assert snap["requests"] == [] and snap["kv"]["used"] == snap["kv"]["shared"] == 0
-        assert {r["id"] for r in snap["finished"]} == {"a", "b", "c"}
+        assert [req.request_id for _, req in engine.step_log.finished][-3:] == ["a", "b", "c"]
+        # finished requests are listed for FINISHED_SHOWN_S seconds
+        recent = {req.request_id for t, req in engine.step_log.finished if snap["time"] - t < FINISHED_SHOWN_S}
+        assert {r["id"] for r in snap["finished"]} == recent and "c" in recent
         assert all(r["state"] == "finished" and r["reason"] == "length" and r["output"] == 8 for r in snap["finished"])
-        assert snap["finished"][0]["tokens_per_s"] > 0
+        assert snap["finished"][-1]["tokens_per_s"] > 0
         # the finished requests' full blocks stay in the prefix cache, evictable, positions remembered
         pos = assert_map_matches_pool(snap, engine)
         state, _ = decode_map(snap["kv"])

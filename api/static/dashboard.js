@@ -81,9 +81,11 @@
   const fmtSeconds = (s) => s == null ? '–' : s < 1 ? `${Math.round(s * 1000)} ms` : `${s.toFixed(2)} s`;
   const fmtRate = (x) => x == null ? '–' : x >= 100 ? x.toFixed(0) : x.toFixed(1);
   const fmtPercent = (x) => x == null ? '–' : `${(x * 100).toFixed(1)} %`;
-  const fmtPair = (q) => {  // "120 · 480 ms" or "1.20 · 2.48 s": one unit, the p99's
+  const fmtPair = (q) => {  // "120 · 480 ms", "1.20 · 2.48 s", "9.8 · 39.5 s": one unit, the p99's
     if (!q || q.p50 == null) return '–';
-    return q.p99 < 1 ? `${Math.round(q.p50 * 1000)} · ${Math.round(q.p99 * 1000)} ms` : `${q.p50.toFixed(2)} · ${q.p99.toFixed(2)} s`;
+    if (q.p99 < 1) return `${Math.round(q.p50 * 1000)} · ${Math.round(q.p99 * 1000)} ms`;
+    const digits = q.p99 < 10 ? 2 : 1;
+    return `${q.p50.toFixed(digits)} · ${q.p99.toFixed(digits)} s`;
   };
   const cssVar = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
 
