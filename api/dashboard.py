@@ -114,9 +114,9 @@ class DashboardFeed:
         seq, built_at = self._built
         if slot.latest is not None and (slot.seq != seq or now - built_at >= REFRESH_S):
             self._built = (slot.seq, now)
-            body = {"engine": slot.latest, "metrics": self._window.sample(now), "age": now - slot.latest["time"],
+            body = {"engine": slot.latest, "metrics": self._window.sample(now),
                     "server": {"served_model_name": self._ctx.settings.served_model_name,
-                               "snapshot_interval_s": max(slot.min_interval, slot.cost / slot.max_overhead)}}
+                               "snapshot_interval_s": slot.interval}}
             self.payload = orjson.dumps(body).decode()
         return self.payload
 
@@ -140,7 +140,10 @@ async def events(request: Request) -> Response:
                     yield payload
                 await asyncio.sleep(POLL_S)
 
-    return EventSourceResponse(stream(), sep="\n", ping=15, send_timeout=10, headers={"Cache-Control": "no-store"})
+    # On shutdown the engine stops first, which ends the stream within POLL_S; the grace period lets
+    # that happen before sse-starlette cancels it.
+    return EventSourceResponse(stream(), sep="\n", ping=15, send_timeout=10, shutdown_grace_period=2,
+                               headers={"Cache-Control": "no-store"})
 
 
 def dashboard_routes() -> list:

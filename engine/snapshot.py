@@ -84,7 +84,7 @@ class Snapshotter:
             in hash-chain order); finished: requests finished in the last few seconds.
         kv: block counts by state, and per block `state` (uint8, FREE/CACHED/USED/SHARED) and `pos`
             (its hash-chain position, `pos_unknown` if not known), little-endian arrays in base64.
-        steps: the step log as columns, `age` in seconds before `time`.
+        steps: the step log as columns (`end`: time.monotonic() at each step's end, like `time`).
         """
         eng = self.engine
         sched, kv = eng.scheduler, eng.kv
@@ -107,8 +107,9 @@ class Snapshotter:
         cached = kv.pool.cached
         cached_ids = np.fromiter(map(_block_id, cached.values()), np.int64, len(cached))
         cached_hash = np.fromiter(cached.keys(), np.int64, len(cached))
+        free_cached = cached_ids[refs[cached_ids] == 0]
         state = np.where(refs > 1, SHARED, np.where(refs == 1, USED, FREE)).astype(np.uint8)
-        state[cached_ids[refs[cached_ids] == 0]] = CACHED
+        state[free_cached] = CACHED
         # chain positions: remember those of held blocks with their hash, recall them for cached ones
         held = np.flatnonzero(refs)
         hashes = np.zeros(n, np.int64)
@@ -116,7 +117,6 @@ class Snapshotter:
         is_cached = np.zeros(n, bool)
         is_cached[cached_ids] = True
         self._seen_pos[held], self._seen_hash[held], self._seen_valid[held] = pos[held], hashes[held], is_cached[held]
-        free_cached = cached_ids[refs[cached_ids] == 0]
         known = free_cached[self._seen_valid[free_cached] & (self._seen_hash[free_cached] == hashes[free_cached])]
         pos[known] = self._seen_pos[known]
 
@@ -124,7 +124,7 @@ class Snapshotter:
         steps = list(eng.step_log.steps)
         return {
             "time": now,
-            "config": {"model": eng.model_name, "max_num_seqs": sched.max_num_seqs,
+            "config": {"max_num_seqs": sched.max_num_seqs,
                        "max_num_batched_tokens": sched.max_num_batched_tokens, "max_model_len": eng.max_model_len},
             "requests": rows, "finished": finished,
             "num_running": len(sched.running), "num_waiting": len(sched.waiting),
@@ -134,7 +134,7 @@ class Snapshotter:
                    "shared": int(counts[SHARED]), "state": _b64(state),
                    "pos": _b64(pos.astype(pos.dtype.newbyteorder("<"))),
                    "pos_bytes": pos.itemsize, "pos_unknown": int(self._unknown)},
-            "steps": {"age": [now - s[0] for s in steps], "prefill": [s[1] for s in steps],
+            "steps": {"end": [s[0] for s in steps], "prefill": [s[1] for s in steps],
                       "decode": [s[2] for s in steps], "seconds": [s[3] for s in steps],
                       "preemptions": [s[4] for s in steps]},
         }
@@ -187,6 +187,11 @@ class SnapshotSlot:
         self._next = 0.0  # time.monotonic() from which the next snapshot may be taken
         self._idle_published = False  # the latest snapshot shows the engine idle: nothing can change
 
+    @property
+    def interval(self) -> float:
+        """Seconds between snapshots now: 1 / max_rate, or longer when they are costly."""
+        return max(self.min_interval, self.cost / self.max_overhead)
+
     def add_reader(self) -> None:
         self.readers += 1
         self._next, self._idle_published = 0.0, False  # the new reader gets a snapshot at once
@@ -209,7 +214,7 @@ class SnapshotSlot:
         self.cost = time.monotonic() - start
         snapshot["snapshot_seconds"] = self.cost
         self.latest, self.seq, self._idle_published = snapshot, self.seq + 1, idle
-        self._next = start + max(self.min_interval, self.cost / self.max_overhead)
+        self._next = start + self.interval
 
     def next_due(self) -> float | None:
         """Seconds until a deferred snapshot is due, or None if none is (the idle loop may sleep)."""

@@ -10,6 +10,8 @@ import openai
 import orjson
 import pytest
 
+from api.dashboard import histogram_quantile
+
 pytest_plugins = ["server_harness"]
 
 KEY = "dash-key"
@@ -64,9 +66,10 @@ async def test_page_is_open_and_the_feed_needs_the_key(dash):
     async with httpx.AsyncClient(base_url=dash.url, timeout=60) as http:
         page = await http.get("/dashboard")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-        assert 'src="dashboard/static/dashboard.js"' in page.text and "http" not in page.text.split("<body>")[1]
+        assert 'src="dashboard/static/dashboard.js"' in page.text
         for asset in ("dashboard.js", "dashboard.css"):
-            assert (await http.get(f"/dashboard/static/{asset}")).status_code == 200
+            r = await http.get(f"/dashboard/static/{asset}")
+            assert r.status_code == 200 and "://" not in r.text + page.text  # nothing fetched from elsewhere
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             r = await http.get("/dashboard/events", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -105,6 +108,15 @@ async def test_feed_rate_limit_and_content(dash, sdk):
     assert sum(payloads[-1]["engine"]["steps"]["decode"]) >= 4 * 39
     metrics = payloads[-1]["metrics"]
     assert metrics["generation_tokens"] >= 160 and metrics["ttft"]["p50"] > 0 and metrics["tpot"]["p50"] > 0
+
+
+def test_histogram_quantile_as_prometheus():
+    buckets = [(0.1, 0.0), (0.2, 10.0), (0.4, 20.0), (float("inf"), 20.0)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.2)
+    assert histogram_quantile(0.25, buckets) == pytest.approx(0.15)  # linear within (0.1, 0.2]
+    assert histogram_quantile(0.99, buckets) == pytest.approx(0.2 + 0.2 * 9.8 / 10)
+    assert histogram_quantile(0.99, [(0.1, 1.0), (float("inf"), 10.0)]) == 0.1  # in +Inf: the last bound
+    assert histogram_quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
 
 
 def check_timings(timings: dict, usage) -> None:

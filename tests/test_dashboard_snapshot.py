@@ -136,10 +136,10 @@ def test_shared_blocks_of_n_samples_and_prefix_hits(llm):
 
 
 def test_preemptions_in_step_log_and_timings():
-    # 10 blocks of 16 tokens: four requests growing to 4 blocks each must preempt each other
-    llm = make_llm(kv_cache_memory=10 * 16 * 2 * 30 * 3 * 64 * 4)
-    prompts = [list(range(100 * i, 100 * i + 40)) for i in range(1, 5)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
+    # 6 blocks of 16 tokens: two 44-token prompts fill them; the first to need a fourth block preempts
+    llm = make_llm(kv_cache_memory=6 * 16 * 2 * 30 * 3 * 64 * 4)
+    prompts = [list(range(100 * i, 100 * i + 44)) for i in range(1, 3)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
     engine = llm.engine
     assert engine.scheduler.num_preemptions > 0
     assert sum(s[4] for s in engine.step_log.steps) == engine.scheduler.num_preemptions
@@ -147,11 +147,11 @@ def test_preemptions_in_step_log_and_timings():
     assert sum(s[2] for s in engine.step_log.steps) <= engine.generation_tokens
     for out in outs:
         t = out.metrics.timings()
-        assert t["predicted_n"] == len(out.outputs[0].token_ids) == 24
+        assert t["predicted_n"] == len(out.outputs[0].token_ids) == 12
         assert t["prompt_n"] + t["cached_n"] == len(out.prompt_token_ids) and t["cache_n"] == t["cached_n"]
         assert t["queue_ms"] >= 0 and t["prompt_ms"] > 0 and t["predicted_ms"] > 0
-        assert t["predicted_per_token_ms"] == pytest.approx(t["predicted_ms"] / 24)
-        assert t["predicted_per_second"] == pytest.approx(24e3 / t["predicted_ms"])
+        assert t["predicted_per_token_ms"] == pytest.approx(t["predicted_ms"] / 12)
+        assert t["predicted_per_second"] == pytest.approx(12e3 / t["predicted_ms"])
         assert t["prompt_per_second"] == pytest.approx(t["prompt_n"] * 1e3 / t["prompt_ms"])
 
 
