@@ -10,6 +10,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api import __version__
+from api.dashboard import DashboardFeed, dashboard_routes
 from api.errors import APIError, JSONResponse, handle_api_error, handle_http_exception, handle_unexpected
 from api.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from api.serving import ServerSettings, ServingContext
@@ -65,6 +66,8 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
         Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+    if settings.enable_dashboard:
+        routes += dashboard_routes()
     middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)]
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
@@ -72,4 +75,5 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
                     exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception,
                                         Exception: handle_unexpected})
     app.state.serving = ctx
+    app.state.dashboard = DashboardFeed(ctx) if settings.enable_dashboard else None
     return app

@@ -69,6 +69,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="larger request bodies get 413 (default: %(default)s)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file replacing the tokenizer's")
+    p.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the live dashboard page at /dashboard (default: on; --no-dashboard: 404)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and uvicorn (default: %(default)s)")
     return p
@@ -143,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     if chat_template is None and engine.tokenizer.chat_template is None:
         logger.warning("the tokenizer has no chat template: /v1/chat/completions needs --chat-template")
     settings = ServerSettings(served_model_name=served_name, api_key=args.api_key, max_queue_len=args.max_queue_len,
-                              chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes)
+                              chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
+                              enable_dashboard=args.dashboard)
     server = _Server(uvicorn.Config(build_app(engine, settings), host=args.host, port=args.port, log_config=None,
                                     log_level=args.log_level, timeout_graceful_shutdown=10), engine)
     # uvicorn re-raises the signal that stopped it once it has shut down, under the handlers it found;

@@ -25,7 +25,7 @@ class ServerSettings:
     served_model_name: the model id the API reports and accepts. api_key: bearer token required on the
     API routes, None = open. max_queue_len: new requests get 503 while this many accepted requests have
     not produced a token yet, None = no limit. chat_template: Jinja source overriding the tokenizer's.
-    max_request_body_bytes: larger bodies get 413.
+    max_request_body_bytes: larger bodies get 413. enable_dashboard: serve /dashboard (api/dashboard.py).
     """
 
     served_model_name: str
@@ -33,6 +33,7 @@ class ServerSettings:
     max_queue_len: int | None = None
     chat_template: str | None = None
     max_request_body_bytes: int = 8 << 20
+    enable_dashboard: bool = True
 
 
 class ServingContext:

@@ -54,7 +54,7 @@ class _ChatCompletion:
                     "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in output.outputs]
         usage = self._usage(sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens)
-        return self._body("chat.completion", choices) | {"usage": usage}
+        return self._body("chat.completion", choices) | {"usage": usage, "timings": output.metrics.timings()}
 
     async def stream(self, generation: Generation):
         """First a `delta.role` chunk per choice, then `delta.content` chunks; a choice's last chunk
@@ -64,9 +64,9 @@ class _ChatCompletion:
         for index in range(self.req.n):
             yield self._body("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                         "logprobs": None, "finish_reason": None}]) | usage_field
-        sent_chars, sent_logprobs, num_tokens, cached = {}, {}, {}, 0
+        sent_chars, sent_logprobs, num_tokens, cached, metrics = {}, {}, {}, 0, None
         async for _, out in generation:
-            cached = out.num_cached_tokens
+            cached, metrics = out.num_cached_tokens, out.metrics
             for c in out.outputs:
                 text = c.text[sent_chars.get(c.index, 0):]
                 logprobs = self._logprobs(c.logprobs[sent_logprobs.get(c.index, 0):]) if self.req.logprobs else None
@@ -78,4 +78,5 @@ class _ChatCompletion:
                         {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
                          "stop_reason": c.stop_reason}]) | usage_field
         if self.req.include_usage:
-            yield self._body("chat.completion.chunk", []) | {"usage": self._usage(sum(num_tokens.values()), cached)}
+            yield self._body("chat.completion.chunk", []) | {"usage": self._usage(sum(num_tokens.values()), cached),
+                                                             "timings": metrics.timings()}

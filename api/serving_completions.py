@@ -16,6 +16,7 @@ from api.protocol import CompletionRequest
 from api.serving import ServingContext
 from api.streaming import sse_response
 from engine import RequestOutput
+from engine.outputs import RequestMetrics
 
 
 async def create_completion(request: Request) -> Response:
@@ -75,16 +76,16 @@ class _Completion:
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         usage = self._usage(completion_tokens, sum(out.num_cached_tokens for out in outputs))
-        return self._body(choices) | {"usage": usage}
+        return self._body(choices) | {"usage": usage, "timings": _timings(outputs)}
 
     async def stream(self, generation: Generation):
         """Chunks as the engine makes them: each carries the new text of one choice, the last one of a
         choice its finish_reason; with include_usage, `usage` is null in each and a final chunk has it."""
         usage_field = {"usage": None} if self.req.include_usage else {}
         sent_chars, sent_logprobs, builders = {}, {}, {}
-        num_tokens, cached = {}, {}
+        num_tokens, cached, last = {}, {}, {}
         async for i, out in generation:
-            cached[i] = out.num_cached_tokens
+            cached[i], last[i] = out.num_cached_tokens, out
             for c in out.outputs:
                 index = i * self.req.n + c.index
                 first = index not in sent_chars
@@ -101,4 +102,10 @@ class _Completion:
                     yield self._body([{"index": index, "text": text, "logprobs": logprobs,
                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]) | usage_field
         if self.req.include_usage:
-            yield self._body([]) | {"usage": self._usage(sum(num_tokens.values()), sum(cached.values()))}
+            yield self._body([]) | {"usage": self._usage(sum(num_tokens.values()), sum(cached.values())),
+                                    "timings": _timings(list(last.values()))}
+
+
+def _timings(outputs: list[RequestOutput]) -> dict:
+    """llama.cpp's `timings` of the whole request, over all its prompts and samples."""
+    return RequestMetrics.merge([out.metrics for out in outputs]).timings()

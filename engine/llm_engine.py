@@ -10,10 +10,11 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed.launcher import build_runner
 from engine.loader import resolve_model
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.snapshot import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(hf_config)
         self.groups: dict[str, list[Request]] = {}
         self.generation_tokens = 0
+        self.step_log = StepLog()  # recent steps, for the dashboard
         self._ids = itertools.count()
         logger.info("model %s: %s on %s, %s attention, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
                     self.model_name, str(self.runner.dtype).removeprefix("torch."), self.runner.device,
@@ -131,6 +133,7 @@ class LLMEngine:
 
         Raises EngineStepError after finishing the step's requests if the model step failed.
         """
+        start = time.monotonic()
         batch = self.scheduler.schedule()
         if not batch.requests:
             return []
@@ -154,6 +157,7 @@ class LLMEngine:
                 self.scheduler.finish(req, req.finish_reason)
             changed.setdefault(req.parent_id, []).append(req)
         self.generation_tokens += len(sampled)
+        self.step_log.record(batch, start, self.scheduler.num_preemptions)
         outputs = []
         for parent, reqs in changed.items():
             group = self.groups[parent]
@@ -171,10 +175,11 @@ class LLMEngine:
             logprobs=list(r.logprobs) if r.logprobs is not None else None,
             finish_reason=r.finish_reason, stop_reason=r.stop_reason) for r in changed]
         finished = all(r.is_finished for r in group)
+        metrics = first.metrics if len(group) == 1 else RequestMetrics.merge([r.metrics for r in group])
         if finished:
-            first.metrics.finished_time = time.monotonic()
+            metrics.finished_time = time.monotonic()
         return RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids, completions, finished,
-                             max(first.num_cached_tokens, 0), first.metrics)
+                             max(first.num_cached_tokens, 0), metrics)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

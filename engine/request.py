@@ -43,7 +43,7 @@ class Request:
         self.detokenizer = detokenizer
         self.logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.generator = None
         if params.seed is not None:
             # index keeps the n samples of one seeded request apart while each stays reproducible
@@ -75,6 +75,7 @@ class Request:
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now
+        self.metrics.num_generation_tokens += 1
 
         p, n_out = self.params, len(self.output_token_ids)
         may_stop = n_out >= p.min_tokens

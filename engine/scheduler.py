@@ -80,7 +80,7 @@ class Scheduler:
             self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit_tokens
+                req.num_cached_tokens = req.metrics.num_cached_tokens = num_hit_tokens
                 req.metrics.first_scheduled_time = time.monotonic()
                 self.num_prompt_tokens += req.num_prompt_tokens
             req.status = RequestStatus.RUNNING
@@ -96,6 +96,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+        req.metrics.num_preemptions += 1
 
     def finish(self, req: Request, reason: str, uncache: bool = False) -> None:
         """Removes a request (finished, aborted or failed) and frees its blocks at once."""

@@ -1,5 +1,5 @@
 """server.py's flags: --help, --api-key, --served-model-name, --max-queue-len (503 + Retry-After),
---max-request-body-bytes, --chat-template, the startup log, and a clean exit on SIGINT with a
+--max-request-body-bytes, --chat-template, --no-dashboard, the startup log, and a clean exit on SIGINT with a
 request in flight. One extra server runs every test here, in order; the last one stops it."""
 import asyncio
 import signal
@@ -26,7 +26,7 @@ def aux(server_factory, tmp_path_factory):
     return server_factory("--api-key", KEY, "--served-model-name", "smol", "--max-queue-len", "1",
                           "--max-num-seqs", "1", "--max-request-body-bytes", "4096", "--chat-template", str(template),
                           "--max-model-len", "512", "--kv-cache-memory", "64M", "--dtype", "float32",
-                          "--no-enable-prefix-caching")
+                          "--no-enable-prefix-caching", "--no-dashboard")
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def test_help_documents_every_flag():
     for flag in ["--model", "--host", "--port", "--api-key", "--served-model-name", "--max-model-len",
                  "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--kv-cache-memory",
                  "--gpu-memory-utilization", "--dtype", "--no-enable-prefix-caching", "--max-queue-len",
-                 "--chat-template", "--log-level"]:
+                 "--chat-template", "--no-dashboard", "--log-level"]:
         assert flag in out
     bad = subprocess.run([sys.executable, "server.py", "--block-size", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "block_size must be >= 1" in bad.stderr
@@ -64,6 +64,12 @@ async def test_api_key_required_except_probes(aux):
     async with openai.AsyncOpenAI(base_url=f"{aux.url}/v1", api_key="wrong", max_retries=0) as sdk:
         with pytest.raises(openai.AuthenticationError):
             await sdk.models.list()
+
+
+async def test_no_dashboard(client):
+    for path in ("/dashboard", "/dashboard/events", "/dashboard/static/dashboard.js"):
+        r = await client.get(path)
+        assert r.status_code == 404 and r.json()["error"]["message"] == f"Invalid URL (GET {path})"
 
 
 async def test_served_model_name(aux):
