@@ -35,6 +35,15 @@ class ServerSettings:
     max_request_body_bytes: int = 8 << 20
 
 
+def is_json_content_type(value: str) -> bool:
+    """Whether a Content-Type header declares JSON, as FastAPI (so vLLM) decides: application/json or
+    application/*+json, any parameters (charset) allowed. A request without the header is read as
+    JSON too."""
+    media_type = value.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/")
+                                                 and media_type.endswith("+json"))
+
+
 class ServingContext:
     """The engine, settings and metrics behind every endpoint of one app."""
 
@@ -53,7 +62,12 @@ class ServingContext:
         return self.tokenizer.decode([token_id])
 
     async def parse(self, request: Request, model: type[BaseModel]):
-        """The JSON body validated as `model`, for the served model. Raises APIError 400 / 404."""
+        """The JSON body validated as `model`, for the served model. Raises APIError 415 for a body
+        that is not declared JSON (see `is_json_content_type`), 400 / 404 for a bad one."""
+        content_type = request.headers.get("content-type")
+        if content_type and not is_json_content_type(content_type):
+            raise APIError(415, f"unsupported Content-Type {content_type!r}: send the body as JSON with "
+                                f"`Content-Type: application/json`", code="unsupported_media_type")
         try:
             data = orjson.loads(await request.body())
         except orjson.JSONDecodeError as e:

@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.generation import Generation, final_response
-from api.logprobs import chat_logprobs
+from api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from api.protocol import ChatCompletionRequest
 from api.serving import ServingContext
 from api.streaming import sse_response
@@ -54,7 +54,13 @@ class _ChatCompletion:
                     "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in output.outputs]
         usage = self._usage(sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens)
-        return self._body("chat.completion", choices) | {"usage": usage}
+        return self._body("chat.completion", choices) | {"usage": usage} | self._prompt_logprobs(output)
+
+    def _prompt_logprobs(self, output: RequestOutput) -> dict:
+        """vLLM's top-level `prompt_logprobs` field (in the first content chunk when streaming)."""
+        if self.req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(output.prompt_logprobs or [], self.ctx.token_text)}
 
     async def stream(self, generation: Generation):
         """First a `delta.role` chunk per choice, then `delta.content` chunks; a choice's last chunk
@@ -65,8 +71,13 @@ class _ChatCompletion:
             yield self._body("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                         "logprobs": None, "finish_reason": None}]) | usage_field
         sent_chars, sent_logprobs, num_tokens, cached = {}, {}, {}, 0
+        prompt_field = None
         async for _, out in generation:
             cached = out.num_cached_tokens
+            if prompt_field is None:
+                prompt_field = self._prompt_logprobs(out)
+                if prompt_field:
+                    yield self._body("chat.completion.chunk", []) | prompt_field | usage_field
             for c in out.outputs:
                 text = c.text[sent_chars.get(c.index, 0):]
                 logprobs = self._logprobs(c.logprobs[sent_logprobs.get(c.index, 0):]) if self.req.logprobs else None

@@ -145,9 +145,12 @@ class LLMEngine:
                     if not req.is_finished:
                         self.scheduler.finish(req, "abort", uncache=True)
             raise EngineStepError(parents, e) from e
+        changed: dict[str, list[Request]] = {}
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-        changed: dict[str, list[Request]] = {}
+            if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                self.scheduler.finish(req, "length")  # a prompt-only request ends after its prefill
+                changed.setdefault(req.parent_id, []).append(req)
         for req, token, logprob in zip(sampled, tokens, logprobs):
             req.append_token(token, logprob, self.max_model_len)
             if req.finish_reason is not None:
@@ -173,8 +176,11 @@ class LLMEngine:
         finished = all(r.is_finished for r in group)
         if finished:
             first.metrics.finished_time = time.monotonic()
+        prompt_logprobs = first.prompt_logprobs
+        if prompt_logprobs is not None and len(prompt_logprobs) < first.num_prompt_tokens:
+            prompt_logprobs = None  # aborted before its prompt was computed
         return RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids, completions, finished,
-                             max(first.num_cached_tokens, 0), first.metrics)
+                             max(first.num_cached_tokens, 0), first.metrics, prompt_logprobs)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

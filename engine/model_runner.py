@@ -10,6 +10,7 @@ from safetensors import safe_open
 from engine.attention import make_backend
 from engine.attention.base import AttentionMetadata
 from engine.attention.flashinfer import FlashInferBackend  # imports without flashinfer installed
+from engine import prompt_logprobs
 from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
 from engine.sampler import Sampler
@@ -118,8 +119,9 @@ class ModelRunner:
         """Builds the step's flat input tensors and attention metadata.
 
         Rows with one new token (decodes) go first, as the attention backends want. Returns
-        (input_ids int64 [T], positions int64 [T], meta, logits_indices int64 [N], sampled requests):
-        a request is sampled when its new tokens reach its last token; N <= B.
+        (input_ids int64 [T], positions int64 [T], meta, logits_indices int64 [N], sampled requests,
+        prompt-logprob rows): a request is sampled when its new tokens reach its last token (unless it
+        is prompt-only, max_tokens 0); N <= B.
         """
         order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] != 1)
         reqs = [batch.requests[i] for i in order]
@@ -139,7 +141,7 @@ class ModelRunner:
             bt[i, :len(t)] = t
         bs = self.block_size
         slots = bt[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        sampled = [i for i, r in enumerate(reqs) if seq_lens[i] == r.num_tokens]
+        sampled = [i for i, r in enumerate(reqs) if seq_lens[i] == r.num_tokens and r.params.max_tokens != 0]
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
@@ -150,17 +152,20 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
         logits_indices = torch.from_numpy(qsl[1:][sampled] - 1).to(dev)
         return (torch.from_numpy(input_ids.astype(np.int64)).to(dev), torch.from_numpy(positions).to(dev),
-                meta, logits_indices, [reqs[i] for i in sampled])
+                meta, logits_indices, [reqs[i] for i in sampled],
+                prompt_logprobs.select_rows(reqs, starts, counts, qsl))
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, block_tables: list[list[int]]):
         """Runs one step. Returns (requests that sampled a token, their token ids, their Logprob|None)."""
-        input_ids, positions, meta, logits_indices, sampled = self.prepare(batch, block_tables)
+        input_ids, positions, meta, logits_indices, sampled, prompt_rows = self.prepare(batch, block_tables)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)  # plans for the padded batch itself
         else:
             self.backend.plan(meta)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if prompt_rows:
+            prompt_logprobs.collect(self.model, hidden, prompt_rows)
         if not sampled:
             return [], [], []
         logits = self.model.compute_logits(hidden[logits_indices])
