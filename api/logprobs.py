@@ -68,12 +68,12 @@ def chat_logprobs(logprobs: list[Logprob], token_text: Callable[[int], str]) -> 
 
 
 def vllm_prompt_logprobs(prompt_logprobs: list[Logprob | None], token_text: Callable[[int], str]) -> list:
-    """vLLM's `prompt_logprobs` response field: per prompt token None (the first) or {token id:
-    {"logprob", "rank", "decoded_token"}} holding the prompt token and the requested top-k."""
+    """vLLM's `prompt_logprobs` response field: per prompt token None (the first) or {token id (as a
+    JSON key string): {"logprob", "rank", "decoded_token"}} holding the prompt token and the top-k."""
     def entry(lp: Logprob) -> dict:
-        out = {t: {"logprob": _finite(v), "rank": rank, "decoded_token": token_text(t)}
+        out = {str(t): {"logprob": _finite(v), "rank": rank, "decoded_token": token_text(t)}
                for rank, (t, v) in enumerate(lp.top_logprobs, start=1)}
-        out.setdefault(lp.token_id, {"logprob": _finite(lp.logprob), "rank": lp.rank,
+        out.setdefault(str(lp.token_id), {"logprob": _finite(lp.logprob), "rank": lp.rank,
                                      "decoded_token": token_text(lp.token_id)})
         return out
 

@@ -9,6 +9,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from api.drain import Drain
 from api.errors import APIError, from_validation_error
 from api.generation import Generation
 from api.metrics import ServerMetrics
@@ -55,6 +56,7 @@ class ServingContext:
         self.metrics = ServerMetrics(engine, settings.served_model_name)
         self.created = int(time.time())  # reported as the model's creation time
         self.num_queued = 0  # engine requests accepted that have not produced output yet
+        self.drain = Drain()  # requests in flight, and whether the server is shutting down
         # Logprobs name the same few thousand tokens over and over.
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
 

@@ -15,7 +15,9 @@ from engine import RequestOutput
 
 
 async def create_chat_completion(request: Request) -> Response:
-    """Raises APIError: 400 invalid request, 404 unknown model, 503 busy; 500 if the engine failed."""
+    """OpenAI's chat completions API, with vLLM's sampling extras; streamed with `stream: true`.
+
+    Raises APIError: 400 invalid request, 404 unknown model, 503 busy; 500 if the engine failed."""
     ctx: ServingContext = request.app.state.serving
     req = await ctx.parse(request, ChatCompletionRequest)
     prompt = ctx.encode_chat(req.messages, req.add_generation_prompt)

@@ -20,7 +20,9 @@ from engine import RequestOutput
 
 
 async def create_completion(request: Request) -> Response:
-    """Raises APIError: 400 invalid request, 404 unknown model, 503 busy; 500 if the engine failed."""
+    """OpenAI's (legacy) completions API, with vLLM's sampling extras; streamed with `stream: true`.
+
+    Raises APIError: 400 invalid request, 404 unknown model, 503 busy; 500 if the engine failed."""
     ctx: ServingContext = request.app.state.serving
     req = await ctx.parse(request, CompletionRequest)
     if req.max_tokens == 0 and not req.echo:

@@ -112,15 +112,24 @@ async def test_queue_full_gets_503_with_retry_after(client, aux):
     assert r.status_code == 200
 
 
-async def test_sigint_aborts_in_flight_requests_and_exits_0(client, aux):
-    """Runs last: stops the extra server."""
+async def test_second_sigint_aborts_in_flight_requests_and_exits_0(client, aux):
+    """Runs last: stops the extra server. The first SIGINT drains (new requests get 503), the second
+    aborts what is still running."""
     async with client.stream("POST", "/v1/completions", json={"prompt": "Once"} | LONG) as stream:
         lines = stream.aiter_lines()
         await _first_chunk(lines)
         aux.proc.send_signal(signal.SIGINT)
+        for _ in range(100):  # the signal is handled by the server's event loop soon
+            r = await client.get("/health")
+            if r.status_code == 503:
+                break
+            await asyncio.sleep(0.05)
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert r.json()["error"]["code"] == "shutting_down"
+        aux.proc.send_signal(signal.SIGINT)
         rest = [line async for line in lines if line]
     assert '"finish_reason":"abort"' in rest[-2] and rest[-1] == "data: [DONE]"
     assert aux.proc.wait(timeout=30) == 0
-    assert "aborting in-flight requests" in aux.log()
+    assert "aborting 1 requests still in flight" in aux.log()
     with pytest.raises(httpx.ConnectError):
         await client.get("/health")
