@@ -36,11 +36,17 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        start = time.perf_counter()
         self.model_dir = resolve_model(config.model)
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
         hf_config = AutoConfig.from_pretrained(self.model_dir)
+        config_done = time.perf_counter()
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        tokenizer_done = time.perf_counter()
         self.runner = ModelRunner(config, hf_config, self.model_dir)
+        logger.info("engine built in %.2fs: model config %.2fs, tokenizer %.2fs, model and KV cache %.2fs",
+                    time.perf_counter() - start, config_done - start, tokenizer_done - config_done,
+                    time.perf_counter() - tokenizer_done)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = hf_config.vocab_size
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)

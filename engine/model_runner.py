@@ -10,7 +10,7 @@ from safetensors import safe_open
 from engine.attention import make_backend
 from engine.attention.base import AttentionMetadata
 from engine.attention.flashinfer import FlashInferBackend  # imports without flashinfer installed
-from engine import prompt_logprobs
+from engine import host_memory, prompt_logprobs
 from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
 from engine.sampler import Sampler
@@ -47,8 +47,9 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         self.backend = make_backend(config.attention_backend, self.device, self.dtype, hf_config, self.block_size)
         cls, kwargs = get_model_class(hf_config)
-        with torch.device(self.device):
-            self.model = cls(hf_config, self.backend, self.max_model_len, **kwargs).to(self.dtype)
+        with torch.device("meta"):  # no random init (~1 s per 100M parameters): the checkpoint fills all
+            model = cls(hf_config, self.backend, self.max_model_len, **kwargs)
+        self.model = model.to_empty(device=self.device).to(self.dtype)
         self.model.load_weights(_iter_safetensors(model_dir))
         self.model.eval()
         self.num_blocks = self._num_kv_blocks()
@@ -61,8 +62,9 @@ class ModelRunner:
         # every row at full max_model_len, which costs memory in proportion to it.
         use_graphs = isinstance(self.backend, FlashInferBackend) and not config.enforce_eager
         # With CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V.
-        self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks + use_graphs, self.block_size,
-                                    self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        shape = (self.num_layers, 2, self.num_blocks + use_graphs, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache = host_memory.zeros(shape, self.dtype) if self.device.type == "cpu" else \
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler()
         self.graphs = None

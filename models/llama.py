@@ -51,9 +51,20 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, head_dim: int, max_len: int):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config, head_dim))
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.config, self.head_dim = config, head_dim
+        self.register_buffer("cos", torch.empty(max_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_len, head_dim // 2), persistent=False)
+        self.compute_table()
+
+    def compute_table(self) -> None:
+        """Fills the table in float32, in place (on the buffers' device and in their dtype); again after
+        a model built on the meta device is materialized with `to_empty`."""
+        if self.cos.is_meta:
+            return
+        positions = torch.arange(self.cos.shape[0], dtype=torch.float32, device=self.cos.device)
+        freqs = torch.outer(positions, rope_inv_freq(self.config, self.head_dim).to(self.cos.device))
+        self.cos.copy_(freqs.cos())
+        self.sin.copy_(freqs.sin())
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of positions (int64 [T]) as [T, 1, head_dim // 2] in `dtype`, once per step."""
@@ -153,7 +164,9 @@ class LlamaForCausalLM(nn.Module):
                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies Hugging Face checkpoint tensors into this model, stacking q/k/v and gate/up.
+        """Copies Hugging Face checkpoint tensors into this model, stacking q/k/v and gate/up, and
+        computes the rotary table (not in checkpoints), so the model may be built on the meta device
+        and materialized with `to_empty` (no random init of weights the checkpoint overwrites).
 
         Raises KeyError for an unknown tensor name and ValueError when a parameter stays unset.
         """
@@ -177,6 +190,7 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in params if not any(t == n for t, _ in loaded)]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+        self.rotary.compute_table()
 
     def _shard_sizes(self, fused: str) -> list[int]:
         c = self.config
