@@ -22,7 +22,9 @@ from datetime import datetime
 
 import httpx
 
-from server_process import ServerProcess
+from server_process import REPO, ServerProcess
+
+sys.path.insert(0, str(REPO))  # --breakdown imports this checkout's engine, as server.py does
 
 ENGINE_LINE = re.compile(r"engine built in ([\d.]+)s: model config ([\d.]+)s, tokenizer ([\d.]+)s, "
                          r"model and KV cache ([\d.]+)s")
@@ -94,7 +96,7 @@ def breakdown() -> dict[str, float]:
     lap("model build (meta, to_empty)")
     model.load_weights(_iter_safetensors(model_dir))
     lap("weights")
-    host_memory.zeros((2 << 30) // 4, torch.float32)
+    host_memory.zeros(((2 << 30) // 4,), torch.float32)
     lap("KV cache, 2 GiB (host_memory.zeros)")
     torch.zeros((2 << 30) // 4, dtype=torch.float32)
     lap("(for comparison: torch.zeros of 2 GiB)")
