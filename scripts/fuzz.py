@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -66,7 +67,8 @@ def fuzz(url: str, args) -> bool:
     start = time.monotonic()
     env = os.environ | {"SCHEMATHESIS_HOOKS": "fuzz_checks",
                         "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run(schemathesis_command(url, args), env=env, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as workdir:  # schemathesis keeps a .schemathesis/ cache in its cwd
+        run = subprocess.run(schemathesis_command(url, args), env=env, capture_output=True, text=True, cwd=workdir)
     watch.stop()
     print(run.stdout[-6000:], run.stderr[-2000:], sep="\n")
     metrics = wait_idle(url)
