@@ -47,7 +47,7 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         self.backend = make_backend(config.attention_backend, self.device, self.dtype, hf_config, self.block_size)
         cls, kwargs = get_model_class(hf_config)
-        with torch.device("meta"):  # no random init (~1 s per 100M parameters): the checkpoint fills all
+        with torch.device("meta"):  # no random init (0.8 s for 135M parameters): the checkpoint fills all
             model = cls(hf_config, self.backend, self.max_model_len, **kwargs)
         self.model = model.to_empty(device=self.device).to(self.dtype)
         self.model.load_weights(_iter_safetensors(model_dir))
