@@ -6,8 +6,10 @@ import re
 import signal
 
 import uvicorn
+from sse_starlette.sse import AppStatus
 
 from api.app import build_app
+from api.drain import Drain
 from api.serving import ServerSettings
 from engine import AsyncEngine, EngineConfig
 from engine.distributed.group import EngineDeadError
@@ -71,18 +73,25 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Jinja chat template file replacing the tokenizer's")
     p.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the live dashboard page at /dashboard (default: on; --no-dashboard: 404)")
+    p.add_argument("--shutdown-timeout", type=float, default=30, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, new requests get 503 while those in flight get this long to finish "
+                        "before they are aborted (default: %(default)s; a second SIGINT aborts at once)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and uvicorn (default: %(default)s)")
     return p
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, plus a "ready" line once it listens and, on shutdown, aborting the engine's
-    requests right after it stops accepting connections (uvicorn alone would wait for them to finish)."""
+_ABORT_GRACE = 5.0  # seconds for aborted responses to be sent before uvicorn closes the connections
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine):
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus a "ready" line once it listens and a graceful drain on shutdown: new
+    requests get 503 while those in flight have `shutdown_timeout` seconds to finish; then the engine
+    aborts the rest (their streams end with finish_reason "abort") and uvicorn closes the connections."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain: Drain, shutdown_timeout: float):
         super().__init__(config)
-        self._engine = engine
+        self._engine, self._drain, self._shutdown_timeout = engine, drain, shutdown_timeout
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -98,11 +107,13 @@ class _Server(uvicorn.Server):
         return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None) -> None:
-        for server in self.servers:
-            server.close()
         if self._engine.is_alive:
-            logger.info("aborting in-flight requests")
+            logger.info("draining: %d requests in flight get up to %gs to finish; new requests get 503",
+                        self._drain.in_flight, self._shutdown_timeout)
+            if not await self._drain.wait_idle(self._shutdown_timeout, lambda: self.force_exit):
+                logger.warning("aborting %d requests still in flight", self._drain.in_flight)
             await self._engine.shutdown()
+            await self._drain.wait_idle(_ABORT_GRACE)  # the aborted requests' last chunks reach their clients
         await super().shutdown(sockets)
 
 
@@ -125,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if args.max_queue_len is not None and args.max_queue_len < 0:
         parser.error("--max-queue-len must be >= 0")
+    if args.shutdown_timeout < 0:
+        parser.error("--shutdown-timeout must be >= 0")
     chat_template = None
     if args.chat_template:
         try:
@@ -147,8 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(served_model_name=served_name, api_key=args.api_key, max_queue_len=args.max_queue_len,
                               chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
                               enable_dashboard=args.dashboard)
-    server = _Server(uvicorn.Config(build_app(engine, settings), host=args.host, port=args.port, log_config=None,
-                                    log_level=args.log_level, timeout_graceful_shutdown=10), engine)
+    app = build_app(engine, settings)
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
+                                    timeout_graceful_shutdown=10), engine, app.state.serving.drain,
+                     args.shutdown_timeout)
+    # The drain decides when streams end (the engine finishes or aborts them); sse-starlette would
+    # otherwise cut every stream as soon as the signal arrives.
+    AppStatus.disable_automatic_graceful_drain()
     # uvicorn re-raises the signal that stopped it once it has shut down, under the handlers it found;
     # these make that a no-op, so a signalled shutdown ends with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

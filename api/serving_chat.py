@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.generation import Generation, final_response
-from api.logprobs import chat_logprobs
+from api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from api.protocol import ChatCompletionRequest
 from api.serving import ServingContext
 from api.streaming import sse_response
@@ -15,7 +15,9 @@ from engine import RequestOutput
 
 
 async def create_chat_completion(request: Request) -> Response:
-    """Raises APIError: 400 invalid request, 404 unknown model, 503 busy; 500 if the engine failed."""
+    """OpenAI's chat completions API, with vLLM's sampling extras; streamed with `stream: true`.
+
+    Raises APIError: 400 invalid request, 404 unknown model, 503 busy; 500 if the engine failed."""
     ctx: ServingContext = request.app.state.serving
     req = await ctx.parse(request, ChatCompletionRequest)
     prompt = ctx.encode_chat(req.messages, req.add_generation_prompt)
@@ -54,7 +56,14 @@ class _ChatCompletion:
                     "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in output.outputs]
         usage = self._usage(sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens)
-        return self._body("chat.completion", choices) | {"usage": usage, "timings": output.metrics.timings()}
+        return self._body("chat.completion", choices) | {"usage": usage, "timings": output.metrics.timings()} \
+            | self._prompt_logprobs(output)
+
+    def _prompt_logprobs(self, output: RequestOutput) -> dict:
+        """vLLM's top-level `prompt_logprobs` field (in the first content chunk when streaming)."""
+        if self.req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(output.prompt_logprobs or [], self.ctx.token_text)}
 
     async def stream(self, generation: Generation):
         """First a `delta.role` chunk per choice, then `delta.content` chunks; a choice's last chunk
@@ -65,8 +74,13 @@ class _ChatCompletion:
             yield self._body("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                         "logprobs": None, "finish_reason": None}]) | usage_field
         sent_chars, sent_logprobs, num_tokens, cached, metrics = {}, {}, {}, 0, None
+        prompt_field = None
         async for _, out in generation:
             cached, metrics = out.num_cached_tokens, out.metrics
+            if prompt_field is None:
+                prompt_field = self._prompt_logprobs(out)
+                if prompt_field:
+                    yield self._body("chat.completion.chunk", []) | prompt_field | usage_field
             for c in out.outputs:
                 text = c.text[sent_chars.get(c.index, 0):]
                 logprobs = self._logprobs(c.logprobs[sent_logprobs.get(c.index, 0):]) if self.req.logprobs else None

@@ -37,11 +37,17 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        start = time.perf_counter()
         self.model_dir = resolve_model(config.model)
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
         hf_config = AutoConfig.from_pretrained(self.model_dir)
+        config_done = time.perf_counter()
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        tokenizer_done = time.perf_counter()
         self.runner = build_runner(config, hf_config, self.model_dir)
+        logger.info("engine built in %.2fs: model config %.2fs, tokenizer %.2fs, model and KV cache %.2fs",
+                    time.perf_counter() - start, config_done - start, tokenizer_done - config_done,
+                    time.perf_counter() - tokenizer_done)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = hf_config.vocab_size
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -97,6 +103,9 @@ class LLMEngine:
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
             if any(t >= self.vocab_size for t in ids):
                 raise ValueError(f"{name} token ids must be below the vocabulary size {self.vocab_size}")
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            # rank 0 alone would compute the extra logits, which under tensor parallelism every rank must
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         ids = self.tokenize(prompt)
         text = prompt if isinstance(prompt, str) else None
         arrival = arrival_time or time.monotonic()
@@ -148,9 +157,12 @@ class LLMEngine:
                     if not req.is_finished:
                         self.scheduler.finish(req, "abort", uncache=True)
             raise EngineStepError(parents, e) from e
+        changed: dict[str, list[Request]] = {}
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-        changed: dict[str, list[Request]] = {}
+            if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                self.scheduler.finish(req, "length")  # a prompt-only request ends after its prefill
+                changed.setdefault(req.parent_id, []).append(req)
         for req, token, logprob in zip(sampled, tokens, logprobs):
             req.append_token(token, logprob, self.max_model_len)
             if req.finish_reason is not None:
@@ -178,8 +190,11 @@ class LLMEngine:
         metrics = first.metrics if len(group) == 1 else RequestMetrics.merge([r.metrics for r in group])
         if finished:
             metrics.finished_time = time.monotonic()
+        prompt_logprobs = first.prompt_logprobs
+        if prompt_logprobs is not None and len(prompt_logprobs) < first.num_prompt_tokens:
+            prompt_logprobs = None  # aborted before its prompt was computed
         return RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids, completions, finished,
-                             max(first.num_cached_tokens, 0), metrics)
+                             max(first.num_cached_tokens, 0), metrics, prompt_logprobs)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from engine.attention import make_backend
 from engine.attention.base import AttentionMetadata
 from engine.attention.flashinfer import FlashInferBackend  # imports without flashinfer installed
+from engine import host_memory, prompt_logprobs
 from engine.config import EngineConfig
 from engine.cuda_graph import CUDAGraphRunner
 from engine.distributed.group import TPGroup
@@ -59,8 +60,9 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, self.device, self.dtype, hf_config, self.block_size,
                                     world)
         cls, kwargs = get_model_class(hf_config)
-        with torch.device(self.device):
-            self.model = cls(hf_config, self.backend, self.max_model_len, tp=tp, **kwargs).to(self.dtype)
+        with torch.device("meta"):  # no random init (0.8 s for 135M parameters): the checkpoint fills all
+            model = cls(hf_config, self.backend, self.max_model_len, tp=tp, **kwargs)
+        self.model = model.to_empty(device=self.device).to(self.dtype)
         self.model.load_weights(_iter_safetensors(model_dir))
         self.model.eval()
         self.num_blocks = self._num_kv_blocks() if tp is None else tp.min(self._num_kv_blocks())
@@ -74,8 +76,9 @@ class ModelRunner:
         # Not with tensor parallelism: its collectives would have to be captured too.
         use_graphs = isinstance(self.backend, FlashInferBackend) and not config.enforce_eager and tp is None
         # With CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V.
-        self.kv_cache = torch.zeros(self.num_layers, 2, *self.backend.kv_cache_shape(self.num_blocks + use_graphs),
-                                    dtype=self.dtype, device=self.device)
+        shape = (self.num_layers, 2, *self.backend.kv_cache_shape(self.num_blocks + use_graphs))
+        self.kv_cache = host_memory.zeros(shape, self.dtype) if self.device.type == "cpu" else \
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler()
         self.graphs = None
@@ -131,8 +134,9 @@ class ModelRunner:
         """Builds the step's flat input tensors and attention metadata.
 
         Rows with one new token (decodes) go first, as the attention backends want. Returns
-        (input_ids int64 [T], positions int64 [T], meta, logits_indices int64 [N], sampled requests):
-        a request is sampled when its new tokens reach its last token; N <= B.
+        (input_ids int64 [T], positions int64 [T], meta, logits_indices int64 [N], sampled requests,
+        prompt-logprob rows): a request is sampled when its new tokens reach its last token (unless it
+        is prompt-only, max_tokens 0); N <= B.
         """
         order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] != 1)
         reqs = [batch.requests[i] for i in order]
@@ -152,7 +156,7 @@ class ModelRunner:
             bt[i, :len(t)] = t
         bs = self.block_size
         slots = bt[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        sampled = [i for i, r in enumerate(reqs) if seq_lens[i] == r.num_tokens]
+        sampled = [i for i, r in enumerate(reqs) if seq_lens[i] == r.num_tokens and r.params.max_tokens != 0]
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
@@ -163,15 +167,16 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
         logits_indices = torch.from_numpy(qsl[1:][sampled] - 1).to(dev)
         return (torch.from_numpy(input_ids.astype(np.int64)).to(dev), torch.from_numpy(positions).to(dev),
-                meta, logits_indices, [reqs[i] for i in sampled])
+                meta, logits_indices, [reqs[i] for i in sampled],
+                prompt_logprobs.select_rows(reqs, starts, counts, qsl))
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, block_tables: list[list[int]]):
         """Runs one step. Returns (requests that sampled a token, their token ids, their Logprob|None)."""
-        input_ids, positions, meta, logits_indices, sampled = self.prepare(batch, block_tables)
+        input_ids, positions, meta, logits_indices, sampled, prompt_rows = self.prepare(batch, block_tables)
         if self.tp is not None:
             self.tp.broadcast_step(input_ids, positions, meta, logits_indices)
-        logits = self.run_model(input_ids, positions, meta, logits_indices)
+        logits = self.run_model(input_ids, positions, meta, logits_indices, prompt_rows)
         if not sampled:
             return [], [], []
         tokens, logprobs = self.sampler(logits.cpu(), sampled)
@@ -179,14 +184,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                  logits_indices: torch.Tensor) -> torch.Tensor | None:
+                  logits_indices: torch.Tensor, prompt_rows=()) -> torch.Tensor | None:
         """The forward pass of one step (what every tensor-parallel rank runs): float32 logits
-        [N, vocab] of the rows at logits_indices; None when N is 0 and on ranks other than 0."""
+        [N, vocab] of the rows at logits_indices; None when N is 0 and on ranks other than 0.
+        `prompt_rows` (rank 0, no tensor parallelism) also collects those rows' prompt logprobs."""
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)  # plans for the padded batch itself
         else:
             self.backend.plan(meta)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if prompt_rows:
+            prompt_logprobs.collect(self.model, hidden, prompt_rows)
         if logits_indices.shape[0] == 0:
             return None
         return self.model.compute_logits(hidden[logits_indices])

@@ -7,13 +7,16 @@ class Logprob:
     """Log-probabilities at one generated position, from the model's raw logits (before penalties,
     temperature and top-k/p, as vLLM v1 reports them).
 
-    token_id: the sampled token; logprob: its natural-log probability;
-    top_logprobs: the `SamplingParams.logprobs` most likely (token id, logprob) pairs, best first.
+    token_id: the sampled (or, for prompt logprobs, the given) token; logprob: its natural-log
+    probability; top_logprobs: the `SamplingParams.logprobs` (or `prompt_logprobs`) most likely
+    (token id, logprob) pairs, best first; rank: the token's rank in the distribution (1 = most
+    likely), set for prompt logprobs, which report it as vLLM does.
     """
 
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass
@@ -107,7 +110,9 @@ class RequestOutput:
 
     `outputs` holds the samples that changed in this step when streaming (`AsyncEngine.generate`),
     and all n samples, ordered by index, in `LLM.generate`'s results. `num_cached_tokens` is how
-    many prompt tokens came from the prefix cache.
+    many prompt tokens came from the prefix cache. `prompt_logprobs` (with
+    `SamplingParams.prompt_logprobs`): one entry per prompt token, None for the first, once the whole
+    prompt has been computed; None otherwise.
     """
 
     request_id: str
@@ -117,6 +122,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass

@@ -42,6 +42,9 @@ class Request:
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.detokenizer = detokenizer
         self.logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
+        # filled by the model runner as the prompt is computed (engine.prompt_logprobs); sample 0 only
+        self.prompt_logprobs: list[Logprob | None] | None = \
+            [None] if params.prompt_logprobs is not None and index == 0 else None
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.generator = None
@@ -56,6 +59,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """True while prompt logprobs are being collected: their positions must be computed."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -73,7 +73,7 @@ class Scheduler:
         # to a newcomer while older requests wait (FCFS).
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            hits, num_hit_tokens = ([], 0) if req.skip_reading_prefix_cache else self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break

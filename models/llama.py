@@ -55,8 +55,18 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, head_dim: int, max_len: int):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config, head_dim))
-        # Plain attributes, not buffers: `model.to(bfloat16)` must leave the angles in float32.
+        self.config, self.head_dim, self.max_len = config, head_dim, max_len
+        self.cos = self.sin = None
+        device = torch.empty(0).device  # the device being built on (torch.device context)
+        if device.type != "meta":
+            self.compute_table(device)
+
+    def compute_table(self, device: torch.device) -> None:
+        """Fills the float32 tables on `device`: at construction, or after loading for a model built on
+        the meta device (no checkpoint holds them). Plain attributes, not buffers, so that
+        `model.to(bfloat16)` leaves the angles in float32 and `to_empty` does not drop them."""
+        positions = torch.arange(self.max_len, dtype=torch.float32, device=device)
+        freqs = torch.outer(positions, rope_inv_freq(self.config, self.head_dim).to(device))
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +163,9 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face checkpoint tensors into this model, stacking q/k/v and gate/up; a
-        parallel layer's `weight_loader` keeps this rank's part of each tensor.
+        parallel layer's `weight_loader` keeps this rank's part of each tensor. Also computes the rotary
+        table (not in checkpoints), so the model may be built on the meta device and materialized with
+        `to_empty` (no random init of weights the checkpoint overwrites).
 
         Raises KeyError for an unknown tensor name and ValueError when a parameter stays unset.
         """
@@ -178,3 +190,4 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in params if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+        self.rotary.compute_table(self.embed_tokens.weight.device)
