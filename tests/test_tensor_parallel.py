@@ -62,7 +62,9 @@ def test_tp3_greedy_matches_the_reference_on_the_real_model(tp3, prompts, hf_ref
     test_greedy_vs_hf.py (and already computed in a full run)."""
     attn = tp3.engine.runner.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads) == (3, 1)  # of 9 and 3
-    assert attn.qkv_proj.weight.shape == ((3 + 2) * 64, 576) and tp3.engine.runner.kv_cache.shape[-2] == 1
+    runner = tp3.engine.runner
+    assert tuple(attn.qkv_proj.weight.shape) == ((3 + 2) * 64, 576) and runner.backend.num_kv_heads == 1
+    assert runner.kv_cache.shape[2:] == runner.backend.kv_cache_shape(runner.kv_cache.shape[2])
     outs = tp3.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     for out, ref in zip(outs, hf_reference):
         assert_greedy_matches(out.outputs[0].token_ids, ref)
