@@ -97,6 +97,7 @@ class SamplingRequest(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @field_validator("stop")
     @classmethod
@@ -139,16 +140,29 @@ class SamplingRequest(_Body):
             top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, prompt_logprobs=self.engine_prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: top alternatives per prompt token, None for none."""
+        return self.prompt_logprobs
 
 
 class CompletionRequest(SamplingRequest):
-    """POST /v1/completions."""
+    """POST /v1/completions. `echo` with `logprobs` also scores the prompt; `max_tokens` 0 (with echo)
+    scores it without generating, as lm-evaluation-harness and vLLM use it."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     @field_validator("prompt")
     @classmethod

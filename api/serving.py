@@ -9,6 +9,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from api.drain import Drain
 from api.errors import APIError, from_validation_error
 from api.generation import Generation
 from api.metrics import ServerMetrics
@@ -26,7 +27,8 @@ class ServerSettings:
     API routes, None = open. max_queue_len: new requests get 503 while this many accepted requests have
     not produced a token yet, None = no limit. chat_template: Jinja source overriding the tokenizer's.
     max_request_body_bytes: larger bodies get 413. enable_auto_tool_choice, tool_call_parser: tool_choice
-    "auto" parses the model's calls with this parser (vLLM's flags; both are needed).
+    "auto" parses the model's calls with this parser (vLLM's flags; both are needed). enable_dashboard:
+    serve /dashboard (api/dashboard.py).
     """
 
     served_model_name: str
@@ -36,6 +38,16 @@ class ServerSettings:
     max_request_body_bytes: int = 8 << 20
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    enable_dashboard: bool = True
+
+
+def is_json_content_type(value: str) -> bool:
+    """Whether a Content-Type header declares JSON, as FastAPI (so vLLM) decides: application/json or
+    application/*+json, any parameters (charset) allowed. A request without the header is read as
+    JSON too."""
+    media_type = value.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/")
+                                                 and media_type.endswith("+json"))
 
 
 class ServingContext:
@@ -49,6 +61,7 @@ class ServingContext:
         self.metrics = ServerMetrics(engine, settings.served_model_name)
         self.created = int(time.time())  # reported as the model's creation time
         self.num_queued = 0  # engine requests accepted that have not produced output yet
+        self.drain = Drain()  # requests in flight, and whether the server is shutting down
         # Logprobs name the same few thousand tokens over and over.
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
 
@@ -56,7 +69,12 @@ class ServingContext:
         return self.tokenizer.decode([token_id])
 
     async def parse(self, request: Request, model: type[BaseModel]):
-        """The JSON body validated as `model`, for the served model. Raises APIError 400 / 404."""
+        """The JSON body validated as `model`, for the served model. Raises APIError 415 for a body
+        that is not declared JSON (see `is_json_content_type`), 400 / 404 for a bad one."""
+        content_type = request.headers.get("content-type")
+        if content_type and not is_json_content_type(content_type):
+            raise APIError(415, f"unsupported Content-Type {content_type!r}: send the body as JSON with "
+                                f"`Content-Type: application/json`", code="unsupported_media_type")
         try:
             data = orjson.loads(await request.body())
         except orjson.JSONDecodeError as e:

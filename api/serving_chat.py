@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.generation import Generation, final_response
-from api.logprobs import chat_logprobs
+from api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from api.protocol import ChatCompletionRequest
 from api.errors import APIError
 from api.serving import ServingContext
@@ -18,7 +18,9 @@ from engine import RequestOutput
 
 
 async def create_chat_completion(request: Request) -> Response:
-    """Raises APIError: 400 invalid request, 404 unknown model, 503 busy; 500 if the engine failed."""
+    """OpenAI's chat completions API, with vLLM's sampling extras; streamed with `stream: true`.
+
+    Raises APIError: 400 invalid request, 404 unknown model, 503 busy; 500 if the engine failed."""
     ctx: ServingContext = request.app.state.serving
     req = await ctx.parse(request, ChatCompletionRequest)
     s = ctx.settings
@@ -72,7 +74,14 @@ class _ChatCompletion:
                             "finish_reason": finish_reason(c.finish_reason, calls, self.tools.mode),
                             "stop_reason": c.stop_reason})
         usage = self._usage(sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens)
-        return self._body("chat.completion", choices) | {"usage": usage}
+        return self._body("chat.completion", choices) | {"usage": usage, "timings": output.metrics.timings()} \
+            | self._prompt_logprobs(output)
+
+    def _prompt_logprobs(self, output: RequestOutput) -> dict:
+        """vLLM's top-level `prompt_logprobs` field (in the first content chunk when streaming)."""
+        if self.req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(output.prompt_logprobs or [], self.ctx.token_text)}
 
     async def stream(self, generation: Generation):
         """First a `delta.role` chunk per choice, then `delta.content` (and `delta.tool_calls`) chunks; a
@@ -82,10 +91,15 @@ class _ChatCompletion:
         for index in range(self.req.n):
             yield self._body("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                         "logprobs": None, "finish_reason": None}]) | usage_field
-        sent_chars, sent_logprobs, num_tokens, cached = {}, {}, {}, 0
+        sent_chars, sent_logprobs, num_tokens, cached, metrics = {}, {}, {}, 0, None
+        prompt_field = None
         streams = [self.tools.streamer() for _ in range(self.req.n)]
         async for _, out in generation:
-            cached = out.num_cached_tokens
+            cached, metrics = out.num_cached_tokens, out.metrics
+            if prompt_field is None:
+                prompt_field = self._prompt_logprobs(out)
+                if prompt_field:
+                    yield self._body("chat.completion.chunk", []) | prompt_field | usage_field
             for c in out.outputs:
                 text, calls = streams[c.index].feed(c.text[sent_chars.get(c.index, 0):], c.finish_reason is not None)
                 logprobs = self._logprobs(c.logprobs[sent_logprobs.get(c.index, 0):]) if self.req.logprobs else None
@@ -98,4 +112,5 @@ class _ChatCompletion:
                         {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
                          "stop_reason": c.stop_reason}]) | usage_field
         if self.req.include_usage:
-            yield self._body("chat.completion.chunk", []) | {"usage": self._usage(sum(num_tokens.values()), cached)}
+            yield self._body("chat.completion.chunk", []) | {"usage": self._usage(sum(num_tokens.values()), cached),
+                                                             "timings": metrics.timings()}

@@ -1,16 +1,18 @@
 """The asyncio front of the engine: one step coroutine, per-request queues (what the server uses)."""
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 from engine.config import EngineConfig
 from engine.llm_engine import EngineStepError, LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutputsParams
+from engine.snapshot import SnapshotSlot
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +43,17 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._stopping = False
+        self.snapshots = SnapshotSlot(self.engine)
 
     @property
     def is_alive(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def dead_error(self) -> str | None:
+        """Why the engine can run no more steps (a tensor-parallel rank died), or None."""
+        tp = self.engine.runner.tp
+        return tp.error if tp is not None else None
 
     async def start(self) -> None:
         """Starts the step coroutine on the running loop (idempotent)."""
@@ -116,6 +125,18 @@ class AsyncEngine:
         except TimeoutError:
             raise structured.timeout_error() from None
 
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[SnapshotSlot]:
+        """Registers a reader of engine snapshots (a dashboard) for the duration of the block: while
+        any is registered, the step loop keeps the returned slot's `latest` snapshot fresh."""
+        self.snapshots.add_reader()
+        if self._wakeup is not None:
+            self._wakeup.set()  # an idle loop takes the first snapshot now
+        try:
+            yield self.snapshots
+        finally:
+            self.snapshots.remove_reader()
+
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its blocks are freed before the next step runs."""
         self._pending.append(("abort", request_id))
@@ -146,10 +167,12 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         while not self._stopping:
             self._apply_pending()
+            self.snapshots.offer()
             if not self.engine.has_unfinished_requests():
                 self._wakeup.clear()
                 if not self._pending:
-                    await self._wakeup.wait()
+                    with contextlib.suppress(TimeoutError):  # a deferred snapshot is due
+                        await asyncio.wait_for(self._wakeup.wait(), self.snapshots.next_due())
                 continue
             try:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)

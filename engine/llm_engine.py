@@ -9,12 +9,13 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.distributed.launcher import build_runner
 from engine.loader import resolve_model
-from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.snapshot import StepLog
 from engine.structured import RequestGrammar, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -38,11 +39,17 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        start = time.perf_counter()
         self.model_dir = resolve_model(config.model)
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
         hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.runner = ModelRunner(config, hf_config, self.model_dir)
+        config_done = time.perf_counter()
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        tokenizer_done = time.perf_counter()
+        self.runner = build_runner(config, hf_config, self.model_dir)
+        logger.info("engine built in %.2fs: model config %.2fs, tokenizer %.2fs, model and KV cache %.2fs",
+                    time.perf_counter() - start, config_done - start, tokenizer_done - config_done,
+                    time.perf_counter() - tokenizer_done)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = hf_config.vocab_size
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -53,6 +60,7 @@ class LLMEngine:
         self.groups: dict[str, list[Request]] = {}
         self._compiling: list[str] = []  # ids of groups queued before their grammar had compiled
         self.generation_tokens = 0
+        self.step_log = StepLog()  # recent steps, for the dashboard
         self._ids = itertools.count()
         logger.info("model %s: %s on %s, %s attention, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
                     self.model_name, str(self.runner.dtype).removeprefix("torch."), self.runner.device,
@@ -105,6 +113,9 @@ class LLMEngine:
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
             if any(t >= self.vocab_size for t in ids):
                 raise ValueError(f"{name} token ids must be below the vocabulary size {self.vocab_size}")
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            # rank 0 alone would compute the extra logits, which under tensor parallelism every rank must
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         ids = self.tokenize(prompt)
         compiled = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
         if compiled is not None and compiled.done() and compiled.exception() is not None:
@@ -148,6 +159,7 @@ class LLMEngine:
 
         Raises EngineStepError after finishing the step's requests if the model step failed.
         """
+        start = time.monotonic()
         failed = self._abort_failed_compiles() if self._compiling else []
         if failed:
             return failed
@@ -168,15 +180,19 @@ class LLMEngine:
                     if not req.is_finished:
                         self.scheduler.finish(req, "abort", uncache=True)
             raise EngineStepError(parents, e) from e
+        changed: dict[str, list[Request]] = {}
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-        changed: dict[str, list[Request]] = {}
+            if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                self.scheduler.finish(req, "length")  # a prompt-only request ends after its prefill
+                changed.setdefault(req.parent_id, []).append(req)
         for req, token, logprob in zip(sampled, tokens, logprobs):
             req.append_token(token, logprob, self.max_model_len)
             if req.finish_reason is not None:
                 self.scheduler.finish(req, req.finish_reason)
             changed.setdefault(req.parent_id, []).append(req)
         self.generation_tokens += len(sampled)
+        self.step_log.record(batch, start, self.scheduler.num_preemptions)
         outputs = []
         for parent, reqs in changed.items():
             group = self.groups[parent]
@@ -210,10 +226,14 @@ class LLMEngine:
             logprobs=list(r.logprobs) if r.logprobs is not None else None,
             finish_reason=r.finish_reason, stop_reason=r.stop_reason) for r in changed]
         finished = all(r.is_finished for r in group)
+        metrics = first.metrics if len(group) == 1 else RequestMetrics.merge([r.metrics for r in group])
         if finished:
-            first.metrics.finished_time = time.monotonic()
+            metrics.finished_time = time.monotonic()
+        prompt_logprobs = first.prompt_logprobs
+        if prompt_logprobs is not None and len(prompt_logprobs) < first.num_prompt_tokens:
+            prompt_logprobs = None  # aborted before its prompt was computed
         return RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids, completions, finished,
-                             max(first.num_cached_tokens, 0), first.metrics)
+                             max(first.num_cached_tokens, 0), metrics, prompt_logprobs)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -44,8 +44,11 @@ class Request:
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.detokenizer = detokenizer
         self.logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
+        # filled by the model runner as the prompt is computed (engine.prompt_logprobs); sample 0 only
+        self.prompt_logprobs: list[Logprob | None] | None = \
+            [None] if params.prompt_logprobs is not None and index == 0 else None
         self.cumulative_logprob = 0.0
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.grammar = grammar  # structured outputs: advanced with every sampled token
         self.generator = None
         if params.seed is not None:
@@ -59,6 +62,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """True while prompt logprobs are being collected: their positions must be computed."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -78,6 +86,7 @@ class Request:
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now
+        self.metrics.num_generation_tokens += 1
 
         p, n_out = self.params, len(self.output_token_ids)
         may_stop = n_out >= p.min_tokens

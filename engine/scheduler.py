@@ -78,14 +78,14 @@ class Scheduler:
             if req.grammar is not None and not req.grammar.ready:
                 compiling.append(self.waiting.popleft())
                 continue
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            hits, num_hit_tokens = ([], 0) if req.skip_reading_prefix_cache else self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit_tokens
+                req.num_cached_tokens = req.metrics.num_cached_tokens = num_hit_tokens
                 req.metrics.first_scheduled_time = time.monotonic()
                 self.num_prompt_tokens += req.num_prompt_tokens
             req.status = RequestStatus.RUNNING
@@ -102,6 +102,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+        req.metrics.num_preemptions += 1
 
     def finish(self, req: Request, reason: str, uncache: bool = False) -> None:
         """Removes a request (finished, aborted or failed) and frees its blocks at once."""

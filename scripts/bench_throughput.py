@@ -15,6 +15,7 @@ Usage:
   python scripts/bench_throughput.py --structured json                  # W64, JSON schema on every request
   python scripts/bench_throughput.py --dataset scripts/data/prefix_workload.jsonl [--no-enable-prefix-caching]
   python scripts/bench_throughput.py --dataset random --num-prompts 64 --input-len 256 --output-len 128
+  python scripts/bench_throughput.py --dtype float32 --tensor-parallel-size 3       # 3 processes
 """
 import argparse
 import dataclasses
@@ -150,13 +151,14 @@ def add_engine_args(ap: argparse.ArgumentParser):
     ap.add_argument("--block-size", type=int)
     ap.add_argument("--kv-cache-memory", type=byte_size, help="KV-cache size, e.g. 268435456, 256M or 2G")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    ap.add_argument("--num-threads", type=int, help="torch CPU threads (default: all cores)")
+    ap.add_argument("--num-threads", type=int, help="torch CPU threads per rank (default: the cores / tensor-parallel size)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, help="ranks the model is split over (default: 1)")
 
 
 def engine_kwargs(args) -> dict:
     """The LLM(...) keyword arguments set on the command line."""
     names = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
-             "enable_prefix_caching", "num_threads"]
+             "enable_prefix_caching", "num_threads", "tensor_parallel_size"]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
