@@ -75,6 +75,9 @@ class ServerMetrics:
                               registry=reg, buckets=_TTFT_BUCKETS).labels(model_name)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", labels,
                              registry=reg, buckets=_ITL_BUCKETS).labels(model_name)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Per request: time per output token after the first.", labels,
+                              registry=reg, buckets=_ITL_BUCKETS).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
                              registry=reg, buckets=_REQUEST_BUCKETS).labels(model_name)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", labels,
@@ -115,6 +118,9 @@ class RequestTracker:
         self._last_token_time = m.last_token_time
         if out.finished and m.finished_time is not None:
             self._metrics.e2e.observe(m.finished_time - m.arrival_time)
+            tokens_per_sample = m.num_generation_tokens / self._n  # the n samples run side by side
+            if tokens_per_sample > 1:
+                self._metrics.tpot.observe((m.last_token_time - m.first_token_time) / (tokens_per_sample - 1))
             if m.first_scheduled_time is not None:
                 self._metrics.queue.observe(m.first_scheduled_time - m.arrival_time)
 

@@ -1,4 +1,5 @@
 """The synchronous engine: requests in, one scheduled model step at a time, outputs out."""
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -8,13 +9,15 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.distributed.launcher import build_runner
 from engine.loader import resolve_model
-from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.snapshot import StepLog
 from engine.spec_decode.speculator import Speculator
+from engine.structured import RequestGrammar, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +40,17 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        start = time.perf_counter()
         self.model_dir = resolve_model(config.model)
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
         hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.runner = ModelRunner(config, hf_config, self.model_dir)
+        config_done = time.perf_counter()
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        tokenizer_done = time.perf_counter()
+        self.runner = build_runner(config, hf_config, self.model_dir)
+        logger.info("engine built in %.2fs: model config %.2fs, tokenizer %.2fs, model and KV cache %.2fs",
+                    time.perf_counter() - start, config_done - start, tokenizer_done - config_done,
+                    time.perf_counter() - tokenizer_done)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = hf_config.vocab_size
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -52,8 +61,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    on_free=self.speculator.free if self.speculator is not None else None)
         self.eos_token_ids = self._eos_token_ids(hf_config)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                  config.structured_outputs_config)
         self.groups: dict[str, list[Request]] = {}
+        self._compiling: list[str] = []  # ids of groups queued before their grammar had compiled
         self.generation_tokens = 0
+        self.step_log = StepLog()  # recent steps, for the dashboard
         self._ids = itertools.count()
         logger.info("model %s: %s on %s, %s attention, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
                     self.model_name, str(self.runner.dtype).removeprefix("torch."), self.runner.device,
@@ -94,14 +107,25 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> str:
-        """Queues a request (n sequences); returns its id. Raises ValueError for bad input."""
+        """Queues a request (n sequences); returns its id. Raises ValueError for bad input.
+
+        A structured-output request waits in the queue until its grammar has compiled (on the manager's
+        pool); if the compile fails there, the request finishes with "abort" (callers that want the error
+        compile first: `structured.compile(spec)`, as `LLM.generate` and the server do).
+        """
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
             if any(t >= self.vocab_size for t in ids):
                 raise ValueError(f"{name} token ids must be below the vocabulary size {self.vocab_size}")
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            # rank 0 alone would compute the extra logits, which under tensor parallelism every rank must
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         ids = self.tokenize(prompt)
+        compiled = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
+        if compiled is not None and compiled.done() and compiled.exception() is not None:
+            raise compiled.exception()
         text = prompt if isinstance(prompt, str) else None
         arrival = arrival_time or time.monotonic()
         group = []
@@ -109,8 +133,12 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
                                            params.skip_special_tokens)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            group.append(Request(seq_id, request_id, i, text, ids, params, detok, self.eos_token_ids, arrival))
+            grammar = RequestGrammar(compiled) if compiled is not None else None
+            group.append(Request(seq_id, request_id, i, text, ids, params, detok, self.eos_token_ids, arrival,
+                                 grammar))
         self.groups[request_id] = group
+        if compiled is not None and not compiled.done():
+            self._compiling.append(request_id)
         for req in group:
             self.scheduler.add_request(req)
         return request_id
@@ -137,8 +165,15 @@ class LLMEngine:
 
         Raises EngineStepError after finishing the step's requests if the model step failed.
         """
+        start = time.monotonic()
+        failed = self._abort_failed_compiles() if self._compiling else []
+        if failed:
+            return failed
         batch = self.scheduler.schedule()
         if not batch.requests:
+            if self._compiling:  # only compiles are left: wait for one rather than spin
+                concurrent.futures.wait([self.groups[g][0].grammar.compiled for g in self._compiling],
+                                        timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
             return []
         tables = [self.kv.block_ids(r.request_id) for r in batch.requests]
         try:
@@ -151,9 +186,12 @@ class LLMEngine:
                     if not req.is_finished:
                         self.scheduler.finish(req, "abort", uncache=True)
             raise EngineStepError(parents, e) from e
+        changed: dict[str, list[Request]] = {}
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-        changed: dict[str, list[Request]] = {}
+            if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                self.scheduler.finish(req, "length")  # a prompt-only request ends after its prefill
+                changed.setdefault(req.parent_id, []).append(req)
         for req, new_tokens, new_logprobs in zip(sampled, tokens, logprobs):
             # rejected draft tokens: their K/V slots are simply overwritten by later steps
             req.num_computed_tokens -= len(req.spec_token_ids) + 1 - len(new_tokens)
@@ -168,6 +206,7 @@ class LLMEngine:
             changed.setdefault(req.parent_id, []).append(req)
         if self.speculator is not None:
             self.speculator.propose([r for r in sampled if not r.is_finished], len(self.scheduler.running))
+        self.step_log.record(batch, start, self.scheduler.num_preemptions)
         outputs = []
         for parent, reqs in changed.items():
             group = self.groups[parent]
@@ -175,6 +214,22 @@ class LLMEngine:
             if out.finished:
                 del self.groups[parent]
             outputs.append(out)
+        return outputs
+
+    def _abort_failed_compiles(self) -> list[RequestOutput]:
+        """Aborts the queued groups whose grammar failed to compile; forgets those that compiled."""
+        outputs, still = [], []
+        for parent in self._compiling:
+            group = self.groups.get(parent)
+            if group is None:  # aborted meanwhile
+                continue
+            compiled = group[0].grammar.compiled
+            if not compiled.done():
+                still.append(parent)
+            elif compiled.exception() is not None:
+                logger.error("request %s: structured outputs: %s", parent, compiled.exception())
+                outputs.append(self.abort_request(parent))
+        self._compiling = still
         return outputs
 
     def _output(self, group: list[Request], changed: list[Request]) -> RequestOutput:
@@ -185,10 +240,14 @@ class LLMEngine:
             logprobs=list(r.logprobs) if r.logprobs is not None else None,
             finish_reason=r.finish_reason, stop_reason=r.stop_reason) for r in changed]
         finished = all(r.is_finished for r in group)
+        metrics = first.metrics if len(group) == 1 else RequestMetrics.merge([r.metrics for r in group])
         if finished:
-            first.metrics.finished_time = time.monotonic()
+            metrics.finished_time = time.monotonic()
+        prompt_logprobs = first.prompt_logprobs
+        if prompt_logprobs is not None and len(prompt_logprobs) < first.num_prompt_tokens:
+            prompt_logprobs = None  # aborted before its prompt was computed
         return RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids, completions, finished,
-                             max(first.num_cached_tokens, 0), first.metrics)
+                             max(first.num_cached_tokens, 0), metrics, prompt_logprobs)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

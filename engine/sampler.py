@@ -2,20 +2,22 @@
 import torch
 
 from engine.outputs import Logprob
+from engine.structured import apply_grammar_bitmask
 
 
 class Sampler:
     """Samples one token per row of `logits` for the requests that caught up in this step.
 
-    Order, as in vLLM: logit_bias, min_tokens (EOS and stop tokens banned), repetition/presence/
-    frequency penalties; then greedy rows take the argmax and the others apply temperature, top-k,
+    Order, as in vLLM: the grammar mask of structured-output rows, logit_bias, min_tokens (EOS and stop
+    tokens banned), repetition/presence/frequency penalties; then greedy rows take the argmax and the others apply temperature, top-k,
     top-p (nucleus, Holtzman et al. 2019) and min-p before drawing with the exponential race
     (argmax p / E, E ~ Exp(1)), which a seeded request draws from its own generator so its samples do
-    not depend on the rest of the batch. Logprobs come from the raw logits.
+    not depend on the rest of the batch. Logprobs come from the raw logits (grammar-masked).
     """
 
     def __call__(self, logits: torch.Tensor, requests: list) -> tuple[list[int], list[Logprob | None]]:
         """logits: float32 [N, vocab], row i for requests[i]. Returns N token ids and N Logprob|None."""
+        apply_grammar_bitmask(logits, requests)
         want_logprobs = [r.params.logprobs is not None for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         logits = self._process(logits, requests)

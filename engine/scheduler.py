@@ -73,17 +73,22 @@ class Scheduler:
                 continue
             break  # `req` itself was preempted: nothing below it can run either
         # New requests only when nothing had to be preempted, so a freed block is not handed straight
-        # to a newcomer while older requests wait (FCFS).
+        # to a newcomer while older requests wait (FCFS). Requests whose grammar still compiles stay
+        # waiting, in order, and do not hold up the others.
+        compiling: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if req.grammar is not None and not req.grammar.ready:
+                compiling.append(self.waiting.popleft())
+                continue
+            hits, num_hit_tokens = ([], 0) if req.skip_reading_prefix_cache else self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit_tokens
+                req.num_cached_tokens = req.metrics.num_cached_tokens = num_hit_tokens
                 req.metrics.first_scheduled_time = time.monotonic()
                 self.num_prompt_tokens += req.num_prompt_tokens
             req.status = RequestStatus.RUNNING
@@ -93,6 +98,7 @@ class Scheduler:
             budget -= n
         for req, n in zip(scheduled, counts):
             del req.spec_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens):]
+        self.waiting.extendleft(reversed(compiling))
         return SchedulerOutput(scheduled, counts)
 
     def _preempt(self, req: Request) -> None:
@@ -103,6 +109,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+        req.metrics.num_preemptions += 1
 
     def finish(self, req: Request, reason: str, uncache: bool = False) -> None:
         """Removes a request (finished, aborted or failed) and frees its blocks at once."""

@@ -32,6 +32,11 @@ class _DraftSeq:
     base: int = 0
     drafts: list = dataclasses.field(default_factory=list)
     probs: list = dataclasses.field(default_factory=list)
+    prompt_logprobs: None = None  # the target collects them, never the draft
+
+    @property
+    def params(self):
+        return self.request.params
 
     @property
     def num_tokens(self) -> int:

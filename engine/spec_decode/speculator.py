@@ -56,14 +56,15 @@ class Speculator:
         k = self.config.tokens_for_batch(num_running)
         if not requests or k == 0:
             return
-        caps = [min(k, self._cap(r)) for r in requests]
+        # No drafts under structured outputs: verifying them would need the grammar's mask at every
+        # draft position (advance the matcher over the drafts, fill, roll back), which is not built.
+        caps = [0 if r.grammar is not None else min(k, self._cap(r)) for r in requests]
         lengths = self.policy.lengths(requests, caps, num_running)
         # a cheap proposer also proposes (one token) where nothing is sent, to score it next step
         asked = [max(n, min(cap, 1)) if self.proposer.cheap else n for n, cap in zip(lengths, caps)]
         for r, n, (drafts, probs) in zip(requests, lengths, self.proposer.propose(requests, asked)):
             if n == 0:
                 self.policy.keep_shadow(r, drafts)
-            # structured outputs: truncate `drafts` at the first token the grammar rejects here
             r.spec_token_ids = drafts[:n]
             r.spec_token_probs = probs if n else None
 
