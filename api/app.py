@@ -10,8 +10,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api import __version__
+from api.dashboard import DashboardFeed, dashboard_routes
 from api.errors import APIError, JSONResponse, handle_api_error, handle_http_exception, handle_unexpected
+from api.drain import DrainMiddleware
 from api.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from api.openapi import docs_routes, openapi_document
+from api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from api.serving import ServerSettings, ServingContext
 from api.serving_chat import create_chat_completion
 from api.serving_completions import create_completion
@@ -20,6 +24,7 @@ from api.serving_tokenize import detokenize, tokenize
 
 
 async def list_models(request: Request) -> Response:
+    """The served model (OpenAI's model list)."""
     ctx: ServingContext = request.app.state.serving
     model = {"id": ctx.settings.served_model_name, "object": "model", "created": ctx.created,
              # "vllm" as vLLM reports it, for clients that expect its /v1/models.
@@ -35,10 +40,12 @@ async def health(request: Request) -> Response:
 
 
 async def version(request: Request) -> Response:
+    """The server's version."""
     return JSONResponse({"version": __version__})
 
 
 async def metrics(request: Request) -> Response:
+    """Prometheus metrics, under vLLM's names."""
     return Response(request.app.state.serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -70,11 +77,18 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
         Route("/get_load", get_load, methods=["GET"]),
         Route("/get_server_info", get_server_info, methods=["GET"]),
     ]
-    middleware = [Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)]
+    if settings.enable_dashboard:
+        routes += dashboard_routes()
+    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+              "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+    routes += docs_routes(openapi_document(routes, bodies, "minivllm OpenAI-compatible API", __version__))
+    middleware = [Middleware(DrainMiddleware, drain=ctx.drain),
+                  Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)]
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception,
                                         Exception: handle_unexpected})
     app.state.serving = ctx
+    app.state.dashboard = DashboardFeed(ctx) if settings.enable_dashboard else None
     return app

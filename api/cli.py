@@ -8,13 +8,18 @@ import signal
 import sys
 
 import uvicorn
+from sse_starlette.sse import AppStatus
 
 from api import data_parallel
 from api.app import build_app
 from api.data_parallel import ROUTER_POLICIES
+from api.drain import Drain
 from api.serving import ServerSettings
-from engine import AsyncEngine, EngineConfig
+from api.tool_calls import TOOL_CALL_PARSERS
+from engine import AsyncEngine, EngineConfig, StructuredOutputsConfig
+from engine.distributed.group import EngineDeadError
 from engine.kv_transfer import KVTransferConfig
+from engine.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger("api")
 
@@ -31,6 +36,13 @@ def byte_size(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 268435456, 256M, 2G)")
     return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _structured_outputs_config(text: str) -> StructuredOutputsConfig:
+    try:
+        return StructuredOutputsConfig.from_json(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -56,17 +68,41 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="on CUDA, fraction of GPU memory for model + KV cache (default: %(default)s)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations (default: auto = float32 on CPU, bfloat16 on CUDA)")
+                   help="weights and activations (default: auto = bfloat16 on CUDA and on CPUs with "
+                        "AVX512-BF16 or AMX, float32 on other CPUs)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse KV blocks of prompt prefixes seen before (default: on)")
     p.add_argument("--enforce-eager", action="store_true", help="on CUDA, do not capture CUDA graphs")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   help="split the model over this many processes (GPUs on CUDA); see README \"Scale out\" "
+                        "(default: %(default)s)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
+                   help="only 1: pipeline parallelism is not implemented (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling (default: %(default)s)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": PATH, '
+                        '"num_speculative_tokens": 4}\' (default: off)')
     p.add_argument("--max-queue-len", type=int, default=None, help="answer 503 with Retry-After while this many "
                    "accepted requests have not produced a token yet (default: no limit)")
     p.add_argument("--max-request-body-bytes", type=byte_size, default=8 << 20, metavar="BYTES",
                    help="larger request bodies get 413 (default: %(default)s)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file replacing the tokenizer's")
+    p.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=StructuredOutputsConfig(),
+                   metavar="JSON", help='structured outputs (response_format, structured_outputs, tool_choice '
+                   '"required"/named): JSON object with backend ("xgrammar"), disable_any_whitespace, compile_timeout '
+                   '(seconds, default 10), max_cached_grammars; e.g. \'{"backend": "xgrammar"}\'')
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide on tool calls (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how tool calls are read from the output with --enable-auto-tool-choice: hermes = "
+                        "<tool_call>{...}</tool_call> blocks (Hermes, Qwen)")
+    p.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the live dashboard page at /dashboard (default: on; --no-dashboard: 404)")
+    p.add_argument("--shutdown-timeout", type=float, default=30, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, new requests get 503 while those in flight get this long to finish "
+                        "before they are aborted (default: %(default)s; a second SIGINT aborts at once)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and uvicorn (default: %(default)s)")
     p.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None, metavar="JSON",
@@ -89,13 +125,17 @@ def _kv_transfer_config(text: str) -> KVTransferConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, plus a "ready" line once it listens and, on shutdown, aborting the engine's
-    requests right after it stops accepting connections (uvicorn alone would wait for them to finish)."""
+_ABORT_GRACE = 5.0  # seconds for aborted responses to be sent before uvicorn closes the connections
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine):
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus a "ready" line once it listens and a graceful drain on shutdown: new
+    requests get 503 while those in flight have `shutdown_timeout` seconds to finish; then the engine
+    aborts the rest (their streams end with finish_reason "abort") and uvicorn closes the connections."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain: Drain, shutdown_timeout: float):
         super().__init__(config)
-        self._engine = engine
+        self._engine, self._drain, self._shutdown_timeout = engine, drain, shutdown_timeout
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -104,18 +144,27 @@ class _Server(uvicorn.Server):
             url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
             logger.info("ready: %s (OpenAI base_url %s/v1)", url, url)
 
+    async def on_tick(self, counter: int) -> bool:
+        if self._engine.dead_error is not None:  # e.g. a tensor-parallel rank died: nothing can be served
+            logger.error("shutting down: %s", self._engine.dead_error)
+            return True
+        return await super().on_tick(counter)
+
     async def shutdown(self, sockets=None) -> None:
-        for server in self.servers:
-            server.close()
         if self._engine.is_alive:
-            logger.info("aborting in-flight requests")
+            logger.info("draining: %d requests in flight get up to %gs to finish; new requests get 503",
+                        self._drain.in_flight, self._shutdown_timeout)
+            if not await self._drain.wait_idle(self._shutdown_timeout, lambda: self.force_exit):
+                logger.warning("aborting %d requests still in flight", self._drain.in_flight)
             await self._engine.shutdown()
+            await self._drain.wait_idle(_ABORT_GRACE)  # the aborted requests' last chunks reach their clients
         await super().shutdown(sockets)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the server until SIGINT or SIGTERM; returns the exit status (0 after a clean shutdown,
-    1 if the model cannot be loaded). Bad flags exit with status 2 and a usage message."""
+    1 if the model cannot be loaded or the engine died, e.g. a tensor-parallel rank exited). Bad flags
+    exit with status 2 and a usage message."""
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.data_parallel_size < 1:
@@ -124,20 +173,33 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {rank}%(name)s: %(message)s")
     if args.data_parallel_size > 1:
         return data_parallel.serve(args, sys.argv[1:] if argv is None else argv)
+    speculative_config = None
+    if args.speculative_config is not None:
+        try:
+            speculative_config = SpeculativeConfig.from_json(args.speculative_config)
+        except (TypeError, ValueError) as e:  # one line, no usage block: the JSON is the problem
+            parser.exit(2, f"{parser.prog}: error: --speculative-config: {e}\n")
     try:
         config = EngineConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
                               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                               kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-                              seed=args.seed, kv_transfer_config=args.kv_transfer_config,
+                              seed=args.seed, structured_outputs_config=args.structured_outputs_config,
+                              tensor_parallel_size=args.tensor_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size, speculative_config=speculative_config,
+                              kv_transfer_config=args.kv_transfer_config,
                               # a data-parallel replica runs as many threads as the cores it was bound to
                               num_threads=len(os.sched_getaffinity(0)) if args.data_parallel_rank is not None
                               and hasattr(os, "sched_getaffinity") else None)
     except ValueError as e:
         parser.error(str(e))
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.max_queue_len is not None and args.max_queue_len < 0:
         parser.error("--max-queue-len must be >= 0")
+    if args.shutdown_timeout < 0:
+        parser.error("--shutdown-timeout must be >= 0")
     chat_template = None
     if args.chat_template:
         try:
@@ -147,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--chat-template: {e}")
     try:
         engine = AsyncEngine(config)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EngineDeadError) as e:
         logger.error("cannot load model %s: %s", args.model or "(default)", e)
         return 1
     except RuntimeError as e:  # e.g. --kv-transfer-config without NIXL installed
@@ -162,15 +224,22 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("the tokenizer has no chat template: /v1/chat/completions needs --chat-template")
     settings = ServerSettings(served_model_name=served_name, api_key=args.api_key, max_queue_len=args.max_queue_len,
                               chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
+                              enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              tool_call_parser=args.tool_call_parser, enable_dashboard=args.dashboard,
                               data_parallel_rank=args.data_parallel_rank)
-    server = _Server(uvicorn.Config(build_app(engine, settings), host=args.host, port=args.port, log_config=None,
-                                    log_level=args.log_level, timeout_graceful_shutdown=10), engine)
+    app = build_app(engine, settings)
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
+                                    timeout_graceful_shutdown=10), engine, app.state.serving.drain,
+                     args.shutdown_timeout)
+    # The drain decides when streams end (the engine finishes or aborts them); sse-starlette would
+    # otherwise cut every stream as soon as the signal arrives.
+    AppStatus.disable_automatic_graceful_drain()
     # uvicorn re-raises the signal that stopped it once it has shut down, under the handlers it found;
     # these make that a no-op, so a signalled shutdown ends with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
-    return 0
+    return 0 if engine.dead_error is None else 1
 
 
 if __name__ == "__main__":  # how the data-parallel launcher starts each replica

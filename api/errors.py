@@ -11,8 +11,8 @@ from starlette.responses import Response
 
 # OpenAI's `type` for each status we send.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
-                503: "server_error"}
+                405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                500: "server_error", 503: "server_error"}
 
 
 class JSONResponse(Response):

@@ -21,24 +21,27 @@ class CompletionLogprobs:
         self._token_text = token_text
         self._offset = 0
 
-    def prompt(self, token_ids: list[int]) -> dict:
-        """Entries for echoed prompt tokens: the engine does not compute prompt logprobs, so theirs
-        are null (as OpenAI gives for a first token)."""
+    def prompt(self, token_ids: list[int], prompt_logprobs: list[Logprob | None] | None) -> dict:
+        """Entries for echoed prompt tokens from the engine's prompt logprobs (the first token's are
+        null, as OpenAI sends them; all are null if the engine computed none)."""
         tokens = [self._token_text(t) for t in token_ids]
-        return {"tokens": tokens, "token_logprobs": [None] * len(tokens), "top_logprobs": [None] * len(tokens),
+        entries = prompt_logprobs or [None] * len(tokens)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) if lp else None for lp in entries],
+                "top_logprobs": [self._top(lp, token) if lp else None for lp, token in zip(entries, tokens)],
                 "text_offset": self._offsets(tokens)}
 
     def generated(self, logprobs: list[Logprob]) -> dict:
         """Entries for generated tokens; top_logprobs maps token text to logprob for the requested
         top N plus the sampled token (so up to N + 1 entries, as in OpenAI's API)."""
         tokens = [self._token_text(lp.token_id) for lp in logprobs]
-        tops = []
-        for lp, token in zip(logprobs, tokens):
-            top = {self._token_text(t): _finite(v) for t, v in lp.top_logprobs}
-            top.setdefault(token, _finite(lp.logprob))
-            tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs], "top_logprobs": tops,
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+                "top_logprobs": [self._top(lp, token) for lp, token in zip(logprobs, tokens)],
                 "text_offset": self._offsets(tokens)}
+
+    def _top(self, lp: Logprob, token: str) -> dict[str, float]:
+        top = {self._token_text(t): _finite(v) for t, v in lp.top_logprobs}
+        top.setdefault(token, _finite(lp.logprob))
+        return top
 
     def _offsets(self, tokens: list[str]) -> list[int]:
         offsets = []
@@ -62,3 +65,16 @@ def chat_logprobs(logprobs: list[Logprob], token_text: Callable[[int], str]) -> 
 
     return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top_logprobs]}
                         for lp in logprobs]}
+
+
+def vllm_prompt_logprobs(prompt_logprobs: list[Logprob | None], token_text: Callable[[int], str]) -> list:
+    """vLLM's `prompt_logprobs` response field: per prompt token None (the first) or {token id (as a
+    JSON key string): {"logprob", "rank", "decoded_token"}} holding the prompt token and the top-k."""
+    def entry(lp: Logprob) -> dict:
+        out = {str(t): {"logprob": _finite(v), "rank": rank, "decoded_token": token_text(t)}
+               for rank, (t, v) in enumerate(lp.top_logprobs, start=1)}
+        out.setdefault(str(lp.token_id), {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                     "decoded_token": token_text(lp.token_id)})
+        return out
+
+    return [entry(lp) if lp else None for lp in prompt_logprobs]

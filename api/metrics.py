@@ -55,6 +55,24 @@ class _EngineCollector(Collector):
         for source, value in s.prompt_tokens_by_source.items():
             by_source.add_metric([*self._labels, source], value)
         yield by_source
+        if s.spec_decoding is not None:
+            yield from _spec_decoding_metrics(s.spec_decoding, self._names, self._labels)
+
+
+def _spec_decoding_metrics(spec, names: list[str], labels: list[str]):
+    """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py), `position` 0..k-1."""
+    for name, doc, value in (("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+                             ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+                             ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                              spec.num_accepted_tokens)):
+        counter = CounterMetricFamily(name, doc, labels=names)
+        counter.add_metric(labels, value)
+        yield counter
+    counter = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Number of accepted tokens per draft position.", labels=[*names, "position"])
+    for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+        counter.add_metric([*labels, str(position)], value)
+    yield counter
 
 
 class ServerMetrics:
@@ -74,6 +92,9 @@ class ServerMetrics:
                               registry=reg, buckets=_TTFT_BUCKETS).labels(*values)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", labels,
                              registry=reg, buckets=_ITL_BUCKETS).labels(*values)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Per request: time per output token after the first.", labels,
+                              registry=reg, buckets=_ITL_BUCKETS).labels(*values)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
                              registry=reg, buckets=_REQUEST_BUCKETS).labels(*values)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", labels,
@@ -114,6 +135,9 @@ class RequestTracker:
         self._last_token_time = m.last_token_time
         if out.finished and m.finished_time is not None:
             self._metrics.e2e.observe(m.finished_time - m.arrival_time)
+            tokens_per_sample = m.num_generation_tokens / self._n  # the n samples run side by side
+            if tokens_per_sample > 1:
+                self._metrics.tpot.observe((m.last_token_time - m.first_token_time) / (tokens_per_sample - 1))
             if m.first_scheduled_time is not None:
                 self._metrics.queue.observe(m.first_scheduled_time - m.arrival_time)
 

@@ -5,19 +5,24 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import APIError
 
-# Probes and scrapers must work without the key, as in vLLM.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# Probes, scrapers and the API's description must work without the key, as in vLLM; so must the
+# dashboard's page and static files, which hold no data (its feed, /dashboard/events, needs the key:
+# api/dashboard.py).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs", "/dashboard"})
+OPEN_PREFIXES = ("/docs/static/", "/dashboard/static/")
 
 
 class APIKeyMiddleware:
-    """Answers 401 unless the request carries `Authorization: Bearer <api_key>`; OPEN_PATHS are exempt."""
+    """Answers 401 unless the request carries `Authorization: Bearer <api_key>`; OPEN_PATHS and
+    paths under OPEN_PREFIXES are exempt."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self._expected):
                 response = APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",

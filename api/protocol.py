@@ -4,6 +4,7 @@ Types are strict as in OpenAI's API ("0.5" is not a number, true is not an integ
 numbers are rejected, `null` means "use the default", and unknown fields are ignored as vLLM does.
 Checks that need the model (token id ranges, context length) are in `api.serving`.
 """
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -31,6 +32,41 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`: OpenAI's named schema (`strict` is accepted; it is always enforced)."""
+
+    name: str
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" or "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only then')
+        return self
+
+
+class StructuredOutputsRequest(_Body):
+    """vLLM's `structured_outputs` object; unknown keys are refused, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_schema: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
 
@@ -54,6 +90,14 @@ class SamplingRequest(_Body):
     stop_token_ids: list[TokenId] = Field([], max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's pre-0.12 names, still sent by many clients (vLLM now ignores them; they are honoured here)
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # vLLM's disaggregated prefill/decode handshake (engine.kv_transfer); ignored without --kv-transfer-config
     kv_transfer_params: dict | None = None
 
@@ -105,17 +149,30 @@ class SamplingRequest(_Body):
             top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs, prompt_logprobs=self.engine_prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
             extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None)
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: top alternatives per prompt token, None for none."""
+        return self.prompt_logprobs
 
 
 class CompletionRequest(SamplingRequest):
-    """POST /v1/completions."""
+    """POST /v1/completions. `echo` with `logprobs` also scores the prompt; `max_tokens` 0 (with echo)
+    scores it without generating, as lm-evaluation-harness and vLLM use it."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -139,15 +196,76 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    """A conversation message; an assistant's may carry `tool_calls` (content may then be null), and a
+    "tool" message answers the call `tool_call_id`."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_role(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool messages need tool_call_id, and only they take it")
+        return self
 
     def to_template(self) -> dict:
-        """The message as chat templates expect it: text parts joined with newlines (as vLLM does)."""
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
+        """The message as chat templates expect it: text parts joined with newlines (as vLLM does), tool
+        call arguments as objects (templates render them with tojson; text that is not JSON stays text)."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or ())
+        message = {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None = no arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -160,6 +278,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("top_logprobs")
     @classmethod

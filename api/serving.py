@@ -9,11 +9,12 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from api.drain import Drain
 from api.errors import APIError, from_validation_error
 from api.generation import Generation
 from api.metrics import ServerMetrics
 from api.protocol import ChatMessage, SamplingRequest
-from engine import EngineStepError, KVTransferError, SamplingParams
+from engine import EngineStepError, KVTransferError, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("api")
 
@@ -25,8 +26,10 @@ class ServerSettings:
     served_model_name: the model id the API reports and accepts. api_key: bearer token required on the
     API routes, None = open. max_queue_len: new requests get 503 while this many accepted requests have
     not produced a token yet, None = no limit. chat_template: Jinja source overriding the tokenizer's.
-    max_request_body_bytes: larger bodies get 413. data_parallel_rank: this replica's rank behind a
-    router (labels /metrics as `engine`), None when serving alone.
+    max_request_body_bytes: larger bodies get 413. enable_auto_tool_choice, tool_call_parser: tool_choice
+    "auto" parses the model's calls with this parser (vLLM's flags; both are needed). enable_dashboard:
+    serve /dashboard (api/dashboard.py). data_parallel_rank: this replica's rank behind a router
+    (labels /metrics as `engine`), None when serving alone.
     """
 
     served_model_name: str
@@ -34,7 +37,19 @@ class ServerSettings:
     max_queue_len: int | None = None
     chat_template: str | None = None
     max_request_body_bytes: int = 8 << 20
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    enable_dashboard: bool = True
     data_parallel_rank: int | None = None
+
+
+def is_json_content_type(value: str) -> bool:
+    """Whether a Content-Type header declares JSON, as FastAPI (so vLLM) decides: application/json or
+    application/*+json, any parameters (charset) allowed. A request without the header is read as
+    JSON too."""
+    media_type = value.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/")
+                                                 and media_type.endswith("+json"))
 
 
 class ServingContext:
@@ -48,6 +63,7 @@ class ServingContext:
         self.metrics = ServerMetrics(engine, settings.served_model_name, settings.data_parallel_rank)
         self.created = int(time.time())  # reported as the model's creation time
         self.num_queued = 0  # engine requests accepted that have not produced output yet
+        self.drain = Drain()  # requests in flight, and whether the server is shutting down
         # Logprobs name the same few thousand tokens over and over.
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
 
@@ -55,7 +71,12 @@ class ServingContext:
         return self.tokenizer.decode([token_id])
 
     async def parse(self, request: Request, model: type[BaseModel]):
-        """The JSON body validated as `model`, for the served model. Raises APIError 400 / 404."""
+        """The JSON body validated as `model`, for the served model. Raises APIError 415 for a body
+        that is not declared JSON (see `is_json_content_type`), 400 / 404 for a bad one."""
+        content_type = request.headers.get("content-type")
+        if content_type and not is_json_content_type(content_type):
+            raise APIError(415, f"unsupported Content-Type {content_type!r}: send the body as JSON with "
+                                f"`Content-Type: application/json`", code="unsupported_media_type")
         try:
             data = orjson.loads(await request.body())
         except orjson.JSONDecodeError as e:
@@ -76,13 +97,14 @@ class ServingContext:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
 
     def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    add_special_tokens: bool = False) -> list[int]:
-        """Token ids of a conversation through the chat template. Raises APIError 400 when the
-        template rejects it (or the model has none and no --chat-template was given)."""
+                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation (and the tool definitions, for templates that render them) through
+        the chat template. Raises APIError 400 when the template rejects it (or the model has none and
+        no --chat-template was given)."""
         try:
             text = self.tokenizer.apply_chat_template(
                 [m.to_template() for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=self.settings.chat_template)
+                chat_template=self.settings.chat_template, tools=tools)
         except (TemplateError, ValueError, TypeError) as e:
             raise APIError(400, f"the chat template could not render the messages: {e}", param="messages") from None
         # The template already holds the special tokens, so by default encoding adds no BOS again.
@@ -115,6 +137,20 @@ class ServingContext:
             # SamplingParams' messages start with the field's name, which is also the request's.
             field = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
+
+    async def constrain(self, params: SamplingParams, spec: StructuredOutputsParams | None, param: str | None) -> None:
+        """Sets `params.structured_outputs` to `spec` once its grammar has compiled (off the event loop,
+        bounded by the engine's compile_timeout), so a bad constraint fails before any engine work.
+
+        Raises APIError 400 naming `param`: invalid constraint, compile timeout, or xgrammar not installed.
+        """
+        if spec is None:
+            return
+        try:
+            await self.engine.compile_grammar(spec)
+        except ValueError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
+        params.structured_outputs = spec
 
     def start(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> Generation:
         """Admits an API request and starts its engine requests, one per prompt.

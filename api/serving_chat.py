@@ -7,39 +7,56 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.generation import Generation, final_response
-from api.logprobs import chat_logprobs
+from api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from api.protocol import ChatCompletionRequest
+from api.errors import APIError
 from api.serving import ServingContext
 from api.streaming import sse_response
+from api.structured_outputs import structured_outputs_params
+from api.tool_calls import ToolCalls, finish_reason
 from engine import RequestOutput, SamplingParams
 
 
 async def create_chat_completion(request: Request) -> Response:
-    """Raises APIError: 400 invalid request, 404 unknown model, 503 busy; 500 if the engine failed."""
+    """OpenAI's chat completions API, with vLLM's sampling extras; streamed with `stream: true`.
+
+    Raises APIError: 400 invalid request, 404 unknown model, 503 busy; 500 if the engine failed."""
     ctx: ServingContext = request.app.state.serving
     req = await ctx.parse(request, ChatCompletionRequest)
-    prompt, params = prepare_chat(ctx, req)
-    view = _ChatCompletion(ctx, req, len(prompt))
+    prompt, params, tools = prepare_chat(ctx, req)
+    spec, param = structured_outputs_params(req)
+    if tools.constraint is not None:
+        if spec is not None:
+            raise APIError(400, f"use either an output constraint ({param}) or tool_choice \"required\" / a named "
+                                f"function, not both", param=param)
+        spec, param = tools.constraint, "tools"
+    await ctx.constrain(params, spec, param)
+    view = _ChatCompletion(ctx, req, len(prompt), tools)
     generation = ctx.start([prompt], params, view.id)
     if req.stream:
         return sse_response(view.stream(generation), generation)
     return await final_response(request, generation, lambda outputs: view.response(outputs[0]))
 
 
-def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
-    """The conversation as token ids (through the chat template) and the sampling parameters.
-    Raises APIError 400."""
-    prompt = ctx.encode_chat(req.messages, req.add_generation_prompt)
+def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolCalls]:
+    """The conversation as token ids (through the chat template, with the tools), the sampling parameters
+    (output constraints aside) and the request's tool calling. Raises APIError 400."""
+    s = ctx.settings
+    tools = ToolCalls(req, s.tool_call_parser if s.enable_auto_tool_choice else None)
+    prompt = ctx.encode_chat(req.messages, req.add_generation_prompt, tools=tools.template_tools)
     max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     max_tokens = ctx.max_tokens_for(len(prompt), req.requested_max_tokens, "messages", max_param)
-    return prompt, ctx.sampling_params(req, max_tokens, req.engine_logprobs)
+    params = ctx.sampling_params(req, max_tokens, req.engine_logprobs)
+    if tools.skip_special_tokens is not None:
+        params.skip_special_tokens = tools.skip_special_tokens
+    return prompt, params, tools
 
 
 class _ChatCompletion:
     """Turns engine outputs into the response body or stream chunks of one chat request."""
 
-    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, prompt_tokens: int):
-        self.ctx, self.req, self.prompt_tokens = ctx, req, prompt_tokens
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, prompt_tokens: int, tools: ToolCalls):
+        self.ctx, self.req, self.prompt_tokens, self.tools = ctx, req, prompt_tokens, tools
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -56,32 +73,51 @@ class _ChatCompletion:
         return chat_logprobs(logprobs, self.ctx.token_text) if self.req.logprobs else None
 
     def response(self, output: RequestOutput) -> dict:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            content, calls = self.tools.parse(c.text)
+            message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+            choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
+                            "finish_reason": finish_reason(c.finish_reason, calls, self.tools.mode),
+                            "stop_reason": c.stop_reason})
         usage = self._usage(sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens)
-        return self._body("chat.completion", choices) | {"usage": usage}
+        return self._body("chat.completion", choices) | {"usage": usage, "timings": output.metrics.timings()} \
+            | self._prompt_logprobs(output)
+
+    def _prompt_logprobs(self, output: RequestOutput) -> dict:
+        """vLLM's top-level `prompt_logprobs` field (in the first content chunk when streaming)."""
+        if self.req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(output.prompt_logprobs or [], self.ctx.token_text)}
 
     async def stream(self, generation: Generation):
-        """First a `delta.role` chunk per choice, then `delta.content` chunks; a choice's last chunk
-        carries its finish_reason. With include_usage, `usage` is null in each chunk and a final chunk
-        with no choices has it."""
+        """First a `delta.role` chunk per choice, then `delta.content` (and `delta.tool_calls`) chunks; a
+        choice's last chunk carries its finish_reason. With include_usage, `usage` is null in each chunk
+        and a final chunk with no choices has it."""
         usage_field = {"usage": None} if self.req.include_usage else {}
         for index in range(self.req.n):
             yield self._body("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                         "logprobs": None, "finish_reason": None}]) | usage_field
-        sent_chars, sent_logprobs, num_tokens, cached = {}, {}, {}, 0
+        sent_chars, sent_logprobs, num_tokens, cached, metrics = {}, {}, {}, 0, None
+        prompt_field = None
+        streams = [self.tools.streamer() for _ in range(self.req.n)]
         async for _, out in generation:
-            cached = out.num_cached_tokens
+            cached, metrics = out.num_cached_tokens, out.metrics
+            if prompt_field is None:
+                prompt_field = self._prompt_logprobs(out)
+                if prompt_field:
+                    yield self._body("chat.completion.chunk", []) | prompt_field | usage_field
             for c in out.outputs:
-                text = c.text[sent_chars.get(c.index, 0):]
+                text, calls = streams[c.index].feed(c.text[sent_chars.get(c.index, 0):], c.finish_reason is not None)
                 logprobs = self._logprobs(c.logprobs[sent_logprobs.get(c.index, 0):]) if self.req.logprobs else None
                 sent_chars[c.index], num_tokens[c.index] = len(c.text), len(c.token_ids)
                 sent_logprobs[c.index] = len(c.logprobs or ())
-                if text or c.finish_reason or (logprobs and logprobs["content"]):
-                    delta = {"content": text} if text else {}
+                if text or calls or c.finish_reason or (logprobs and logprobs["content"]):
+                    delta = ({"content": text} if text else {}) | ({"tool_calls": calls} if calls else {})
+                    reason = finish_reason(c.finish_reason, streams[c.index].calls, self.tools.mode)
                     yield self._body("chat.completion.chunk", [
-                        {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                        {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
                          "stop_reason": c.stop_reason}]) | usage_field
         if self.req.include_usage:
-            yield self._body("chat.completion.chunk", []) | {"usage": self._usage(sum(num_tokens.values()), cached)}
+            yield self._body("chat.completion.chunk", []) | {"usage": self._usage(sum(num_tokens.values()), cached),
+                                                             "timings": metrics.timings()}

@@ -35,7 +35,7 @@ async def render_chat_completion(request: Request) -> Response:
     templated prompt's token_ids. Raises APIError 400/404 as /v1/chat/completions would."""
     ctx: ServingContext = request.app.state.serving
     req = await ctx.parse(request, ChatCompletionRequest)
-    prompt, params = prepare_chat(ctx, req)
+    prompt, params, _ = prepare_chat(ctx, req)
     request_id = request.headers.get("x-request-id", "render")
     return JSONResponse(_generate_request(ctx, f"chatcmpl-{request_id}", prompt, params, req.stream))
 

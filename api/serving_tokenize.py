@@ -8,7 +8,9 @@ from api.serving import ServingContext
 
 
 async def tokenize(request: Request) -> Response:
-    """{"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens", "token_strs"}.
+    """Token ids of a prompt or chat messages (vLLM's /tokenize).
+
+    {"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens", "token_strs"}.
 
     A prompt is encoded with the tokenizer's special tokens unless add_special_tokens is false;
     messages go through the chat template (whose special tokens are not doubled).
@@ -27,7 +29,9 @@ async def tokenize(request: Request) -> Response:
 
 
 async def detokenize(request: Request) -> Response:
-    """{"tokens": [ids]} -> {"prompt": text}. Raises APIError 400 for ids outside the vocabulary."""
+    """Text of token ids (vLLM's /detokenize).
+
+    {"tokens": [ids]} -> {"prompt": text}. Raises APIError 400 for ids outside the vocabulary."""
     ctx: ServingContext = request.app.state.serving
     req = await ctx.parse(request, DetokenizeRequest)
     ctx.check_token_ids(req.tokens, "tokens")

@@ -5,12 +5,14 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 from engine.config import EngineConfig
 from engine.llm_engine import EngineStepError, KVTransferError, LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutputsParams
+from engine.snapshot import SnapshotSlot
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +43,17 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._stopping = False
+        self.snapshots = SnapshotSlot(self.engine)
 
     @property
     def is_alive(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def dead_error(self) -> str | None:
+        """Why the engine can run no more steps (a tensor-parallel rank died), or None."""
+        tp = self.engine.runner.tp
+        return tp.error if tp is not None else None
 
     async def start(self) -> None:
         """Starts the step coroutine on the running loop (idempotent)."""
@@ -66,6 +75,7 @@ class AsyncEngine:
         self._executor.shutdown(wait=True)
         if self.engine.kv_connector is not None:
             self.engine.kv_connector.close()
+        self.engine.structured.shutdown()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -75,12 +85,15 @@ class AsyncEngine:
         """Streams a request's outputs, one RequestOutput per step that changed it, the last with
         `finished` True. Leaving the loop early (or a client disconnect cancelling it) aborts it.
 
-        Raises ValueError for bad input (before any output) and EngineStepError if its step failed.
+        Raises ValueError for bad input (before any output, including a grammar that does not compile
+        in time) and EngineStepError if its step failed.
         """
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.engine.tokenize(prompt)  # validate now, so the caller gets the error, not the loop
+        if params.structured_outputs is not None:
+            await self.compile_grammar(params.structured_outputs)
         if not self.is_alive:
             raise RuntimeError("the engine loop is not running")
         queue: asyncio.Queue = asyncio.Queue()
@@ -99,6 +112,32 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 await self.abort(request_id)
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compiles a structured-outputs constraint on the engine's compile pool (or finds it in the cache),
+        waiting `compile_timeout` seconds at most; the event loop and the step loop keep running.
+
+        Raises ValueError: the constraint is invalid, xgrammar is missing, or the compile took too long
+        (it goes on in the background and fills the cache).
+        """
+        structured = self.engine.structured
+        future = structured.compile(spec)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), structured.config.compile_timeout)
+        except TimeoutError:
+            raise structured.timeout_error() from None
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[SnapshotSlot]:
+        """Registers a reader of engine snapshots (a dashboard) for the duration of the block: while
+        any is registered, the step loop keeps the returned slot's `latest` snapshot fresh."""
+        self.snapshots.add_reader()
+        if self._wakeup is not None:
+            self._wakeup.set()  # an idle loop takes the first snapshot now
+        try:
+            yield self.snapshots
+        finally:
+            self.snapshots.remove_reader()
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request; its blocks are freed before the next step runs."""
@@ -130,12 +169,15 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         while not self._stopping:
             self._apply_pending()
+            self.snapshots.offer()
             if not self.engine.has_unfinished_requests():
                 self._wakeup.clear()
                 poll = self.engine.kv_poll_interval()  # KV transfers in flight need steps to move on
                 if not self._pending:
+                    # woken by a request, or when KV transfers need polling or a deferred snapshot is due
+                    timeout = min((t for t in (poll, self.snapshots.next_due()) if t is not None), default=None)
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wakeup.wait(), poll)
+                        await asyncio.wait_for(self._wakeup.wait(), timeout)
                 if poll is None:
                     continue
             try:

@@ -96,6 +96,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[Block]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request registered in the cache
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -132,8 +133,10 @@ class KVCacheManager:
         """Gives `request` blocks for `num_new_tokens` more tokens (after `computed_blocks`, if it is
         new). Returns False, changing nothing, when too few blocks are free. Blocks that the new
         tokens fill are registered in the prefix cache at once: their K/V is written in this step,
-        before any later step can read them. With `delay_cache` (K/V that arrives later, from a KV
-        transfer) they are not: `cache_blocks` registers them once it has arrived.
+        before any later step can read them. New tokens past `request.all_token_ids` (draft tokens
+        of speculative decoding, which may be rejected) get slots, but their blocks are registered
+        only once a later call finds them verified. With `delay_cache` (K/V that arrives later, from a
+        KV transfer) nothing is registered: `cache_blocks` does it once the K/V has arrived.
         """
         blocks = self.req_blocks.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -147,18 +150,21 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
-        self._update_hashes(request, num_tokens)
+        num_verified = min(num_tokens, len(request.all_token_ids))
+        self._update_hashes(request, num_verified)
         if not delay_cache:
-            # blocks that were already full before these tokens are cached (or were cache hits)
-            self.cache_blocks(request, num_tokens - num_new_tokens, num_tokens)
+            self.cache_blocks(request, num_verified)
         return True
 
-    def cache_blocks(self, request, first_token: int, num_tokens: int) -> None:
-        """Registers the request's blocks that tokens [first_token, num_tokens) fill, once their K/V is
-        in the cache."""
+    def cache_blocks(self, request, num_tokens: int) -> None:
+        """Registers in the prefix cache the request's blocks that its first `num_tokens` tokens fill
+        and that are not registered yet, once their K/V is in the cache."""
         blocks = self.req_blocks[request.request_id]
-        for i in range(first_token // self.block_size, num_tokens // self.block_size):
+        first = self.num_cached_blocks.get(request.request_id, 0)  # blocks before it are registered
+        last = num_tokens // self.block_size
+        for i in range(first, last):
             self.pool.cache(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(first, last)
 
     def _update_hashes(self, request, num_tokens: int) -> None:
         hashes, bs = request.block_hashes, self.block_size
@@ -173,6 +179,7 @@ class KVCacheManager:
         """Releases all blocks of a request, tail first. `uncache` also drops their prefix-cache
         hashes (their K/V may be garbage after a failed step)."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
         if uncache:
             self.pool.uncache([b for b in blocks if b.ref_cnt == 1])
         self.pool.free(list(reversed(blocks)))

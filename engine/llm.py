@@ -27,6 +27,8 @@ class LLM:
 
         prompts: a string, a list of token ids, a dict with "prompt" or "prompt_token_ids", or a list
         of these. sampling_params: one for all, or one per prompt (default: SamplingParams()).
+        Raises ValueError for a bad prompt or parameter, including a structured-outputs constraint that
+        does not compile (in compile_timeout seconds).
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -34,6 +36,8 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        # Grammars compile (in parallel) before any request is queued, so a bad one raises here.
+        self.engine.structured.compile_and_wait([p.structured_outputs for p in params if p.structured_outputs])
         ids = []
         try:
             for prompt, p in zip(prompts, params):

@@ -1,19 +1,24 @@
 """What the engine hands back: per-request outputs (vLLM's shapes), and engine-wide statistics."""
 from dataclasses import dataclass, field
 
+from engine.spec_decode.metrics import SpecDecodingStats
+
 
 @dataclass
 class Logprob:
     """Log-probabilities at one generated position, from the model's raw logits (before penalties,
     temperature and top-k/p, as vLLM v1 reports them).
 
-    token_id: the sampled token; logprob: its natural-log probability;
-    top_logprobs: the `SamplingParams.logprobs` most likely (token id, logprob) pairs, best first.
+    token_id: the sampled (or, for prompt logprobs, the given) token; logprob: its natural-log
+    probability; top_logprobs: the `SamplingParams.logprobs` (or `prompt_logprobs`) most likely
+    (token id, logprob) pairs, best first; rank: the token's rank in the distribution (1 = most
+    likely), set for prompt logprobs, which report it as vLLM does.
     """
 
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass
@@ -40,13 +45,65 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times of one request's life, in seconds (`time.monotonic()`)."""
+    """Wall-clock times of one request's life, in seconds (`time.monotonic()`), and its token counts.
+
+    num_cached_tokens: prompt tokens found in the prefix cache when it was first scheduled;
+    num_preemptions: times it was preempted (its K/V freed and recomputed later).
+    """
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+
+    @classmethod
+    def merge(cls, metrics: list["RequestMetrics"]) -> "RequestMetrics":
+        """One set for several sequences (the n samples of a request, the prompts of one API call):
+        counts add up, times run from the earliest start to the latest end (finished once all are)."""
+        def earliest(values):
+            values = [v for v in values if v is not None]
+            return min(values) if values else None
+
+        finished = [m.finished_time for m in metrics]
+        return cls(arrival_time=min(m.arrival_time for m in metrics),
+                   first_scheduled_time=earliest(m.first_scheduled_time for m in metrics),
+                   first_token_time=earliest(m.first_token_time for m in metrics),
+                   last_token_time=max((m.last_token_time for m in metrics if m.last_token_time is not None),
+                                       default=None),
+                   finished_time=None if None in finished else max(finished),
+                   **{f: sum(getattr(m, f) for m in metrics) for f in
+                      ("num_prompt_tokens", "num_cached_tokens", "num_generation_tokens", "num_preemptions")})
+
+    def timings(self) -> dict[str, int | float]:
+        """llama.cpp server's `timings` object (its field names and definitions; times in ms), plus
+        what this engine knows besides: `queue_ms` (arrival to first scheduled), `cached_n` (= llama.cpp's
+        `cache_n`: prompt tokens served from the prefix cache) and `preemptions`.
+
+        prompt_n: prompt tokens computed (not from the cache); prompt_ms: first scheduled to first
+        token. predicted_n: tokens generated; predicted_ms: first token to last, divided by
+        predicted_n as llama.cpp does. Rates of an empty span are 0.
+        """
+        def span(start, end):
+            return (end - start) * 1e3 if start is not None and end is not None else 0.0
+
+        prompt_n = self.num_prompt_tokens - self.num_cached_tokens
+        prompt_ms = span(self.first_scheduled_time, self.first_token_time)
+        predicted_n = self.num_generation_tokens
+        predicted_ms = span(self.first_token_time, self.last_token_time)
+        return {"queue_ms": span(self.arrival_time, self.first_scheduled_time),
+                "cache_n": self.num_cached_tokens, "cached_n": self.num_cached_tokens,
+                "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+                "prompt_per_second": prompt_n * 1e3 / prompt_ms if prompt_ms else 0.0,
+                "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+                "predicted_per_second": predicted_n * 1e3 / predicted_ms if predicted_ms else 0.0,
+                "preemptions": self.num_preemptions}
 
 
 @dataclass
@@ -55,7 +112,9 @@ class RequestOutput:
 
     `outputs` holds the samples that changed in this step when streaming (`AsyncEngine.generate`),
     and all n samples, ordered by index, in `LLM.generate`'s results. `num_cached_tokens` is how
-    many prompt tokens came from the prefix cache.
+    many prompt tokens came from the prefix cache. `prompt_logprobs` (with
+    `SamplingParams.prompt_logprobs`): one entry per prompt token, None for the first, once the whole
+    prompt has been computed; None otherwise.
     """
 
     request_id: str
@@ -65,6 +124,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
     kv_transfer_params: dict | None = None  # for the decode server, when its blocks wait for one (engine.kv_transfer)
 
 
@@ -86,3 +146,4 @@ class EngineStats:
     prompt_tokens_recomputed: int = 0
     kv_transfer_failures: int = 0  # KV pulls that failed (decode side)
     kv_expired_requests: int = 0  # pinned requests freed unread after the timeout (prefill side)
+    spec_decoding: SpecDecodingStats | None = None  # with speculative decoding: drafts and acceptances

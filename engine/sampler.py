@@ -2,20 +2,22 @@
 import torch
 
 from engine.outputs import Logprob
+from engine.structured import apply_grammar_bitmask
 
 
 class Sampler:
     """Samples one token per row of `logits` for the requests that caught up in this step.
 
-    Order, as in vLLM: logit_bias, min_tokens (EOS and stop tokens banned), repetition/presence/
-    frequency penalties; then greedy rows take the argmax and the others apply temperature, top-k,
+    Order, as in vLLM: the grammar mask of structured-output rows, logit_bias, min_tokens (EOS and stop
+    tokens banned), repetition/presence/frequency penalties; then greedy rows take the argmax and the others apply temperature, top-k,
     top-p (nucleus, Holtzman et al. 2019) and min-p before drawing with the exponential race
     (argmax p / E, E ~ Exp(1)), which a seeded request draws from its own generator so its samples do
-    not depend on the rest of the batch. Logprobs come from the raw logits.
+    not depend on the rest of the batch. Logprobs come from the raw logits (grammar-masked).
     """
 
     def __call__(self, logits: torch.Tensor, requests: list) -> tuple[list[int], list[Logprob | None]]:
         """logits: float32 [N, vocab], row i for requests[i]. Returns N token ids and N Logprob|None."""
+        apply_grammar_bitmask(logits, requests)
         want_logprobs = [r.params.logprobs is not None for r in requests]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         logits = self._process(logits, requests)
@@ -50,6 +52,10 @@ class Sampler:
         return logits
 
     def _sample(self, logits, requests):
+        return self._draw(self._probs(logits, requests), requests)
+
+    def _probs(self, logits, requests):
+        """Sampling distributions [N, vocab] of processed logits: temperature, top-k/top-p, min-p."""
         temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
         logits = logits / temps[:, None]
         top_k = [r.params.top_k for r in requests]
@@ -60,6 +66,12 @@ class Sampler:
         min_p = torch.tensor([r.params.min_p for r in requests], dtype=probs.dtype)
         if min_p.any():
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
+
+    @staticmethod
+    def _draw(probs, requests):
+        """One token per row of (unnormalised) `probs` by the exponential race, each row from its
+        request's generator."""
         noise = torch.empty_like(probs)
         for i, r in enumerate(requests):
             noise[i].exponential_(generator=r.generator)

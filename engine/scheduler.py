@@ -10,6 +10,9 @@ to the front of the waiting queue (Orca, Yu et al. OSDI 2022; vLLM, Kwon et al. 
 With a KV connector (engine.kv_transfer), a waiting request whose prompt K/V comes from a prefill
 server gets its blocks, waits off the queue while they are pulled, and comes back to the front of
 the queue with its prompt computed but the last token: from there it runs like a prefix-cache hit.
+
+With speculative decoding a running request also asks for its draft tokens (`spec_token_ids`),
+under the same budget; the drafts that do not fit are dropped.
 """
 import time
 from collections import deque
@@ -37,8 +40,10 @@ class Scheduler:
     max_num_seqs: running requests at most; max_num_batched_tokens: tokens per step at most.
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, connector=None):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, connector=None,
+                 on_free=None):
         self.kv = kv
+        self.on_free = on_free  # called with each request whose blocks are freed (a draft model's KV goes too)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.connector = connector  # an engine.kv_transfer.NixlConnector, or None
         self.waiting: deque[Request] = deque()
@@ -64,7 +69,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -79,13 +84,18 @@ class Scheduler:
                 continue
             break  # `req` itself was preempted: nothing below it can run either
         # New requests only when nothing had to be preempted, so a freed block is not handed straight
-        # to a newcomer while older requests wait (FCFS).
+        # to a newcomer while older requests wait (FCFS). Requests whose grammar still compiles stay
+        # waiting, in order, and do not hold up the others.
+        compiling: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.grammar is not None and not req.grammar.ready:
+                compiling.append(self.waiting.popleft())
+                continue
             if self.kv.req_blocks.get(req.request_id):  # back from a KV pull, its blocks allocated
                 hits, num_hit_tokens = [], req.num_computed_tokens
             else:
-                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+                hits, num_hit_tokens = ([], 0) if req.skip_reading_prefix_cache else self.kv.get_computed_blocks(req)
                 num_external = self.connector.get_num_new_matched_tokens(req, num_hit_tokens) if self.connector else 0
                 if num_external:
                     if not self.kv.allocate_slots(req, num_external, hits, delay_cache=True):
@@ -101,7 +111,7 @@ class Scheduler:
             self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit_tokens
+                req.num_cached_tokens = req.metrics.num_cached_tokens = num_hit_tokens
                 req.metrics.first_scheduled_time = time.monotonic()
                 self.num_prompt_tokens += req.num_prompt_tokens
                 self._count_prompt_sources(req)
@@ -110,6 +120,9 @@ class Scheduler:
             scheduled.append(req)
             counts.append(n)
             budget -= n
+        for req, n in zip(scheduled, counts):
+            del req.spec_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens):]
+        self.waiting.extendleft(reversed(compiling))
         return SchedulerOutput(scheduled, counts)
 
     def _count_prompt_sources(self, req: Request) -> None:
@@ -128,7 +141,7 @@ class Scheduler:
         out = self.connector.poll()
         for req in reversed(out.loaded):
             req.num_computed_tokens = req.num_prompt_tokens - 1
-            self.kv.cache_blocks(req, req.num_prompt_tokens - req.num_external_computed_tokens, req.num_computed_tokens)
+            self.kv.cache_blocks(req, req.num_computed_tokens)
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
         for req in out.released:
@@ -140,10 +153,13 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        if self.on_free is not None:
+            self.on_free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+        req.metrics.num_preemptions += 1
 
     def finish(self, req: Request, reason: str, uncache: bool = False) -> None:
         """Removes a request (finished, aborted or failed) and frees its blocks at once, unless the KV
@@ -159,5 +175,7 @@ class Scheduler:
         params = self.connector.request_finished(req, self.kv.block_ids(req.request_id)) if self.connector else None
         if free and params is None:
             self.kv.free(req, uncache=uncache)
+        if self.on_free is not None:
+            self.on_free(req)
         req.kv_transfer_params = params
         req.status = RequestStatus.FINISHED

@@ -10,20 +10,24 @@ from typing import Iterable
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine import ops
+from engine.distributed.group import TPGroup
+from engine.distributed.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+                                       partition_heads)
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm that first adds a sublayer's output to the float32 residual stream (in place)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as the reference implementation does, then cast back.
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.add_rms_norm(residual, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
@@ -47,69 +51,72 @@ def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE over a precomputed cos/sin table of [max_len, head_dim // 2]."""
+    """Rotate-half RoPE over a precomputed float32 cos/sin table of [max_len, head_dim // 2]."""
 
     def __init__(self, config, head_dim: int, max_len: int):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config, head_dim))
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.config, self.head_dim, self.max_len = config, head_dim, max_len
+        self.cos = self.sin = None
+        device = torch.empty(0).device  # the device being built on (torch.device context)
+        if device.type != "meta":
+            self.compute_table(device)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of positions (int64 [T]) as [T, 1, head_dim // 2] in `dtype`, once per step."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def compute_table(self, device: torch.device) -> None:
+        """Fills the float32 tables on `device`: at construction, or after loading for a model built on
+        the meta device (no checkpoint holds them). Plain attributes, not buffers, so that
+        `model.to(bfloat16)` leaves the angles in float32 and `to_empty` does not drop them."""
+        positions = torch.arange(self.max_len, dtype=torch.float32, device=device)
+        freqs = torch.outer(positions, rope_inv_freq(self.config, self.head_dim).to(device))
+        self.cos, self.sin = freqs.cos(), freqs.sin()
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates x [T, heads, head_dim] by its positions' angles (cos, sin: [T, 1, head_dim // 2])."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions (int64 [T]): float32 [T, head_dim // 2] each, gathered once per step."""
+        return self.cos[positions], self.sin[positions]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, bias: bool):
+    def __init__(self, config, backend: AttentionBackend, bias: bool, tp: TPGroup | None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # this rank's heads (all of them without tensor parallelism)
+        self.num_heads, self.num_kv_heads = partition_heads(config, tp.world_size if tp else 1)
         self.head_dim = head_dim_of(config)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q, k and v projections fused into one matmul; the loader stacks the checkpoint's three.
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = ColumnParallelLinear.qkv(config, self.head_dim, bias, tp)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, tp)
         self.backend = backend
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
-        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, heads + 2 kv heads, d]
-        qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], *rope)  # q and k in one go
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.num_heads + self.num_kv_heads:]
+        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # views of qkv
+        ops.rotary_(qkv[:, :self.num_heads + self.num_kv_heads], *rope)  # q and k in place, in one go
         o = self.backend.forward(q, k, v, kv_cache, meta)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.o_proj(o.view(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup | None):
         super().__init__()
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+        self.gate_up_proj = ColumnParallelLinear.merged(config.hidden_size, [config.intermediate_size] * 2, False, tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, backend, bias):
+    def __init__(self, config, backend, bias, tp):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend, bias)
+        self.self_attn = LlamaAttention(config, backend, bias, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, residual, x, rope, kv_cache, meta):
+        """residual: the float32 stream [T, hidden], updated in place; x: the previous layer's MLP output
+        (None before the first layer). Returns this layer's MLP output, not yet added."""
+        x = self.self_attn(self.input_layernorm(residual, x), rope, kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm(residual, x))
 
 
 def head_dim_of(config) -> int:
@@ -121,39 +128,44 @@ class LlamaForCausalLM(nn.Module):
 
     `forward` maps a flat step batch (input_ids, positions: int64 [T]) to hidden states
     [T, hidden_size]; `compute_logits` maps selected hidden states [N, hidden] to float32 logits
-    [N, vocab]. `qkv_bias` is True for Qwen2 (and any config with `attention_bias`).
+    [N, vocab] (on rank 0 only under tensor parallelism). `qkv_bias` is True for Qwen2 (and any config
+    with `attention_bias`). With `tp`, this rank holds its shard of every layer (engine/distributed).
     """
 
-    def __init__(self, config, backend: AttentionBackend, max_model_len: int, qkv_bias: bool = False):
+    def __init__(self, config, backend: AttentionBackend, max_model_len: int, qkv_bias: bool = False,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_model_len)
         bias = qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, bias)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, bias, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
+        # The residual stream stays float32 (see engine/csrc/layer_ops.c); sublayers run in the model dtype.
+        residual, x = self.embed_tokens(input_ids).float(), None
+        rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x = layer(residual, x, rope, kv_cache, meta)
+        return self.norm(residual, x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     # checkpoint name -> (our parameter, shard index) for the fused projections
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies Hugging Face checkpoint tensors into this model, stacking q/k/v and gate/up.
+        """Copies Hugging Face checkpoint tensors into this model, stacking q/k/v and gate/up; a
+        parallel layer's `weight_loader` keeps this rank's part of each tensor. Also computes the rotary
+        table (not in checkpoints), so the model may be built on the meta device and materialized with
+        `to_empty` (no random init of weights the checkpoint overwrites).
 
         Raises KeyError for an unknown tensor name and ValueError when a parameter stays unset.
         """
@@ -164,23 +176,18 @@ class LlamaForCausalLM(nn.Module):
                 continue
             name = name.removeprefix("model.")
             parts = name.split(".")
+            shard = 0
             if len(parts) >= 2 and parts[-2] in self._STACKED:
                 fused, shard = self._STACKED[parts[-2]]
-                target = ".".join(parts[:-2] + [fused, parts[-1]])
-                param = params[target]
-                offset = sum(self._shard_sizes(fused)[:shard])
-                param.data[offset:offset + tensor.shape[0]].copy_(tensor)
-                loaded.add((target, shard))
+                name = ".".join(parts[:-2] + [fused, parts[-1]])
+            param = params[name]
+            loader = getattr(self.get_submodule(name.rpartition(".")[0]), "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard)
             else:
-                params[name].data.copy_(tensor)
-                loaded.add((name, 0))
-        missing = [n for n in params if not any(t == n for t, _ in loaded)]
+                param.data.copy_(tensor)
+            loaded.add(name)
+        missing = [n for n in params if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
-
-    def _shard_sizes(self, fused: str) -> list[int]:
-        c = self.config
-        if fused == "qkv_proj":
-            d = head_dim_of(c)
-            return [c.num_attention_heads * d, c.num_key_value_heads * d, c.num_key_value_heads * d]
-        return [c.intermediate_size, c.intermediate_size]
+        self.rotary.compute_table(self.embed_tokens.weight.device)

@@ -13,9 +13,17 @@ this machine's speed drifts; the table reports each engine's median output token
 requests whose first 16 output tokens equal ours: a check that every engine ran the same model on
 the same tokens (bfloat16 rounding can legitimately flip a few).
 
+With --latency it measures batch-1 decode instead: each of --latency-prompts prompts of the workload
+(truncated to 434 tokens) runs alone for 1 and for --output-len tokens (greedy, EOS ignored, prefix cache
+reset before each run), and ms per output token = (t(N) - t(1)) / (N - 1), so prefill and per-request
+overheads cancel; the table gives each engine's median over prompts and rounds. Peers: vLLM-CPU
+(--with-vllm, scripts/vllm_latency.py in its venv) and llama.cpp's llama-server on the model's GGUF
+(--llama-server PATH; scripts/build_llama_server.sh builds one), each with both cores.
+
 Usage:
   python scripts/bench_peers.py --num-requests 16 --repeats 3         # a few minutes
   python scripts/bench_peers.py --repeats 3 --with-vllm --output-json peers.json
+  python scripts/bench_peers.py --latency --repeats 3 --with-vllm --llama-server "$(scripts/build_llama_server.sh)"
 """
 import argparse
 import json
@@ -26,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -36,9 +45,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from api.cli import byte_size  # noqa: E402
 from bench_common import DEFAULT_WORKLOAD, REPO, Request, load_jsonl, random_requests, run_info  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.loader import default_model_path  # noqa: E402
 
 VLLM_SCRIPT = REPO.parent / "shared" / "peers" / "vllm_cpu.sh"
 MATCH_PREFIX = 16  # output tokens compared with ours
+LATENCY_PROMPT_LEN = 434  # tokens of each batch-1 latency prompt
 
 
 def run_ours(llm: LLM, reqs: list[Request]) -> list[list[int]]:
@@ -94,6 +105,109 @@ def run_vllm(script: Path, model_dir: str, dtype: str, reqs: list[Request]) -> f
     return result["output_tok_s_median"]
 
 
+def ms_per_token(run, prompt: list[int], n: int) -> float:
+    """Batch-1 decode latency from two runs of `run(prompt, max_tokens) -> seconds`: (t(n) - t(1)) / (n - 1)."""
+    return 1e3 * (run(prompt, n) - run(prompt, 1)) / (n - 1)
+
+
+def ours_latency(llm: LLM, prompts: list[list[int]], n: int) -> list[float]:
+    def run(prompt, k):
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - start
+    return [ms_per_token(run, p, n) for p in prompts]
+
+
+def vllm_latency(script: Path, model_dir: str, dtype: str, prompts: list[list[int]], n: int) -> list[float]:
+    """scripts/vllm_latency.py in the venv that `script` (vllm_cpu.sh) installs; ms per token per prompt."""
+    venv = Path(os.environ.get("VLLM_VENV", "/tmp/venv-vllm-cpu"))
+    if not (venv / "bin" / "python").exists():
+        subprocess.run([str(script), "--help"], check=True, capture_output=True)  # installs vLLM-CPU once
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as f:
+        f.writelines(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts)
+        f.flush()
+        proc = subprocess.run([str(venv / "bin" / "python"), str(REPO / "scripts" / "vllm_latency.py"), "--model",
+                               model_dir, "--dtype", dtype, "--prompts", f.name, "--max-tokens", str(n)],
+                              capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"vllm_latency.py failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])["ms_per_token"]
+
+
+class LlamaServer:
+    """llama.cpp's llama-server on a GGUF (one slot, all cores, 127.0.0.1), for batch-1 latency."""
+
+    def __init__(self, binary: str, gguf: str, port: int = 8091):
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", "1",
+                                      "-c", "4096", "-t", str(os.cpu_count())],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"llama-server did not start (exit {self.proc.poll()})")
+            time.sleep(0.5)
+
+    def run(self, prompt: list[int], k: int) -> float:
+        body = json.dumps({"prompt": prompt, "n_predict": k, "temperature": 0, "cache_prompt": False,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"{self.url}/completion", body, {"Content-Type": "application/json"})
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=300) as r:
+            r.read()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
+    """The --latency mode: batch-1 ms per output token of every engine, alternating over rounds."""
+    long = [r.prompt_token_ids[:LATENCY_PROMPT_LEN] for r in reqs if len(r.prompt_token_ids) >= LATENCY_PROMPT_LEN]
+    prompts = long[:args.latency_prompts]
+    n = args.output_len or 64
+    engines = {"ours": lambda: ours_latency(llm, prompts, n)}
+    server = None
+    if args.with_vllm:
+        engines["vllm-cpu (subprocess)"] = lambda: vllm_latency(args.vllm_script, llm.model_dir, args.dtype, prompts, n)
+    if args.llama_server:
+        server = LlamaServer(args.llama_server, default_model_path() if args.model is None else args.model)
+        engines["llama.cpp llama-server (GGUF Q4_1)"] = lambda: [ms_per_token(server.run, p, n) for p in prompts]
+    ours_latency(llm, prompts[:1], 4)  # warm-up
+    print(f"batch 1: {len(prompts)} prompts of {LATENCY_PROMPT_LEN} tokens, {n} output tokens, {args.dtype}, "
+          f"{torch.get_num_threads()} torch threads")
+    results: dict[str, list[float]] = {name: [] for name in engines}
+    try:
+        for rnd in range(args.repeats):
+            for name, fn in engines.items():
+                ms = fn()
+                results[name] += ms
+                print(f"round {rnd + 1}/{args.repeats}  {name:<40} {statistics.median(ms):7.2f} ms/token", flush=True)
+    finally:
+        if server is not None:
+            server.close()
+    medians = {name: statistics.median(v) for name, v in results.items()}
+    print(f"\n{'engine':<40} {'ms per output token':>20} {'it / ours':>10}")
+    for name, m in medians.items():
+        print(f"{name:<40} {m:20.2f} {m / medians['ours']:9.2f}x")
+    if args.output_json:
+        record = {**run_info(), "mode": "latency", "args": {k: str(v) for k, v in vars(args).items()},
+                  "engines": {name: {"ms_per_token_median": medians[name], "ms_per_token_runs": results[name]}
+                              for name in engines}}
+        Path(args.output_json).write_text(json.dumps(record, indent=1))
+        print(f"wrote {args.output_json}")
+
+
 def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
     """Bytes of K and V over all layers for one token."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -130,7 +244,14 @@ def main():
     ap.add_argument("--with-vllm", action="store_true", help=f"also run {VLLM_SCRIPT} (installs vLLM-CPU once)")
     ap.add_argument("--vllm-script", type=Path, default=VLLM_SCRIPT)
     ap.add_argument("--output-json", help="write the config and every measurement here")
+    ap.add_argument("--latency", action="store_true", help="batch-1 decode ms per output token instead of throughput")
+    ap.add_argument("--latency-prompts", type=int, default=3, help="--latency: prompts (each run alone)")
+    ap.add_argument("--llama-server", help="--latency: llama.cpp's llama-server binary, run on the model's GGUF")
     args = ap.parse_args()
+    if args.latency:
+        dtype_kwargs = dict(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+        latency_main(args, LLM(model=args.model, **dtype_kwargs), load_jsonl(args.dataset))
+        return
 
     reqs = load_jsonl(args.dataset, args.num_requests, args.output_len)
     if len({r.max_tokens for r in reqs}) != 1:

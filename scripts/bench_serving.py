@@ -10,12 +10,14 @@ each request (milliseconds):
   E2EL  end-to-end latency: from sending the request to the end of its stream
 Output tokens are the server's `usage.completion_tokens` (stream_options.include_usage), or the number
 of text chunks when the server sends no usage. Prints vLLM's "Serving Benchmark Result" block per rate
-and writes its numbers, with every per-request time, to one JSON file per rate.
+and writes its numbers, with every per-request time, to one JSON file per rate. With --dashboards N, N
+streams of our /dashboard/events stay open and read for each run (the dashboard's overhead).
 
 Usage:
   python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --request-rate 1 2 4 inf \\
       --result-dir results/serving --label ours
   python scripts/bench_serving.py --plot latency.png results/serving/*.json   # only plots
+  python scripts/bench_serving.py --dashboards 4 --label ours-dash4 ...      # with 4 dashboards open
 """
 import argparse
 import asyncio
@@ -94,16 +96,30 @@ def payload_for(req: Request, model: str, ignore_eos: bool) -> dict:
     return body
 
 
-async def run_at_rate(args, url: str, model: str, reqs: list[Request], rate: float) -> tuple[list[RequestResult], float]:
-    """Sends every request, Poisson arrivals at `rate` req/s; returns the results in request order and
-    the benchmark's wall time in seconds (first send to last response)."""
+async def watch_dashboard(client: httpx.AsyncClient, url: str, events: list[int], i: int) -> None:
+    """Reads a /dashboard/events stream as a browser would, counting its events in `events[i]`."""
+    async with client.stream("GET", url) as resp:
+        if resp.status_code != 200:
+            raise SystemExit(f"{url}: HTTP {resp.status_code} (is the dashboard on, and the server open?)")
+        async for line in resp.aiter_lines():
+            events[i] += line.startswith("data:")
+
+
+async def run_at_rate(args, url: str, model: str, reqs: list[Request], rate: float) -> tuple[list[RequestResult], float, list[int]]:
+    """Sends every request, Poisson arrivals at `rate` req/s, with `args.dashboards` dashboard streams
+    open; returns the results in request order, the benchmark's wall time in seconds (first send to
+    last response) and the events each dashboard stream received."""
     rng = np.random.default_rng(args.seed)
     # Arrival times fixed up front, so a slow event loop delays requests but does not change the schedule.
     gaps = np.zeros(len(reqs)) if math.isinf(rate) else rng.exponential(1.0 / rate, len(reqs))
     arrivals = np.cumsum(gaps) - gaps[0]
     limit = asyncio.Semaphore(args.max_concurrency or len(reqs))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # the default caps at 100
+    events = [0] * args.dashboards
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        dashboard_url = args.base_url.rstrip("/") + "/dashboard/events"
+        watchers = [asyncio.create_task(watch_dashboard(client, dashboard_url, events, i)) for i in range(args.dashboards)]
+        await asyncio.sleep(1.0 if watchers else 0.0)  # connected, first snapshot sent
         with tqdm(total=len(reqs), desc=f"rate {rate}", unit="req", disable=args.disable_tqdm) as pbar:
             async def one(req: Request, at: float) -> RequestResult:
                 await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
@@ -114,7 +130,13 @@ async def run_at_rate(args, url: str, model: str, reqs: list[Request], rate: flo
 
             start = time.perf_counter()
             results = await asyncio.gather(*(one(r, t) for r, t in zip(reqs, arrivals)))
-            return results, time.perf_counter() - start
+            duration = time.perf_counter() - start
+        for task in watchers:
+            if task.done():
+                task.result()  # raises what ended it early
+            task.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        return results, duration, events
 
 
 def summarize(results: list[RequestResult], duration: float, percentiles: list[float]) -> dict:
@@ -240,6 +262,8 @@ def main():
     ap.add_argument("--plot", metavar="PNG", help="draw latency-vs-load curves to PNG (from RESULTS, "
                     "else from this run's results)")
     ap.add_argument("results", nargs="*", help="result JSONs to plot; with them, no benchmark is run")
+    ap.add_argument("--dashboards", type=int, default=0, metavar="N",
+                    help="keep N streams of the server's /dashboard/events open during each run (ours only)")
     ap.add_argument("--disable-tqdm", action="store_true")
     args = ap.parse_args()
     if args.results:
@@ -260,9 +284,11 @@ def main():
     written = []
     for rate in args.request_rate:
         print(f"Traffic request rate: {rate}\nMaximum request concurrency: {args.max_concurrency}")
-        results, duration = asyncio.run(run_at_rate(args, url, model, reqs, rate))
+        results, duration, events = asyncio.run(run_at_rate(args, url, model, reqs, rate))
         summary = summarize(results, duration, percentiles)
         print_result(summary, rate, args.max_concurrency, percentiles)
+        if args.dashboards:
+            print(f"dashboards open: {args.dashboards}, events received each: {events}")
         if summary["errors"]:
             print(f"first error: {summary['errors'][0]}")
         expected = sum(r.max_tokens for r in reqs)
@@ -273,7 +299,7 @@ def main():
             record = {**run_info(), "label": label,
                       "base_url": base_url, "model": model, "dataset": args.dataset, "num_prompts": len(reqs),
                       "request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": args.max_concurrency,
-                      **summary}
+                      "dashboards": args.dashboards, "dashboard_events": events, **summary}
             path = Path(args.result_dir) / f"{safe(label)}-rate{rate:g}-conc{args.max_concurrency or 'none'}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(record, indent=1))

@@ -69,8 +69,8 @@ def engine_args() -> dict:
 
 @pytest.fixture(scope="session")
 def server():
-    """The shared server on the default model; it must exit 0 on SIGTERM at the end."""
-    proc = ServerProcess(*cli_args(**ENGINE_ARGS))
+    """The shared server on the default model, tool_choice "auto" on; it must exit 0 on SIGTERM at the end."""
+    proc = ServerProcess(*cli_args(**ENGINE_ARGS), "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield proc
     log = proc.log()
     assert proc.stop() == 0, log[-4000:]

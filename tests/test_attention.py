@@ -5,10 +5,19 @@ import pytest
 import torch
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.cpu import CPUBackend, load_kernels
+from engine import cpu_kernels
+from engine.attention.cpu import CPUBackend, kernel_isa
 from engine.attention.torch_native import TorchNativeBackend
 
 H, KVH, D, BS = 6, 2, 16, 4
+
+
+def new_cache(backend, num_blocks, dtype, randn=False):
+    """A (k_cache, v_cache) pair in the backend's layout, and NHD views [blocks, block, kv heads, dim] of it."""
+    make = torch.randn if randn else torch.zeros
+    cache = tuple(make(backend.kv_cache_shape(num_blocks), dtype=dtype) for _ in range(2))
+    nhd = cache if isinstance(backend, TorchNativeBackend) else tuple(c.transpose(1, 2) for c in cache)
+    return cache, nhd
 
 
 def dense(q, keys, values, scale):
@@ -30,7 +39,8 @@ def test_mixed_batch_matches_dense_attention(backend_cls, dtype):
     rng = random.Random(0)
     torch.manual_seed(0)
     num_blocks = 64
-    k_cache, v_cache = torch.zeros(num_blocks, BS, KVH, D, dtype=dtype), torch.zeros(num_blocks, BS, KVH, D, dtype=dtype)
+    backend = backend_cls(H, KVH, D, BS, D ** -0.5)
+    (k_cache, v_cache), (k_nhd, v_nhd) = new_cache(backend, num_blocks, dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     # (tokens already in the cache, new tokens): three decodes, a chunk after 9 cached, a fresh prompt
@@ -41,8 +51,8 @@ def test_mixed_batch_matches_dense_attention(backend_cls, dtype):
         table = [free.pop() for _ in range(-(-n // BS))]
         keys, values = torch.randn(n, KVH, D, dtype=dtype), torch.randn(n, KVH, D, dtype=dtype)
         for pos in range(ctx):  # the cached prefix
-            k_cache[table[pos // BS], pos % BS] = keys[pos]
-            v_cache[table[pos // BS], pos % BS] = values[pos]
+            k_nhd[table[pos // BS], pos % BS] = keys[pos]
+            v_nhd[table[pos // BS], pos % BS] = values[pos]
         seqs.append((ctx, new, keys, values))
         tables.append(table)
     bt = torch.zeros(len(shapes), max(map(len, tables)), dtype=torch.int32)
@@ -57,7 +67,6 @@ def test_mixed_batch_matches_dense_attention(backend_cls, dtype):
     q = torch.randn(qsl[-1], H + KVH, D, dtype=dtype)[:, :H]  # strided, as the model's slice of qkv
     k_new = torch.cat([keys[ctx:] for ctx, _, keys, _ in seqs])
     v_new = torch.cat([values[ctx:] for ctx, _, _, values in seqs])
-    backend = backend_cls(H, KVH, D, BS, D ** -0.5)
     backend.plan(meta)
     out = backend.forward(q, k_new, v_new, (k_cache, v_cache), meta)
     for i, (ctx, new, keys, values) in enumerate(seqs):
@@ -65,24 +74,18 @@ def test_mixed_batch_matches_dense_attention(backend_cls, dtype):
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), ref, atol=tol, rtol=tol)
     # and the new tokens' K/V landed in their slots
-    flat_k = k_cache.view(-1, KVH, D)
+    flat_k = k_nhd.reshape(-1, KVH, D)
     torch.testing.assert_close(flat_k[torch.tensor(slots)], k_new)
 
 
 def test_cpu_kernel_builds_here():
     # CI has a C compiler: the CPU default must not silently fall back to the slow path
-    assert load_kernels() is not None
+    assert cpu_kernels.load() is not None
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_cpu_kernel_matches_torch_native_on_random_batches(seed):
-    """Random steps: decodes, long chunks after cached prefixes, fresh prompts; GQA groups of 1-4."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    kvh, group, d, bs = rng.choice([1, 2, 4]), rng.choice([1, 3, 4]), rng.choice([64, 128, 40]), rng.choice([4, 16])
-    h = kvh * group
-    shapes = [(rng.randint(1, 90), 1) for _ in range(rng.randint(0, 5))]
-    shapes += [(rng.choice([0, rng.randint(1, 70)]), rng.randint(2, 45)) for _ in range(rng.randint(1, 3))]
+def random_step(rng, group, kvh, d, bs, shapes, dtype):
+    """A step of sequences (tokens cached, new tokens) with random q/k/v and shuffled block tables;
+    returns (meta, q (strided, as the model's slice of qkv), k, v, num_blocks)."""
     num_blocks = sum(-(-(c + n) // bs) for c, n in shapes) + 3
     order = list(range(num_blocks))
     rng.shuffle(order)
@@ -97,12 +100,58 @@ def test_cpu_kernel_matches_torch_native_on_random_batches(seed):
     lens = [c + n for c, n in shapes]
     meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), bt,
                              torch.tensor(slots), sum(n == 1 for _, n in shapes), qsl, lens)
-    q, k, v = torch.randn(qsl[-1], h, d), torch.randn(qsl[-1], kvh, d), torch.randn(qsl[-1], kvh, d)
-    caches = [(torch.randn(num_blocks, bs, kvh, d), torch.randn(num_blocks, bs, kvh, d)) for _ in range(2)]
-    caches[1] = tuple(c.clone() for c in caches[0])
+    h = kvh * group
+    qkv = torch.randn(qsl[-1], h + 2 * kvh, d, dtype=dtype)
+    return meta, qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:], num_blocks
+
+
+def run_against_torch_native(meta, q, k, v, block_size, num_blocks):
+    """Both backends on the same step and the same (random) cache contents: (torch_native, cpu) outputs."""
+    h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
+    backends = [TorchNativeBackend(h, kvh, d, block_size, d ** -0.5), CPUBackend(h, kvh, d, block_size, d ** -0.5)]
+    (ref_cache, ref_nhd), (cpu_cache, cpu_nhd) = (new_cache(b, num_blocks, q.dtype) for b in backends)
+    for src, dst in zip(ref_nhd, cpu_nhd):
+        src.copy_(torch.randn(src.shape, dtype=src.dtype))
+        dst.copy_(src)
     outs = []
-    for backend_cls, cache in zip(BACKENDS, caches):
-        backend = backend_cls(h, kvh, d, bs, d ** -0.5)
+    for backend, cache in zip(backends, (ref_cache, cpu_cache)):
         backend.plan(meta)
         outs.append(backend.forward(q, k, v, cache, meta))
-    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+    return outs
+
+
+CASES = [(group, d, dtype) for dtype in (torch.bfloat16, torch.float32)
+         for group, d in ((1, 64), (3, 64), (8, 64), (3, 128), (8, 128), (3, 40))]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cpu_kernel_matches_torch_native_on_random_batches(case):
+    """Random steps: decodes, long chunks after cached prefixes, fresh prompts; GQA groups 1 / 3 / 8,
+    head_dim 64 / 128 (the AVX-512 sizes) and an odd 40 (portable), block sizes 16 / 32, both dtypes."""
+    group, d, dtype = CASES[case]
+    rng = random.Random(case)
+    torch.manual_seed(case)
+    kvh, bs = rng.choice([1, 2, 3]), (16, 32)[case % 2]
+    shapes = [(rng.randint(1, 90), 1) for _ in range(rng.randint(0, 5))]
+    shapes += [(rng.choice([0, rng.randint(1, 70)]), rng.randint(2, 45)) for _ in range(rng.randint(1, 3))]
+    meta, q, k, v, num_blocks = random_step(rng, group, kvh, d, bs, shapes, dtype)
+    ref, out = run_against_torch_native(meta, q, k, v, bs, num_blocks)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("isa", ["native", "portable"])
+@pytest.mark.parametrize("num_seqs", [1, 6])
+def test_cpu_kernel_long_contexts(isa, num_seqs, monkeypatch):
+    """Contexts over hundreds of blocks, as decodes and as chunks: with one sequence the kernel splits
+    each task's keys across threads (flash-decoding) and merges them; `portable` forces the path a CPU
+    without AVX512-BF16 takes."""
+    if isa == "portable":
+        monkeypatch.setenv("MINIVLLM_CPU_ISA", "portable")
+        assert kernel_isa() == "portable"
+    rng = random.Random(num_seqs)
+    torch.manual_seed(num_seqs)
+    shapes = [(rng.randint(3000, 5000), 1) for _ in range(num_seqs)] + [(rng.randint(2000, 3000), 37)]
+    meta, q, k, v, num_blocks = random_step(rng, 3, 3, 64, 16, shapes, torch.bfloat16)
+    ref, out = run_against_torch_native(meta, q, k, v, 16, num_blocks)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from tests.conftest import assert_greedy_matches, make_llm
+from tests.conftest import _workload, assert_greedy_matches, make_llm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
 
@@ -61,8 +61,15 @@ def test_preemption_keeps_greedy_output(prompts, hf_reference):
         assert_greedy_matches(out.outputs[0].token_ids, ref, ignore_eos=True)
 
 
-def test_bfloat16_runs_close_to_reference(prompts, hf_reference):
-    llm = make_llm(dtype="bfloat16")
-    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
-    out = llm.generate([prompts[1]], GREEDY, use_tqdm=False)[0]
-    assert "Paris" in out.outputs[0].text
+def test_bfloat16_agrees_with_float32(llm):
+    """bfloat16 (the CPU default with AVX512-BF16) takes the first 16 greedy tokens of float32 on at
+    least 80% of the benchmark workload's prompts (the first 24 here). bfloat16 weights and activations
+    flip a near-tie now and then (86% of all 64 agree, measured; 72% before the LM head re-scored its top
+    logits in float32), a wrong kernel flips most."""
+    work = [r["prompt_token_ids"] for r in _workload()[:24]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    bf16 = make_llm(dtype="bfloat16")
+    assert bf16.engine.runner.kv_cache.dtype == torch.bfloat16
+    ours = [o.outputs[0].token_ids for o in bf16.generate(work, params, use_tqdm=False)]
+    ref = [o.outputs[0].token_ids for o in llm.generate(work, params, use_tqdm=False)]
+    assert sum(a == b for a, b in zip(ours, ref)) >= 0.8 * len(work)

@@ -95,7 +95,7 @@ def test_n_samples_share_prompt_blocks(llm):
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
+    ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"), ({"max_tokens": -1}, "max_tokens"),  # 0 = prompt only
     ({"logprobs": 21}, "logprobs"), ({"presence_penalty": 3}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"stop": [""]}, "stop"),

@@ -1,6 +1,7 @@
 """server.py's flags: --help, --api-key, --served-model-name, --max-queue-len (503 + Retry-After),
---max-request-body-bytes, --chat-template, the startup log, and a clean exit on SIGINT with a
-request in flight. One extra server runs every test here, in order; the last one stops it."""
+--max-request-body-bytes, --chat-template, --no-dashboard, the startup log, and a clean exit on SIGINT with a
+request in flight that outlives --shutdown-timeout. One extra server runs every test here, in order;
+the last one stops it."""
 import asyncio
 import signal
 import subprocess
@@ -26,7 +27,7 @@ def aux(server_factory, tmp_path_factory):
     return server_factory("--api-key", KEY, "--served-model-name", "smol", "--max-queue-len", "1",
                           "--max-num-seqs", "1", "--max-request-body-bytes", "4096", "--chat-template", str(template),
                           "--max-model-len", "512", "--kv-cache-memory", "64M", "--dtype", "float32",
-                          "--no-enable-prefix-caching")
+                          "--no-enable-prefix-caching", "--no-dashboard", "--shutdown-timeout", "5")
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def test_help_documents_every_flag():
     for flag in ["--model", "--host", "--port", "--api-key", "--served-model-name", "--max-model-len",
                  "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--kv-cache-memory",
                  "--gpu-memory-utilization", "--dtype", "--no-enable-prefix-caching", "--max-queue-len",
-                 "--chat-template", "--log-level"]:
+                 "--chat-template", "--no-dashboard", "--shutdown-timeout", "--log-level"]:
         assert flag in out
     bad = subprocess.run([sys.executable, "server.py", "--block-size", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "block_size must be >= 1" in bad.stderr
@@ -64,6 +65,12 @@ async def test_api_key_required_except_probes(aux):
     async with openai.AsyncOpenAI(base_url=f"{aux.url}/v1", api_key="wrong", max_retries=0) as sdk:
         with pytest.raises(openai.AuthenticationError):
             await sdk.models.list()
+
+
+async def test_no_dashboard(client):
+    for path in ("/dashboard", "/dashboard/events", "/dashboard/static/dashboard.js"):
+        r = await client.get(path)
+        assert r.status_code == 404 and r.json()["error"]["message"] == f"Invalid URL (GET {path})"
 
 
 async def test_served_model_name(aux):
@@ -112,15 +119,23 @@ async def test_queue_full_gets_503_with_retry_after(client, aux):
     assert r.status_code == 200
 
 
-async def test_sigint_aborts_in_flight_requests_and_exits_0(client, aux):
-    """Runs last: stops the extra server."""
+async def test_sigint_drains_then_aborts_in_flight_requests_and_exits_0(client, aux):
+    """Runs last: stops the extra server. SIGINT starts the drain (new requests get 503); the request
+    in flight (400 tokens on one sequence) outlives --shutdown-timeout 5 and is aborted."""
     async with client.stream("POST", "/v1/completions", json={"prompt": "Once"} | LONG) as stream:
         lines = stream.aiter_lines()
         await _first_chunk(lines)
         aux.proc.send_signal(signal.SIGINT)
+        for _ in range(100):  # the signal is handled by the server's event loop soon
+            r = await client.get("/health")
+            if r.status_code == 503:
+                break
+            await asyncio.sleep(0.05)
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert r.json()["error"]["code"] == "shutting_down"
         rest = [line async for line in lines if line]
     assert '"finish_reason":"abort"' in rest[-2] and rest[-1] == "data: [DONE]"
     assert aux.proc.wait(timeout=30) == 0
-    assert "aborting in-flight requests" in aux.log()
+    assert "aborting 1 requests still in flight" in aux.log()
     with pytest.raises(httpx.ConnectError):
         await client.get("/health")

@@ -130,7 +130,8 @@ async def test_completion_logprobs_and_echo(openai_client):
                                                   logprobs=1, echo=True)
     text, lp = echo.choices[0].text, echo.choices[0].logprobs
     assert text == PROMPTS[0] + r.choices[0].text
-    assert lp.token_logprobs[:5] == [None] * 5 and lp.top_logprobs[:5] == [None] * 5
+    # prompt tokens are scored too (the first has no logprob, as in OpenAI's API): tests/test_server_clients.py
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and None not in lp.token_logprobs[1:]
     assert lp.token_logprobs[5:] == pytest.approx(r.choices[0].logprobs.token_logprobs, abs=1e-4)
     assert "".join(lp.tokens) == text and all(text[o:o + len(t)] == t for t, o in zip(lp.tokens, lp.text_offset))
 

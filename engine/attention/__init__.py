@@ -5,24 +5,26 @@ import logging
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.attention.cpu import CPUBackend, load_kernels
+from engine import cpu_kernels
+from engine.attention.cpu import CPUBackend
 from engine.attention.torch_native import TorchNativeBackend
 
 logger = logging.getLogger(__name__)
 
 
 def make_backend(name: str | None, device: torch.device, dtype: torch.dtype, hf_config,
-                 block_size: int) -> AttentionBackend:
-    """Builds the attention backend for a model config.
+                 block_size: int, tp_size: int = 1) -> AttentionBackend:
+    """Builds the attention backend for a model config (for one rank's heads of `tp_size`).
 
     name: "torch_native", "cpu", "flashinfer", or None (flashinfer on CUDA when importable, cpu on the
     CPU when its kernel builds, else torch_native).
     Raises ValueError for an unknown name or flashinfer asked for where it cannot run.
     """
+    from engine.distributed.layers import partition_heads
     from models.llama import head_dim_of
 
     head_dim = head_dim_of(hf_config)
-    args = (hf_config.num_attention_heads, hf_config.num_key_value_heads, head_dim, block_size, head_dim ** -0.5)
+    args = (*partition_heads(hf_config, tp_size), head_dim, block_size, head_dim ** -0.5)
     if name in (None, "flashinfer") and device.type == "cuda":
         from engine.attention.flashinfer import FlashInferBackend, flashinfer_available
 
@@ -38,6 +40,6 @@ def make_backend(name: str | None, device: torch.device, dtype: torch.dtype, hf_
     if name == "cpu" and device.type != "cpu":
         raise ValueError("attention_backend cpu needs the CPU device")
     if device.type == "cpu" and name in (None, "cpu") and dtype in (torch.float32, torch.bfloat16) \
-            and load_kernels() is not None:
+            and cpu_kernels.load() is not None:
         return CPUBackend(*args)
     return TorchNativeBackend(*args)

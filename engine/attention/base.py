@@ -36,13 +36,18 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Paged attention for one model: `plan` once per step, then `forward` once per layer.
 
-    The KV cache of one layer is a pair (k_cache, v_cache), each [num_blocks, block_size,
-    num_kv_heads, head_dim] in the model dtype (FlashInfer's "NHD" paged layout).
+    The KV cache of one layer is a pair (k_cache, v_cache), each of `kv_cache_shape(num_blocks)` in
+    the model dtype: [num_blocks, block_size, num_kv_heads, head_dim] (FlashInfer's "NHD" paged layout)
+    unless a backend says otherwise.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.scale = block_size, scale
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's K (or V) cache for `num_blocks` blocks."""
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Prepare per-step state shared by all layers (index arrays, kernel plans)."""

@@ -1,80 +1,60 @@
-"""The CPU backend: paged attention for a whole step in a small C kernel.
+"""The CPU backend: a whole step's paged attention in one C kernel call per layer.
 
-In torch, attention over a paged cache needs a gathered (copied), padded K/V batch per layer for the
-decodes, which costs more than the model's matmuls at batch 64, and SDPA's CPU flash kernel runs
-prefill chunks at a fraction of the matmuls' speed for small heads. `csrc/paged_attention.c` reads
-each K/V row in place through the block table, as vLLM's CPU kernels do, and computes all query heads
-of a GQA group for a tile of positions per K/V load. It is compiled once with the system C compiler
-(-O3 -march=native, OpenMP: the libgomp torch already loaded) into ~/.cache/minivllm/kernels and
-called through ctypes, which releases the GIL. Without a compiler the CPU runs torch_native.
+In torch, attention over a paged cache needs a gathered (copied), padded K/V batch per layer, which
+costs more than the model's matmuls at batch 64. `engine/csrc/paged_attention.c` writes the step's
+new K/V into the cache and reads every K/V row in place through the block table, as vLLM's CPU
+kernels do, with an online softmax (one pass over K and V), all query heads of a GQA group per K/V
+load, AVX512-BF16 dot products where the CPU has them, and split keys when the step has too few
+(sequence, kv head) tasks for the threads (batch 1). The cache is "HND" per layer,
+[num_blocks, num_kv_heads, block_size, head_dim], so one head's keys of a block are contiguous.
 """
-import ctypes
-import functools
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
+from engine import cpu_kernels
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.loader import CACHE_DIR
-
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
-@functools.cache
-def load_kernels() -> ctypes.CDLL | None:
-    """Builds (once per source and flags) and loads the C kernels; None if no compiler works."""
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(cc) is None:
-        logger.warning("no C compiler (%s); the CPU runs the torch_native attention backend", cc)
-        return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    lib_path = CACHE_DIR / "kernels" / f"paged_attention-{key}.so"
-    if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.NamedTemporaryFile(dir=lib_path.parent, suffix=".so", delete=False).name
-        try:
-            subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
-        except subprocess.CalledProcessError as e:
-            logger.warning("building the CPU attention kernel failed; using torch_native:\n%s", e.stderr)
-            os.unlink(tmp)
-            return None
-        os.replace(tmp, lib_path)  # atomic, so concurrent builders never load a half-written file
-    lib = ctypes.CDLL(str(lib_path))
-    for name in ("paged_attention_f32", "paged_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
-    return lib
+def kernel_isa() -> str:
+    """The path the bfloat16 kernel takes on this CPU: "avx512bf16" or "portable".
+
+    `MINIVLLM_CPU_ISA=portable` forces the portable C path (as on a CPU without AVX512-BF16)."""
+    lib = cpu_kernels.load()
+    if lib is None or os.environ.get("MINIVLLM_CPU_ISA") == "portable" or not lib.attention_isa():
+        return "portable"
+    return "avx512bf16"
 
 
 class CPUBackend(AttentionBackend):
     """Paged attention for float32 or bfloat16 caches on the CPU, every row of a step in one kernel call.
 
-    Needs contiguous int32 metadata (the model runner builds it so); q may be strided.
+    q, k, v may be views with a row stride (slices of the fused qkv projection) but each token's heads
+    must be contiguous; the metadata tensors must be contiguous (the model runner builds them so).
+    Raises ValueError for head sizes or GQA groups the kernel does not support (head_dim > 256, or
+    more than 8 query heads per kv head).
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lib = cpu_kernels.load()
+        self.isa = int(kernel_isa() == "avx512bf16")
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         k_cache, v_cache = kv_cache
-        # All new K/V go in first: the kernel reads every key from the cache, the new ones included.
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        q = q.contiguous()  # bound to a name: a temporary would be freed before the kernel reads it
-        out = torch.empty_like(q)
-        kernels = load_kernels()
-        fn = kernels.paged_attention_bf16 if q.dtype == torch.bfloat16 else kernels.paged_attention_f32
-        rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
-                meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), out.data_ptr(), meta.num_seqs,
-                self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, meta.block_tables.shape[1],
-                self.scale, torch.get_num_threads())
+        for x in (q, k, v):
+            if x.stride(-1) != 1 or x.stride(-2) != self.head_dim:
+                raise ValueError("CPU attention needs each token's heads contiguous")
+        out = q.new_empty(q.shape)
+        fn = self.lib.paged_attention_bf16 if q.dtype == torch.bfloat16 else self.lib.paged_attention_float
+        rc = fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                k_cache.data_ptr(), v_cache.data_ptr(), meta.slot_mapping.data_ptr(), q.shape[0],
+                meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),
+                out.data_ptr(), meta.num_seqs, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
+                meta.block_tables.shape[1], self.scale, torch.get_num_threads(), self.isa)
         if rc != 0:
             raise ValueError(f"CPU attention kernel does not support head_dim {self.head_dim} with "
                              f"{self.num_heads // self.num_kv_heads} query heads per kv head")

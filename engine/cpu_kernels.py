@@ -1,0 +1,66 @@
+"""The CPU kernels in `engine/csrc/`: built once with the system C compiler, cached, loaded with ctypes.
+
+One shared library holds every kernel (paged attention, small-batch linear, fused norm / rotary /
+SiLU-and-mul). It is compiled with -O3 -march=native and OpenMP (the libgomp torch already loaded, so
+kernels and torch share one thread pool) into ~/.cache/minivllm/kernels, keyed by the sources and
+flags, and called through ctypes, which releases the GIL. Without a working compiler `load()` returns
+None and callers use their torch paths.
+"""
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from engine.loader import CACHE_DIR
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+
+_p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# name -> argument types; kernels that can refuse a shape return int (0 = done), the others nothing
+RETURNS_STATUS = {"paged_attention_float", "paged_attention_bf16", "attention_isa", "linear_bf16"}
+SIGNATURES = {
+    "paged_attention_float": [_p, _i, _p, _i, _p, _i, _p, _p, _p, _i, _p, _p, _p, _p] + [_i] * 6 + [_f, _i, _i],
+    "paged_attention_bf16": [_p, _i, _p, _i, _p, _i, _p, _p, _p, _i, _p, _p, _p, _p] + [_i] * 6 + [_f, _i, _i],
+    "attention_isa": [],
+    "linear_bf16": [_p, _i, _p, _p, _p, _i, _i, _i, _i],
+}
+for _t in ("float", "bf16"):
+    SIGNATURES |= {f"add_rms_norm_{_t}": [_p, _p, _p, _p, _i, _i, _f, _i],
+                   f"rotary_{_t}": [_p, _i, _i, _i, _i, _p, _p, _i],
+                   f"silu_and_mul_{_t}": [_p, _p, _i, _i, _i]}
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """Builds (once per sources and flags) and loads the kernels; None if no C compiler works."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        logger.warning("no C compiler (%s); the CPU runs torch ops for attention and layers", cc)
+        return None
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    lib_path = CACHE_DIR / "kernels" / f"cpu_kernels-{key}.so"
+    if not lib_path.exists():
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.NamedTemporaryFile(dir=lib_path.parent, suffix=".so", delete=False).name
+        try:
+            subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+                           text=True)
+        except subprocess.CalledProcessError as e:
+            logger.warning("building the CPU kernels failed; using torch ops:\n%s", e.stderr)
+            os.unlink(tmp)
+            return None
+        os.replace(tmp, lib_path)  # atomic, so concurrent builders never load a half-written file
+    lib = ctypes.CDLL(str(lib_path))
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int if name in RETURNS_STATUS else None
+        fn.argtypes = argtypes
+    return lib

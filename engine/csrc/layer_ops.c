@@ -1,0 +1,89 @@
+/* The decoder layer's elementwise ops, one pass each, for float32 and bfloat16 activations:
+ * residual-add + RMSNorm (Zhang & Sennrich 2019), rotary embedding (Su et al. 2021) in place, and
+ * SiLU(gate) * up (SwiGLU, Shazeer 2020). All math in float32.
+ *
+ * The residual stream is float32 [num_tokens, hidden] whatever the model dtype: adding each
+ * sublayer's output to it in float32 instead of rounding the sum to bfloat16 every layer keeps
+ * bfloat16 models close to float32 at no cost (one pass reads and writes it anyway).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline bf16 f32_to_bf16(float f) { /* round to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+static inline float f32_id(float x) { return x; }
+
+/* residual [T, H] float32 += delta [T, H] (model dtype; NULL = nothing to add);
+ * out [T, H] (model dtype) = weight [H] (model dtype) * residual / sqrt(mean(residual^2) + eps). */
+#define ADD_RMS_NORM(T, TO_F32, FROM_F32)                                                              \
+    void add_rms_norm_##T(float *residual, const T *delta, const T *weight, T *out, int num_tokens,    \
+                          int hidden, float eps, int num_threads) {                                   \
+        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
+        for (int t = 0; t < num_tokens; t++) {                                                         \
+            float *x = residual + (size_t)t * hidden;                                                  \
+            if (delta) {                                                                               \
+                const T *dx = delta + (size_t)t * hidden;                                              \
+                for (int i = 0; i < hidden; i++) x[i] += TO_F32(dx[i]);                                \
+            }                                                                                          \
+            float ss = 0.f;                                                                            \
+            for (int i = 0; i < hidden; i++) ss += x[i] * x[i];                                        \
+            const float inv = 1.f / sqrtf(ss / hidden + eps);                                          \
+            T *o = out + (size_t)t * hidden;                                                           \
+            for (int i = 0; i < hidden; i++) o[i] = FROM_F32(TO_F32(weight[i]) * (x[i] * inv));        \
+        }                                                                                              \
+    }
+ADD_RMS_NORM(float, f32_id, f32_id)
+ADD_RMS_NORM(bf16, bf16_to_f32, f32_to_bf16)
+
+/* Rotate-half RoPE in place on x [T, heads, D] (token row stride `stride` elements, heads contiguous):
+ * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [T, D / 2] float32 of each token's
+ * position. */
+#define ROTARY(T, TO_F32, FROM_F32)                                                                    \
+    void rotary_##T(T *x, int num_tokens, int heads, int stride, int D, const float *cos_t,           \
+                    const float *sin_t, int num_threads) {                                             \
+        const int half = D / 2;                                                                        \
+        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
+        for (int t = 0; t < num_tokens; t++) {                                                         \
+            const float *c = cos_t + (size_t)t * half, *s = sin_t + (size_t)t * half;                  \
+            for (int h = 0; h < heads; h++) {                                                          \
+                T *x1 = x + (size_t)t * stride + (size_t)h * D, *x2 = x1 + half;                       \
+                for (int i = 0; i < half; i++) {                                                       \
+                    const float a = TO_F32(x1[i]), b = TO_F32(x2[i]);                                  \
+                    x1[i] = FROM_F32(a * c[i] - b * s[i]);                                             \
+                    x2[i] = FROM_F32(b * c[i] + a * s[i]);                                             \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+    }
+ROTARY(float, f32_id, f32_id)
+ROTARY(bf16, bf16_to_f32, f32_to_bf16)
+
+/* out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:], gate_up [T, 2I]. */
+#define SILU_AND_MUL(T, TO_F32, FROM_F32)                                                              \
+    void silu_and_mul_##T(const T *gate_up, T *out, int num_tokens, int inter, int num_threads) {      \
+        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
+        for (int t = 0; t < num_tokens; t++) {                                                         \
+            const T *g = gate_up + (size_t)t * 2 * inter, *u = g + inter;                              \
+            T *o = out + (size_t)t * inter;                                                            \
+            for (int i = 0; i < inter; i++) {                                                          \
+                const float a = TO_F32(g[i]);                                                          \
+                o[i] = FROM_F32(a / (1.f + expf(-a)) * TO_F32(u[i]));                                  \
+            }                                                                                          \
+        }                                                                                              \
+    }
+SILU_AND_MUL(float, f32_id, f32_id)
+SILU_AND_MUL(bf16, bf16_to_f32, f32_to_bf16)

@@ -1,0 +1,107 @@
+/* y = x W^T (+ b) in bfloat16 for the few rows of a decode step, at the speed of streaming W.
+ *
+ * With few rows (batch-1 to batch-16 decodes) a linear layer is a matrix-vector product bound by reading
+ * its weights once; general GEMM libraries lose much of the bandwidth at these shapes on small matrices
+ * (per-call setup, blocking for large M). Here W [N, K] stays in its row-major nn.Linear layout (no
+ * repacked copy): each thread streams a contiguous range of W's rows, 4 rows at a time, and for every
+ * group of up to 4 rows of x computes the 16 dot products with AVX512-BF16 (_mm512_dpbf16_ps: exact
+ * products, float32 sums), so a 4-row tile of W read once from memory serves all of x from L1.
+ * Larger batches are compute-bound and go to torch's GEMM.
+ *
+ * x [M, K] bf16 (rows `x_stride` apart), W [N, K] bf16, bias [N] bf16 or NULL, y [M, N] bf16.
+ * Returns -1 where AVX512-BF16 is missing (the caller uses torch).
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline bf16 f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+#if defined(__x86_64__)
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* Rows n0 .. n0 + nn (nn <= 4) of W against rows m0 .. m0 + MM of x, MM a constant (1..4) so the
+ * accumulators stay in registers. */
+#define TILE(MM)                                                                                       \
+    AVX512BF16 static void tile_##MM(const bf16 *x, int x_stride, const bf16 *w, const bf16 *bias, bf16 *y, \
+                                     int N, int K, int n0, int nn, int m0) {                           \
+        __m512 acc[4][MM];                                                                             \
+        for (int i = 0; i < 4; i++)                                                                    \
+            for (int j = 0; j < MM; j++) acc[i][j] = _mm512_setzero_ps();                              \
+        const bf16 *wr[4];                                                                             \
+        for (int i = 0; i < 4; i++) wr[i] = w + (size_t)(n0 + (i < nn ? i : 0)) * K;                   \
+        for (int k = 0; k < K; k += 32) {                                                              \
+            const __mmask32 mask = K - k >= 32 ? 0xFFFFFFFFu : (1u << (K - k)) - 1;                    \
+            __m512bh wv[4];                                                                            \
+            for (int i = 0; i < 4; i++) wv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[i] + k);    \
+            for (int j = 0; j < MM; j++) {                                                             \
+                const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (size_t)(m0 + j) * x_stride + k); \
+                for (int i = 0; i < 4; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);        \
+            }                                                                                          \
+        }                                                                                              \
+        for (int j = 0; j < MM; j++)                                                                   \
+            for (int i = 0; i < nn; i++) {                                                             \
+                float v = _mm512_reduce_add_ps(acc[i][j]);                                             \
+                if (bias) v += bf16_to_f32(bias[n0 + i]);                                              \
+                y[(size_t)(m0 + j) * N + n0 + i] = f32_to_bf16(v);                                     \
+            }                                                                                          \
+    }
+TILE(1)
+TILE(2)
+TILE(3)
+TILE(4)
+
+AVX512BF16 static void linear_avx512bf16(const bf16 *x, int x_stride, const bf16 *w, const bf16 *bias, bf16 *y,
+                                         int M, int N, int K, int num_threads) {
+    /* contiguous row ranges per thread, 4-row aligned: each thread streams its part of W once */
+    const int groups = (N + 3) / 4;
+    _Pragma("omp parallel num_threads(num_threads)") {
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int g0 = (int)((long)groups * id / nt), g1 = (int)((long)groups * (id + 1) / nt);
+        for (int g = g0; g < g1; g++) {
+            const int n0 = 4 * g, nn = N - n0 < 4 ? N - n0 : 4;
+            for (int m0 = 0; m0 < M; m0 += 4) {
+                switch (M - m0 < 4 ? M - m0 : 4) {
+                case 1: tile_1(x, x_stride, w, bias, y, N, K, n0, nn, m0); break;
+                case 2: tile_2(x, x_stride, w, bias, y, N, K, n0, nn, m0); break;
+                case 3: tile_3(x, x_stride, w, bias, y, N, K, n0, nn, m0); break;
+                default: tile_4(x, x_stride, w, bias, y, N, K, n0, nn, m0);
+                }
+            }
+        }
+    }
+}
+
+static int has_avx512bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+}
+#endif
+
+int linear_bf16(const bf16 *x, int x_stride, const bf16 *w, const bf16 *bias, bf16 *y, int M, int N, int K,
+                int num_threads) {
+#if defined(__x86_64__)
+    if (has_avx512bf16()) {
+        linear_avx512bf16(x, x_stride, w, bias, y, M, N, K, num_threads);
+        return 0;
+    }
+#endif
+    (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
+    return -1;
+}

@@ -1,0 +1,447 @@
+/* Paged attention on the CPU for a whole engine step: writes the step's new K/V into the paged cache,
+ * then runs every row (decodes and prefill chunks alike), reading K/V in place through the block table.
+ *
+ * Layouts. q, out: [num_tokens, num_heads, head_dim] with a row stride per token (q may be a view of
+ * the fused qkv tensor); k, v (new): [num_tokens, num_kv_heads, head_dim], row strides likewise.
+ * k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] ("HND": one head's keys of one
+ * block are contiguous, so a task streams whole 2 KiB runs instead of every num_kv_heads-th row).
+ * block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs] (cached + new tokens);
+ * query_start_loc int32 [num_seqs + 1]; slot_mapping int64 [num_tokens] (block * block_size + offset).
+ * Query j of a sequence with q new tokens and n in all sits at position n - q + j and sees keys
+ * 0 .. n - q + j (causal).
+ *
+ * Work. A task is (sequence, kv head, tile of up to QT query positions): it computes all G query heads
+ * of the kv head's GQA group for those positions, so each K/V row is read once for G * QT query rows.
+ * Keys are consumed in chunks of up to 16 (never crossing a block) with the online softmax of
+ * FlashAttention (Dao et al. 2022): no score row is stored, K and V are each read once. When a step has
+ * fewer tasks than threads can share (batch 1), each task's keys are split into partitions that run in
+ * parallel and are merged by their log-sum-exp (flash-decoding, Dao et al. 2023).
+ *
+ * ISA. bfloat16 with head_dim 64 or 128 takes an AVX-512 path when the CPU has AVX512-BF16 (checked at
+ * run time; `isa` 0 forces the portable path): scores from _mm512_dpbf16_ps over keys transposed into
+ * bfloat16 pairs (16 scores per register, no horizontal sums), a vector exp, and accumulators kept in
+ * registers for blocks of up to RB query rows. The portable path is plain C that the compiler vectorizes, for float32, other head sizes
+ * and CPUs without AVX512-BF16.
+ * Accumulation is float32 throughout.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define MAX_HEAD_DIM 256
+#define QT 8         /* query positions per task */
+#define MAX_ROWS 64  /* query rows per task: group size * QT positions, at most */
+#define CHUNK 16     /* keys per online-softmax step */
+#define MIN_PART 256 /* keys per partition when a task's keys are split */
+/* "minus infinity" for masked scores and empty maxima: finite, because -ffast-math assumes no infinities */
+#define NEG_INF (-1e30f)
+#define IS_NEG_INF(x) ((x) <= 0.5f * NEG_INF)
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline bf16 f32_to_bf16(float f) { /* round to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+/* Per-task state: rows r = j * G + g (tile position j, head g of the group). */
+typedef struct {
+    int R, G, D;       /* rows, group size, head dim */
+    int first_pos;     /* absolute position of the tile's first query */
+    float scale;
+    float m[MAX_ROWS]; /* running max of each row's scores */
+    float l[MAX_ROWS]; /* running sum of exp(score - m) */
+    float *acc;        /* [R, D] running sum of exp(score - m) * v */
+    float *qf;         /* [R, D] queries in float32 (portable path) */
+    const bf16 *qb[MAX_ROWS]; /* query rows in bfloat16 (AVX512-BF16 path) */
+} Task;
+
+/* Online-softmax update of every row with one chunk's scores s[r][0..n) (already scaled; rows that
+ * cannot see key t have s = NEG_INF), then acc += p @ vf, where vf [n, D] is the chunk's values. */
+static inline void softmax_update(Task *tk, float s[][CHUNK], int n, const float *vf) {
+    const int D = tk->D;
+    for (int r = 0; r < tk->R; r++) {
+        float mx = tk->m[r];
+        for (int t = 0; t < n; t++) mx = s[r][t] > mx ? s[r][t] : mx;
+        if (IS_NEG_INF(mx)) continue; /* the row sees none of these keys */
+        const float alpha = IS_NEG_INF(tk->m[r]) ? 0.f : expf(tk->m[r] - mx);
+        float sum = 0.f;
+        for (int t = 0; t < n; t++) {
+            s[r][t] = IS_NEG_INF(s[r][t]) ? 0.f : expf(s[r][t] - mx);
+            sum += s[r][t];
+        }
+        tk->m[r] = mx;
+        tk->l[r] = tk->l[r] * alpha + sum;
+        float *acc = tk->acc + (size_t)r * D;
+        for (int d = 0; d < D; d++) acc[d] *= alpha;
+        for (int t = 0; t < n; t++) {
+            const float p = s[r][t];
+            const float *vr = vf + (size_t)t * D;
+            for (int d = 0; d < D; d++) acc[d] += p * vr[d];
+        }
+    }
+}
+
+/* Rows that see key position `pos`: those whose query position is >= pos. */
+static inline int first_row_seeing(const Task *tk, int pos) {
+    return pos > tk->first_pos ? (pos - tk->first_pos) * tk->G : 0;
+}
+
+#define LOAD_ROWS(T, CONVERT)                                                                          \
+    static inline void load_rows_##T(const T *src, int n, int D, float *dst) {                         \
+        for (int t = 0; t < n; t++)                                                                    \
+            for (int d = 0; d < D; d++) dst[(size_t)t * D + d] = CONVERT(src[(size_t)t * D + d]);      \
+    }
+static inline float f32_id(float x) { return x; }
+LOAD_ROWS(float, f32_id)
+LOAD_ROWS(bf16, bf16_to_f32)
+
+/* Portable chunk step: scores from float32 copies of the chunk's keys. */
+#define CHUNK_PORTABLE(T)                                                                              \
+    static void chunk_portable_##T(Task *tk, const T *kp, const T *vp, int pos0, int n, float *kvf) {  \
+        const int D = tk->D;                                                                           \
+        float s[MAX_ROWS][CHUNK];                                                                      \
+        load_rows_##T(kp, n, D, kvf);                                                                  \
+        for (int r = 0; r < tk->R; r++) {                                                              \
+            const float *q = tk->qf + (size_t)r * D;                                                   \
+            const int qpos = tk->first_pos + r / tk->G;                                                \
+            for (int t = 0; t < n; t++) {                                                              \
+                float dot = 0.f;                                                                       \
+                const float *kr = kvf + (size_t)t * D;                                                 \
+                for (int d = 0; d < D; d++) dot += q[d] * kr[d];                                       \
+                s[r][t] = pos0 + t <= qpos ? dot * tk->scale : NEG_INF;                                \
+            }                                                                                          \
+        }                                                                                              \
+        load_rows_##T(vp, n, D, kvf);                                                                  \
+        softmax_update(tk, s, n, kvf);                                                                 \
+    }
+CHUNK_PORTABLE(float)
+CHUNK_PORTABLE(bf16)
+
+#if defined(__x86_64__)
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* exp(x) for x <= 0 (softmax arguments), |relative error| < 2e-7: 2^n * e^r with a degree-6 polynomial. */
+AVX512BF16 static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* In place: r[j] (16 x 32-bit each) becomes column j of the 16 x 16 matrix whose rows were r[0..15]. */
+AVX512BF16 static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* u[4g + m], lane L: rows 4g..4g+3 at column 4L + m */
+    for (int g = 0; g < 4; g++) {
+        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    /* column 4L + m gathers lane L of u[m], u[4 + m], u[8 + m], u[12 + m]: a 4 x 4 transpose of lanes */
+    for (int m = 0; m < 4; m++) {
+        const __m512i x0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), x1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+        const __m512i x2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+        const __m512i x3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+        r[m] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+        r[4 + m] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+        r[8 + m] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+        r[12 + m] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+    }
+}
+
+/* AVX512-BF16 chunk step for head_dim D (64 or 128), RB query rows at a time. The chunk's keys are
+ * transposed into bfloat16 pairs (kt[p] = pair p of all 16 keys), so one dot-product sweep over a query
+ * row gives its 16 scores in one register (products exact, sums float32) with no horizontal sums; the
+ * softmax runs on those registers; then P V is again dot products of bfloat16 pairs, weights of two
+ * keys against their interleaved values, into RB rows x D float32 accumulators held in registers
+ * (P in bfloat16 for P V, as FlashAttention does). */
+#define CHUNK_AVX512(D, RB)                                                                            \
+    AVX512BF16 static void chunk_avx512_##D##_##RB(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n) { \
+        enum { NV = D / 16, NP = D / 2 };                                                              \
+        __m512i kt[NP];                                                                                \
+        const __mmask16 live = (__mmask16)((1u << n) - 1);                                             \
+        for (int p0 = 0; p0 < NP; p0 += 16) {                                                          \
+            __m512i rows[16];                                                                          \
+            for (int t = 0; t < 16; t++)                                                               \
+                rows[t] = t < n ? _mm512_loadu_si512(kp + (size_t)t * D + 2 * p0) : _mm512_setzero_si512(); \
+            transpose16(rows);                                                                         \
+            for (int i = 0; i < 16; i++) kt[p0 + i] = rows[i];                                         \
+        }                                                                                              \
+        /* values of keys 2q, 2q + 1 interleaved: vv[q][v], v = 2c (+1) for the low (high) half of   \
+         * each 128-bit lane of the 32 dims c*32.. (see unpermute_acc) */                               \
+        __m512i vv[CHUNK / 2][NV];                                                                     \
+        for (int q = 0; q < (n + 1) / 2; q++)                                                          \
+            for (int c = 0; c < NV / 2; c++) {                                                         \
+                const __m512i a = _mm512_loadu_si512(vp + (size_t)(2 * q) * D + 32 * c);               \
+                const __m512i b = 2 * q + 1 < n ? _mm512_loadu_si512(vp + (size_t)(2 * q + 1) * D + 32 * c) \
+                                                : _mm512_setzero_si512();                              \
+                vv[q][2 * c] = _mm512_unpacklo_epi16(a, b);                                            \
+                vv[q][2 * c + 1] = _mm512_unpackhi_epi16(a, b);                                        \
+            }                                                                                          \
+        const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(pos0),                              \
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));                   \
+        const __m512 scale = _mm512_set1_ps(tk->scale), neg = _mm512_set1_ps(NEG_INF);                 \
+        for (int r0 = 0; r0 < tk->R; r0 += RB) {                                                       \
+            int row[RB]; /* rows past R repeat the last one; their results are dropped */              \
+            for (int j = 0; j < RB; j++) row[j] = r0 + j < tk->R ? r0 + j : tk->R - 1;                 \
+            __m512 s[RB];                                                                              \
+            for (int j = 0; j < RB; j++) s[j] = _mm512_setzero_ps();                                   \
+            for (int p = 0; p < NP; p++)                                                               \
+                for (int j = 0; j < RB; j++)                                                           \
+                    s[j] = _mm512_dpbf16_ps(s[j], (__m512bh)_mm512_set1_epi32(((const int32_t *)tk->qb[row[j]])[p]), \
+                                            (__m512bh)kt[p]);                                          \
+            float alpha[RB];                                                                           \
+            int32_t pw[RB][CHUNK / 2]; /* bfloat16 weight pairs of keys 2q, 2q + 1 */                  \
+            for (int j = 0; j < RB; j++) {                                                             \
+                const int r = row[j];                                                                  \
+                const __mmask16 seen = live & _mm512_cmple_epi32_mask(key_pos,                         \
+                    _mm512_set1_epi32(tk->first_pos + r / tk->G));                                     \
+                alpha[j] = 1.f;                                                                        \
+                _mm256_storeu_si256((__m256i *)pw[j], _mm256_setzero_si256());                        \
+                if (!seen || r0 + j >= tk->R) continue;                                                \
+                const __m512 sc = _mm512_mask_mov_ps(neg, seen, _mm512_mul_ps(s[j], scale));           \
+                const float mx = fmaxf(tk->m[r], _mm512_reduce_max_ps(sc));                            \
+                const __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx)))); \
+                alpha[j] = IS_NEG_INF(tk->m[r]) ? 0.f : expf(tk->m[r] - mx);                           \
+                tk->l[r] = tk->l[r] * alpha[j] + _mm512_reduce_add_ps(e);                              \
+                tk->m[r] = mx;                                                                         \
+                _mm256_storeu_si256((__m256i *)pw[j], (__m256i)_mm512_cvtneps_pbh(e));                 \
+            }                                                                                          \
+            __m512 acc[RB][NV];                                                                        \
+            for (int j = 0; j < RB; j++)                                                               \
+                for (int c = 0; c < NV; c++)                                                           \
+                    acc[j][c] = _mm512_mul_ps(_mm512_loadu_ps(tk->acc + (size_t)row[j] * D + 16 * c),  \
+                                              _mm512_set1_ps(alpha[j]));                               \
+            for (int q = 0; q < (n + 1) / 2; q++)                                                      \
+                for (int j = 0; j < RB; j++) {                                                         \
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[j][q]);                          \
+                    for (int v = 0; v < NV; v++) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], w, (__m512bh)vv[q][v]); \
+                }                                                                                      \
+            for (int j = 0; j < RB && r0 + j < tk->R; j++)                                             \
+                for (int c = 0; c < NV; c++) _mm512_storeu_ps(tk->acc + (size_t)(r0 + j) * D + 16 * c, acc[j][c]); \
+        }                                                                                              \
+    }
+CHUNK_AVX512(64, 1)
+CHUNK_AVX512(64, 2)
+CHUNK_AVX512(64, 3)
+CHUNK_AVX512(64, 4)
+CHUNK_AVX512(128, 1)
+CHUNK_AVX512(128, 2)
+
+/* The AVX-512 chunks accumulate each 32 dims c*32.. in two registers in unpack order (v = 2c holds
+ * dims 8L..8L+3 of each 128-bit lane L at 4L.., v = 2c + 1 dims 8L+4..8L+7): back to dim order. */
+AVX512BF16 static void unpermute_acc(Task *tk) {
+    for (int r = 0; r < tk->R; r++)
+        for (int c = 0; c < tk->D / 32; c++) {
+            float *a = tk->acc + (size_t)r * tk->D + 32 * c;
+            const __m512 lo = _mm512_loadu_ps(a), hi = _mm512_loadu_ps(a + 16);
+            const __m512 x0 = _mm512_shuffle_f32x4(lo, hi, 0x44), x1 = _mm512_shuffle_f32x4(lo, hi, 0xEE);
+            _mm512_storeu_ps(a, _mm512_shuffle_f32x4(x0, x0, 0xD8));
+            _mm512_storeu_ps(a + 16, _mm512_shuffle_f32x4(x1, x1, 0xD8));
+        }
+}
+
+/* Rows per block: as many as the task has, up to what keeps 16 accumulator registers. */
+AVX512BF16 static void chunk_avx512(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n) {
+    if (tk->D == 128) {
+        if (tk->R == 1) chunk_avx512_128_1(tk, kp, vp, pos0, n);
+        else chunk_avx512_128_2(tk, kp, vp, pos0, n);
+        return;
+    }
+    switch (tk->R < 4 ? tk->R : 4) {
+    case 1: chunk_avx512_64_1(tk, kp, vp, pos0, n); break;
+    case 2: chunk_avx512_64_2(tk, kp, vp, pos0, n); break;
+    case 3: chunk_avx512_64_3(tk, kp, vp, pos0, n); break;
+    default: chunk_avx512_64_4(tk, kp, vp, pos0, n);
+    }
+}
+
+static int cpu_has_avx512bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+}
+#else
+static int cpu_has_avx512bf16(void) { return 0; }
+#endif
+
+/* Which path `paged_attention_bf16` takes here: 1 = AVX512-BF16, 0 = portable. */
+int attention_isa(void) { return cpu_has_avx512bf16(); }
+
+/* Runs keys [k_begin, k_end) of one task through its chunks. */
+#define RUN_KEYS(T)                                                                                    \
+    static void run_keys_##T(Task *tk, const T *k_cache, const T *v_cache, const int32_t *table,       \
+                             int k_begin, int k_end, int h, int num_kv_heads, int bs, int avx, float *kvf) { \
+        for (int t = k_begin; t < k_end;) {                                                            \
+            const int off = t % bs;                                                                    \
+            int n = bs - off < CHUNK ? bs - off : CHUNK;                                               \
+            n = k_end - t < n ? k_end - t : n;                                                         \
+            const size_t base = (((size_t)table[t / bs] * num_kv_heads + h) * bs + off) * tk->D;       \
+            CHUNK_DISPATCH_##T(tk, k_cache + base, v_cache + base, t, n, kvf, avx);                    \
+            t += n;                                                                                    \
+        }                                                                                              \
+    }
+#define CHUNK_DISPATCH_float(tk, kp, vp, t, n, kvf, avx) chunk_portable_float(tk, kp, vp, t, n, kvf)
+#if defined(__x86_64__)
+#define CHUNK_DISPATCH_bf16(tk, kp, vp, t, n, kvf, avx)                                                \
+    do {                                                                                               \
+        if (avx) chunk_avx512(tk, kp, vp, t, n);                                                       \
+        else chunk_portable_bf16(tk, kp, vp, t, n, kvf);                                               \
+    } while (0)
+#else
+#define CHUNK_DISPATCH_bf16(tk, kp, vp, t, n, kvf, avx) chunk_portable_bf16(tk, kp, vp, t, n, kvf)
+#endif
+RUN_KEYS(float)
+RUN_KEYS(bf16)
+#define UNPERMUTE_float(tk, avx)
+#if defined(__x86_64__)
+#define UNPERMUTE_bf16(tk, avx) if (avx) unpermute_acc(tk)
+#else
+#define UNPERMUTE_bf16(tk, avx)
+#endif
+
+#define PAGED_ATTENTION(T, FROM_F32, TO_F32)                                                           \
+    int paged_attention_##T(const T *q, int q_stride, const T *k, int k_stride, const T *v, int v_stride,   \
+                            T *k_cache, T *v_cache, const int64_t *slot_mapping, int num_tokens,       \
+                            const int32_t *block_tables, const int32_t *seq_lens,                      \
+                            const int32_t *query_start_loc, T *out, int num_seqs, int num_heads,       \
+                            int num_kv_heads, int D, int bs, int max_blocks, float scale,             \
+                            int num_threads, int isa) {                                                \
+        const int G = num_heads / num_kv_heads;                                                        \
+        if (D > MAX_HEAD_DIM || G * QT > MAX_ROWS) return -1;                                          \
+        const int avx = isa && sizeof(T) == 2 && (D == 64 || D == 128) && cpu_has_avx512bf16();        \
+        /* 1. the new tokens' K/V into their slots (every read below may need them) */                 \
+        _Pragma("omp parallel for num_threads(num_threads)")                                           \
+        for (int i = 0; i < num_tokens; i++) {                                                         \
+            const int64_t blk = slot_mapping[i] / bs, off = slot_mapping[i] % bs;                      \
+            for (int h = 0; h < num_kv_heads; h++) {                                                   \
+                const size_t dst = (((size_t)blk * num_kv_heads + h) * bs + off) * D;                  \
+                memcpy(k_cache + dst, k + (size_t)i * k_stride + (size_t)h * D, D * sizeof(T));        \
+                memcpy(v_cache + dst, v + (size_t)i * v_stride + (size_t)h * D, D * sizeof(T));        \
+            }                                                                                          \
+        }                                                                                              \
+        /* 2. tasks (sequence, kv head, query tile), numbered through a prefix sum of tiles */         \
+        int *tile_start = malloc(sizeof(int) * (num_seqs + 1));                                        \
+        int max_len = 0;                                                                               \
+        tile_start[0] = 0;                                                                             \
+        for (int s = 0; s < num_seqs; s++) {                                                           \
+            const int nq = query_start_loc[s + 1] - query_start_loc[s];                                \
+            tile_start[s + 1] = tile_start[s] + (nq + QT - 1) / QT;                                    \
+            max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;                                   \
+        }                                                                                              \
+        const int num_tasks = tile_start[num_seqs] * num_kv_heads;                                     \
+        /* split keys when tasks are too few to keep every thread busy */                              \
+        int parts = 1;                                                                                 \
+        if (num_tasks < 4 * num_threads) {                                                             \
+            parts = (4 * num_threads + num_tasks - 1) / num_tasks;                                     \
+            const int most = (max_len + MIN_PART - 1) / MIN_PART;                                      \
+            parts = parts < most ? parts : most;                                                       \
+        }                                                                                              \
+        const size_t row_floats = (size_t)MAX_ROWS * D;                                                \
+        /* per thread: acc, qf, key/value chunk; per unit when split: acc, m, l */                     \
+        float *thread_ws = malloc(sizeof(float) * (size_t)num_threads * (2 * row_floats + CHUNK * D));  \
+        float *part_ws = parts > 1 ? malloc(sizeof(float) * (size_t)num_tasks * parts * (row_floats + 2 * MAX_ROWS)) : NULL; \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
+        for (int unit = num_tasks * parts - 1; unit >= 0; unit--) { /* late tiles (long) first */      \
+            const int task = unit / parts, part = unit % parts;                                        \
+            const int h = task % num_kv_heads, tile = task / num_kv_heads;                             \
+            int s = 0;                                                                                 \
+            while (tile_start[s + 1] <= tile) s++;                                                     \
+            const int q_len = query_start_loc[s + 1] - query_start_loc[s];                             \
+            const int j_first = (tile - tile_start[s]) * QT;                                           \
+            const int nq = q_len - j_first < QT ? q_len - j_first : QT;                                \
+            float *ws = thread_ws + (size_t)omp_get_thread_num() * (2 * row_floats + CHUNK * D);       \
+            Task tk = {.R = nq * G, .G = G, .D = D, .first_pos = seq_lens[s] - q_len + j_first,        \
+                       .scale = scale, .acc = ws, .qf = ws + row_floats};                              \
+            const int L = tk.first_pos + nq; /* keys the tile's last query sees */                     \
+            const int per = (L + parts - 1) / parts;                                                   \
+            const int k_begin = part * per, k_end = k_begin + per < L ? k_begin + per : L;             \
+            const size_t tok0 = (size_t)query_start_loc[s] + j_first;                                  \
+            for (int r = 0; r < tk.R; r++) {                                                           \
+                const T *qr = q + (tok0 + r / G) * q_stride + ((size_t)h * G + r % G) * D;             \
+                for (int d = 0; d < D; d++) tk.qf[(size_t)r * D + d] = TO_F32(qr[d]);                  \
+                tk.qb[r] = (const bf16 *)qr;                                                           \
+                tk.m[r] = NEG_INF;                                                                     \
+                tk.l[r] = 0.f;                                                                         \
+            }                                                                                          \
+            memset(tk.acc, 0, sizeof(float) * tk.R * D);                                               \
+            if (k_begin < k_end)                                                                       \
+                run_keys_##T(&tk, k_cache, v_cache, block_tables + (size_t)s * max_blocks, k_begin,   \
+                             k_end, h, num_kv_heads, bs, avx, ws + 2 * row_floats);                    \
+            UNPERMUTE_##T(&tk, avx);                                                                   \
+            if (parts == 1) {                                                                          \
+                for (int r = 0; r < tk.R; r++) {                                                       \
+                    T *o = out + (tok0 + r / G) * num_heads * D + ((size_t)h * G + r % G) * D;         \
+                    const float inv = 1.f / tk.l[r];                                                   \
+                    for (int d = 0; d < D; d++) o[d] = FROM_F32(tk.acc[(size_t)r * D + d] * inv);      \
+                }                                                                                      \
+            } else {                                                                                   \
+                float *pw = part_ws + (size_t)unit * (row_floats + 2 * MAX_ROWS);                      \
+                memcpy(pw, tk.acc, sizeof(float) * tk.R * D);                                          \
+                memcpy(pw + row_floats, tk.m, sizeof(float) * tk.R);                                   \
+                memcpy(pw + row_floats + MAX_ROWS, tk.l, sizeof(float) * tk.R);                        \
+            }                                                                                          \
+        }                                                                                              \
+        if (parts > 1) { /* 3. merge each task's partitions by their log-sum-exp */                    \
+            _Pragma("omp parallel for num_threads(num_threads)")                                       \
+            for (int task = 0; task < num_tasks; task++) {                                             \
+                const int h = task % num_kv_heads, tile = task / num_kv_heads;                         \
+                int s = 0;                                                                             \
+                while (tile_start[s + 1] <= tile) s++;                                                 \
+                const int q_len = query_start_loc[s + 1] - query_start_loc[s];                         \
+                const int j_first = (tile - tile_start[s]) * QT;                                       \
+                const int nq = q_len - j_first < QT ? q_len - j_first : QT;                            \
+                const size_t tok0 = (size_t)query_start_loc[s] + j_first;                              \
+                const float *base = part_ws + (size_t)task * parts * (row_floats + 2 * MAX_ROWS);      \
+                for (int r = 0; r < nq * G; r++) {                                                     \
+                    float mx = NEG_INF, l = 0.f, o[MAX_HEAD_DIM] = {0};                                \
+                    for (int p = 0; p < parts; p++) {                                                  \
+                        const float m = base[p * (row_floats + 2 * MAX_ROWS) + row_floats + r];        \
+                        mx = m > mx ? m : mx;                                                          \
+                    }                                                                                  \
+                    for (int p = 0; p < parts; p++) {                                                  \
+                        const float *pw = base + p * (row_floats + 2 * MAX_ROWS);                      \
+                        if (IS_NEG_INF(pw[row_floats + r])) continue; /* an empty partition */         \
+                        const float w = expf(pw[row_floats + r] - mx);                                 \
+                        l += w * pw[row_floats + MAX_ROWS + r];                                        \
+                        for (int d = 0; d < D; d++) o[d] += w * pw[(size_t)r * D + d];                 \
+                    }                                                                                  \
+                    T *dst = out + (tok0 + r / G) * num_heads * D + ((size_t)h * G + r % G) * D;       \
+                    for (int d = 0; d < D; d++) dst[d] = FROM_F32(o[d] / l);                           \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        free(part_ws);                                                                                 \
+        free(thread_ws);                                                                               \
+        free(tile_start);                                                                              \
+        return 0;                                                                                      \
+    }
+
+PAGED_ATTENTION(float, f32_id, f32_id)
+PAGED_ATTENTION(bf16, f32_to_bf16, bf16_to_f32)

@@ -1,0 +1,126 @@
+"""One engine's tensor-parallel process group: the collectives of the model shards and the per-step
+broadcast of the model inputs from rank 0 (which runs the scheduler) to the other ranks.
+
+The process groups are built directly on a TCPStore rather than through `init_process_group`, so
+they are not the process's global default group: a process (a test session, a notebook) can hold
+several engines, each with its own group. Every collective has a timeout; a failed one marks the
+group dead (`error`), and every later call raises EngineDeadError at once.
+"""
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.attention.base import AttentionMetadata
+
+# A rank alive but stuck this long inside a collective fails the engine (a dead rank fails it at once:
+# its sockets close). Long, because one step of a big prefill on one thread can take many seconds.
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+# The other ranks wait for rank 0's next step as long as the engine idles.
+IDLE_TIMEOUT = timedelta(days=365)
+_HEADER = 5  # num_tokens, num_seqs, max_blocks_per_seq, num_decodes, num_logits; num_tokens -1 = stop
+
+
+class EngineDeadError(RuntimeError):
+    """A tensor-parallel rank died, or a collective failed or timed out: the engine cannot run again."""
+
+
+class TPGroup:
+    """The ranks of one tensor-parallel engine, seen from one rank.
+
+    rank, world_size: this rank and the number of ranks. device: this rank's device (cuda:rank on CUDA).
+    Tensors of the model go through `device_group` (gloo on CPU, NCCL on CUDA); the step headers and
+    the start-up agreement go through `cpu_group` (gloo). `error` is None while the group works, else
+    why it stopped; on rank 0 `workers` (set by the launcher) names a dead rank and stops the others.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, COLLECTIVE_TIMEOUT)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            self.device_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size, options)
+        else:
+            self.device_group = self.cpu_group
+        self.error: str | None = None
+        self.workers = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums x (any shape and dtype, on `device`) over the ranks, in place; returns x."""
+        self._run(self.device_group.allreduce, [x])
+        return x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenates every rank's x [N, D] (rank order) along the last dim: [N, world_size * D] on
+        rank 0, None on the others (rank 0 alone samples, so the others need no logits)."""
+        if self.rank != 0:
+            self._run(self.device_group.gather, [], [x])
+            return None
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self._run(self.device_group.gather, [parts], [x])
+        return torch.cat(parts, dim=-1)
+
+    def min(self, value: int) -> int:
+        """The smallest of every rank's `value` (ranks agree on a KV-cache size at start-up)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self._run(self.cpu_group.allreduce, [t], options)
+        return int(t.item())
+
+    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       logits_indices: torch.Tensor) -> None:
+        """Rank 0: sends one step's model inputs (ModelRunner.prepare's tensors) to the other ranks.
+
+        A header of five counts goes over gloo, then every tensor packed into one int64 tensor on the
+        device. Every field of AttentionMetadata travels: a field added there must be added here.
+        """
+        header = torch.tensor([input_ids.shape[0], meta.num_seqs, meta.block_tables.shape[1], meta.num_decodes,
+                               logits_indices.shape[0]], dtype=torch.int64)
+        self._run(self.cpu_group.broadcast, header, 0)
+        payload = torch.cat([input_ids, positions, meta.slot_mapping, meta.query_start_loc.long(),
+                             meta.seq_lens.long(), meta.block_tables.flatten().long(), logits_indices])
+        self._run(self.device_group.broadcast, payload, 0)
+
+    def recv_step(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor] | None:
+        """Other ranks: waits for rank 0's next step; returns what rank 0 passed to broadcast_step
+        (input_ids, positions int64 [T], the metadata, logits_indices int64 [N]), or None after
+        `stop`. Raises EngineDeadError when rank 0 is gone."""
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        self._run(self.cpu_group.broadcast, header, 0, IDLE_TIMEOUT)
+        num_tokens, num_seqs, max_blocks, num_decodes, num_logits = header.tolist()
+        if num_tokens < 0:
+            return None
+        sizes = [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs * max_blocks, num_logits]
+        payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
+        self._run(self.device_group.broadcast, payload, 0)
+        input_ids, positions, slots, qsl, seq_lens, tables, logits_indices = payload.split(sizes)
+        meta = AttentionMetadata(
+            query_start_loc=qsl.int(), seq_lens=seq_lens.int(), block_tables=tables.view(num_seqs, max_blocks).int(),
+            slot_mapping=slots, num_decodes=num_decodes, query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist())
+        return input_ids, positions, meta, logits_indices
+
+    def stop(self) -> None:
+        """Rank 0: tells the other ranks to leave their step loop (they exit with status 0)."""
+        self._run(self.cpu_group.broadcast, torch.tensor([-1] + [0] * (_HEADER - 1)), 0)
+
+    def abort(self) -> None:
+        """Rank 0, after a rank died: NCCL does not notice a dead peer (gloo does, its sockets close),
+        so its communicators are aborted to release the kernels waiting on it."""
+        if self.device_group is not self.cpu_group:
+            self.device_group.abort()
+
+    def _run(self, op, *args) -> None:
+        """Runs the collective `op(*args)` to completion; raises EngineDeadError if it fails or the
+        group already has."""
+        if self.error is not None:
+            raise EngineDeadError(self.error)
+        try:
+            op(*args).wait()
+        except RuntimeError as e:
+            # rank 0 names the rank that died, if one did, and stops the others
+            death = self.workers.on_collective_failure() if self.workers is not None else None
+            self.error = self.error or death or f"tensor-parallel collective failed on rank {self.rank}: {e}"
+            raise EngineDeadError(self.error) from e

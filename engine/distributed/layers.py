@@ -1,0 +1,168 @@
+"""Tensor-parallel layers (Megatron-LM, Shoeybi et al. 2019; the layout of vLLM's parallel layers).
+
+A column-parallel linear layer splits its output features across the N ranks and needs no
+communication; the row-parallel layer after it splits its input features the same way and sums the
+partial outputs with one all-reduce. Attention heads are split N ways (qkv column-parallel, o_proj
+row-parallel), as is the MLP's intermediate dimension (gate_up column-, down row-parallel). The
+embedding table and the LM head are split by vocabulary rows.
+
+With `tp` None (one rank) every layer is the plain layer it replaces, at the same cost, and starts
+from the same random initialisation (scripts/gpu_check.py runs a model that loads no weights). Each
+layer has a `weight_loader(param, loaded, shard_id)` that copies this rank's part of a full checkpoint
+tensor into its parameter.
+"""
+import math
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from engine.distributed.group import TPGroup
+from engine import ops
+
+
+def _rank_size(tp: TPGroup | None) -> tuple[int, int]:
+    return (tp.rank, tp.world_size) if tp is not None else (0, 1)
+
+
+def partition_heads(config, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) of one rank for a Hugging Face config split over `tp_size` ranks.
+
+    Query heads are split evenly. KV heads too when there are at least `tp_size` of them; with fewer,
+    each rank holds one, shared by tp_size / num_key_value_heads ranks (replicated, as vLLM does).
+    Raises ValueError when the heads (or the MLP's intermediate_size) do not split evenly.
+    """
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    errors = []
+    if heads % tp_size:
+        errors.append(f"num_attention_heads ({heads})")
+    if kv_heads >= tp_size and kv_heads % tp_size:
+        errors.append(f"num_key_value_heads ({kv_heads})")
+    elif kv_heads < tp_size and tp_size % kv_heads:
+        errors.append(f"num_key_value_heads ({kv_heads}; KV heads fewer than the ranks are replicated, "
+                      f"which needs the ranks to be a multiple of them)")
+    if config.intermediate_size % tp_size:
+        errors.append(f"intermediate_size ({config.intermediate_size})")
+    if errors:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {', '.join(errors)}")
+    return heads // tp_size, max(1, kv_heads // tp_size)
+
+
+def _linear_parameters(out_features: int, in_features: int, bias: bool, fan_in: int):
+    """weight [out_features, in_features] (and bias [out_features]) drawn as nn.Linear draws them for a
+    layer of `fan_in` inputs: uniform in +-1 / sqrt(fan_in)."""
+    bound = 1 / math.sqrt(fan_in)
+    weight = nn.Parameter(torch.empty(out_features, in_features).uniform_(-bound, bound))
+    return weight, nn.Parameter(torch.empty(out_features).uniform_(-bound, bound)) if bias else None
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b for this rank's slice of the output features; one or more projections stacked.
+
+    x: [T, input_size] -> y: [T, sum(output_sizes)]. `output_sizes` are the per-rank sizes of the
+    stacked projections (gate | up, or q | k | v) and `shard_index[i]` is which slice of projection i
+    this rank holds (its rank, or for replicated KV heads the rank's head group).
+    weight: [sum(output_sizes), input_size].
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, shard_index: list[int]):
+        super().__init__()
+        self.output_sizes, self.shard_index = output_sizes, shard_index
+        self.weight, self.bias = _linear_parameters(sum(output_sizes), input_size, bias, input_size)
+
+    @classmethod
+    def merged(cls, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup | None):
+        """Stacked projections of full sizes `output_sizes` (each divisible by the ranks), each split evenly."""
+        rank, size = _rank_size(tp)
+        return cls(input_size, [n // size for n in output_sizes], bias, [rank] * len(output_sizes))
+
+    @classmethod
+    def qkv(cls, config, head_dim: int, bias: bool, tp: TPGroup | None):
+        """q | k | v of one rank: its query heads and its (possibly replicated) KV head group."""
+        rank, size = _rank_size(tp)
+        heads, kv_heads = partition_heads(config, size)
+        kv_group = rank // max(1, size // config.num_key_value_heads)  # ranks sharing a replicated KV head
+        return cls(config.hidden_size, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias,
+                   [rank, kv_group, kv_group])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        """Copies this rank's rows of checkpoint projection `shard_id` (e.g. k_proj = 1) into `param`."""
+        size = self.output_sizes[shard_id]
+        offset = sum(self.output_sizes[:shard_id])
+        param.data[offset:offset + size].copy_(loaded.narrow(0, self.shard_index[shard_id] * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T: this rank's slice of the input features, one all-reduce.
+
+    x: [T, input_size / N] (a column-parallel layer's output) -> y: [T, output_size], the same on every
+    rank. weight: [output_size, input_size / N]; no bias (none in the supported models).
+    """
+
+    def __init__(self, input_size: int, output_size: int, tp: TPGroup | None):
+        super().__init__()
+        self.tp = tp
+        rank, size = _rank_size(tp)
+        self.weight, _ = _linear_parameters(output_size, input_size // size, False, input_size)
+        self.start = rank * (input_size // size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ops.linear(x, self.weight)
+        return y if self.tp is None else self.tp.all_reduce(y)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        param.data.copy_(loaded.narrow(1, self.start, param.shape[1]))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by vocabulary rows, also used as the LM head (tied or not).
+
+    Rank r holds ids [r * V_r, (r + 1) * V_r), V_r = ceil(vocab_size / N); the last rank's table is
+    padded with zero rows. forward: ids int64 [T] -> [T, hidden]: each rank looks up its own ids,
+    zeros for the others, and one all-reduce sums them. weight: [V_r, hidden].
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None):
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        rank, size = _rank_size(tp)
+        rows = -(-vocab_size // size)
+        self.start = rank * rows
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)  # as nn.Embedding starts
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits [N, vocab_size] of hidden [N, hidden] on rank 0 (None on the others): each rank
+        computes its vocabulary slice, gathered on rank 0 (vLLM's choice on GPUs; an all-gather would
+        send every rank logits it throws away)."""
+        logits = ops.logits(hidden, self.weight)
+        if self.tp is not None and (logits := self.tp.gather(logits)) is None:
+            return None
+        return logits[:, :self.vocab_size]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        rows = loaded[self.start:self.start + param.shape[0]]
+        param.data[:rows.shape[0]].copy_(rows)
+        param.data[rows.shape[0]:].zero_()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """An untied LM head: the same vocabulary split, initialised as nn.Linear(hidden, vocab) would be."""
+
+    def reset_parameters(self) -> None:
+        bound = 1 / math.sqrt(self.weight.shape[1])
+        nn.init.uniform_(self.weight, -bound, bound)

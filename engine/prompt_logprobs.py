@@ -1,0 +1,86 @@
+"""Prompt logprobs (vLLM's `SamplingParams.prompt_logprobs`): the log-probability of every prompt token
+given the tokens before it, its rank, and the top-k alternatives, from the prefill's hidden states.
+
+The hidden state at position p predicts token p + 1, so a prefill chunk over positions [s, e) gives the
+entries of prompt tokens s + 1 .. e. Each step's rows are reduced at once to (logprob, rank, top-k), in
+slices of `SLICE_ROWS` rows, so memory stays at [SLICE_ROWS, vocab] float32 however long the prompt
+(never [prompt_len, vocab]). The positions must be computed, not read from the prefix cache, so a
+request collecting prompt logprobs skips reading the cache until it has them all (as vLLM does); of
+the n samples of a request only the first (index 0) collects them.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import Logprob
+
+SLICE_ROWS = 256  # rows of logits held at once: 256 x 49152 float32 (SmolLM2's vocabulary) = 48 MiB
+
+
+@dataclass
+class PromptRows:
+    """Rows `row .. row + count - 1` of a step's hidden states, at positions `position ..`, predict
+    prompt tokens `position + 1 ..` of `request`."""
+
+    request: object  # engine.request.Request
+    row: int
+    position: int
+    count: int
+
+
+def select_rows(requests, starts, counts, query_start_loc) -> list[PromptRows]:
+    """The rows of one step that give prompt-logprob entries not collected yet.
+
+    requests: the step's requests in row order; starts / counts / query_start_loc: their computed
+    tokens before the step, new tokens, and first rows (sequences of ints, [B], [B], [B + 1]).
+    """
+    out = []
+    for i, req in enumerate(requests):
+        have = req.prompt_logprobs
+        if have is None or len(have) == req.num_prompt_tokens:
+            continue
+        start, end = int(starts[i]), int(starts[i]) + int(counts[i])
+        # entries are collected in order: the next one is for token len(have), predicted at len(have) - 1
+        assert start <= len(have) - 1, "prompt logprobs need every prompt position computed, in order"
+        first, last = len(have) - 1, min(end, req.num_prompt_tokens - 1)
+        if first < last:
+            out.append(PromptRows(req, int(query_start_loc[i]) + first - start, first, last - first))
+    return out
+
+
+def collect(model, hidden: torch.Tensor, rows: list[PromptRows]) -> None:
+    """Appends each selected position's entry to its request's `prompt_logprobs` (a list of
+    Logprob | None): the prompt token's logprob and rank, and the request's top
+    `params.prompt_logprobs` (token id, logprob) pairs.
+
+    model: has `compute_logits(hidden [N, H]) -> float32 [N, vocab]`; hidden: the step's hidden
+    states [T, H]. Logprobs come from the raw logits, as vLLM reports them.
+    """
+    index = torch.cat([torch.arange(r.row, r.row + r.count) for r in rows]).to(hidden.device)
+    targets = torch.tensor([t for r in rows for t in
+                            r.request.prompt_token_ids[r.position + 1:r.position + 1 + r.count]],
+                           device=hidden.device)
+    k = max(r.request.params.prompt_logprobs for r in rows)
+    token_logprobs, ranks, top_values, top_ids = [], [], [], []
+    for lo in range(0, len(index), SLICE_ROWS):
+        logprobs = torch.log_softmax(model.compute_logits(hidden[index[lo:lo + SLICE_ROWS]]), dim=-1)
+        target = targets[lo:lo + SLICE_ROWS, None]
+        chosen = logprobs.gather(1, target)
+        token_logprobs.append(chosen[:, 0].cpu())
+        ranks.append(((logprobs > chosen).sum(dim=-1) + 1).cpu())
+        if k:
+            top = logprobs.topk(k, dim=-1)
+            top_values.append(top.values.cpu())
+            top_ids.append(top.indices.cpu())
+    token_logprobs = torch.cat(token_logprobs).tolist()
+    ranks = torch.cat(ranks).tolist()
+    top_values = torch.cat(top_values).tolist() if k else None
+    top_ids = torch.cat(top_ids).tolist() if k else None
+    targets = targets.tolist()
+    i = 0
+    for r in rows:
+        want = r.request.params.prompt_logprobs
+        for _ in range(r.count):
+            top = list(zip(top_ids[i][:want], top_values[i][:want])) if want else []
+            r.request.prompt_logprobs.append(Logprob(targets[i], token_logprobs[i], top, ranks[i]))
+            i += 1

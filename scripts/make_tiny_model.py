@@ -1,0 +1,64 @@
+"""Writes a tiny random Llama-family model as a Hugging Face directory (config, safetensors, and the
+default model's tokenizer), for trying code paths the default model cannot take on this machine:
+SmolLM2-135M's 9 query heads split over 3 ranks but not 2, while these models have 4 query heads and
+2 KV heads (or as many as --num-key-value-heads says). The tests build their tiny models here too.
+
+Usage:
+  python scripts/make_tiny_model.py /tmp/tiny-llama3                      # Llama 3 (llama3 RoPE scaling)
+  python scripts/make_tiny_model.py /tmp/tiny-qwen2 --arch qwen2 --num-key-value-heads 1
+  python server.py --model /tmp/tiny-llama3 --tensor-parallel-size 2      # random weights: gibberish
+"""
+import argparse
+import os
+import shutil
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
+CONFIGS = {
+    "llama3": lambda: LlamaConfig(**COMMON, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2": lambda: Qwen2Config(**COMMON),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+}
+
+
+def save_tiny_model(arch: str, path, tokenizer_dir: str, **overrides):
+    """Saves a random tiny `arch` model (CONFIGS, with `overrides` of config fields; seed 0) with the
+    tokenizer of `tokenizer_dir` at `path`; returns the transformers model (float32, eval mode)."""
+    torch.manual_seed(0)
+    config = CONFIGS[arch]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if arch == "qwen2":  # random init leaves biases at zero; make them matter
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.q_proj.bias, std=0.5)
+            torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=0.5)
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tokenizer_dir, f), path)
+    return model
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path", help="directory to write")
+    ap.add_argument("--arch", default="llama3", choices=sorted(CONFIGS))
+    ap.add_argument("--num-key-value-heads", type=int, default=COMMON["num_key_value_heads"])
+    args = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+    from engine.loader import default_model_path, resolve_model
+
+    save_tiny_model(args.arch, args.path, resolve_model(default_model_path()),
+                    num_key_value_heads=args.num_key_value_heads)
+    print(f"wrote {args.path}")
+
+
+if __name__ == "__main__":
+    main()

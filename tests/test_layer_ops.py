@@ -1,0 +1,79 @@
+"""The C layer ops (residual-add + RMSNorm, rotary, SiLU-and-mul, the small-batch bfloat16 linear)
+against the torch computations they replace, on random data of the model's shapes."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import engine  # noqa: F401  (imports the engine before the model package, as the runner does)
+from engine import cpu_kernels
+from engine import ops
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built():
+    assert cpu_kernels.load() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm(dtype, with_delta):
+    torch.manual_seed(0)
+    residual = torch.randn(7, 576)
+    delta = torch.randn(7, 576, dtype=dtype) if with_delta else None
+    weight = torch.randn(576, dtype=dtype)
+    expect_residual = residual + (delta.float() if with_delta else 0)
+    expect = (weight.float() * F.rms_norm(expect_residual, (576,), eps=1e-5)).to(dtype)
+    out = ops.add_rms_norm(residual, delta, weight, 1e-5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(residual, expect_residual)  # updated in place, in float32
+    torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_a_strided_view(dtype):
+    torch.manual_seed(0)
+    qkv = torch.randn(5, 9 + 3 + 3, 64, dtype=dtype)
+    v_before = qkv[:, 12:].clone()
+    cos, sin = torch.randn(5, 32), torch.randn(5, 32)
+    x = qkv[:, :12]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    expect = torch.cat((x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]), dim=-1)
+    ops.rotary_(x, cos, sin)
+    torch.testing.assert_close(x.float(), expect, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(qkv[:, 12:], v_before)  # the v heads are left alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    torch.manual_seed(0)
+    gate_up = torch.randn(6, 2 * 1536, dtype=dtype)
+    expect = F.silu(gate_up[:, :1536].float()) * gate_up[:, 1536:].float()
+    torch.testing.assert_close(ops.silu_and_mul(gate_up).float(), expect, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("n,k", [(960, 576), (577, 1536), (7, 100)])
+def test_small_batch_bf16_linear(m, n, k):
+    """Row counts around the 4x4 tiles, N not a multiple of 4, K not a multiple of 32."""
+    torch.manual_seed(m)
+    x = torch.randn(m, k + 8, dtype=torch.bfloat16)[:, :k]  # rows with a stride, as views give
+    w, b = torch.randn(n, k, dtype=torch.bfloat16) / k ** 0.5, torch.randn(n, dtype=torch.bfloat16)
+    for bias in (None, b):
+        expect = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        torch.testing.assert_close(ops.linear(x, w, bias).float(), expect, atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_logits_refine_the_top_candidates():
+    """A bfloat16 LM head's top logits are float32-exact (the greedy choice is the float32 one); the
+    others keep the GEMM's bfloat16 rounding."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(5, 576, dtype=torch.bfloat16), torch.randn(3000, 576, dtype=torch.bfloat16)
+    exact = F.linear(hidden.float(), weight.float())
+    out = ops.logits(hidden, weight)
+    assert out.dtype == torch.float32
+    top = exact.topk(ops.REFINE_TOP, dim=-1).indices
+    torch.testing.assert_close(out.gather(1, top), exact.gather(1, top), atol=1e-4, rtol=1e-5)
+    assert torch.equal(out.argmax(-1), exact.argmax(-1))
+    torch.testing.assert_close(out, exact, atol=0.3, rtol=1e-2)  # the rest: bfloat16-rounded

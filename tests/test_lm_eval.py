@@ -1,0 +1,48 @@
+"""lm-evaluation-harness as a client: `lm_eval --model local-completions` against the server scores the
+local tasks in tests/data/lm_eval (a multiple_choice task, which needs prompt logprobs through echo, and
+a generate_until task) the same as `lm_eval --model hf` on the same model in float32."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.loader import resolve_model
+
+pytest_plugins = ["server_harness"]
+
+TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "lm_eval")
+TASKS = "minivllm_mc_facts,minivllm_gen_facts"
+
+
+def lm_eval(tmp_path, name: str, model: str, model_args: str) -> dict:
+    """Runs the lm_eval CLI on the local tasks (nothing downloaded); returns {task: {metric: value}}."""
+    out = tmp_path / name
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", TASKS,
+           "--include_path", ".", "--batch_size", "8", "--output_path", str(out)]
+    run = subprocess.run(cmd, cwd=TASKS_DIR, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    [path] = glob.glob(str(out / "*" / "results_*.json"))
+    with open(path) as f:
+        results = json.load(f)["results"]
+    return {task: {k: v for k, v in r.items() if "," in k and "stderr" not in k} for task, r in results.items()}
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions_matches_hf(server, tmp_path):
+    model_dir = resolve_model(None)
+    ours = lm_eval(tmp_path, "server", "local-completions",
+                   f"model=SmolLM2-135M-Instruct,base_url={server.url}/v1/completions,tokenizer={model_dir},"
+                   f"tokenizer_backend=huggingface,num_concurrent=4,max_retries=1")
+    reference = lm_eval(tmp_path, "hf", "hf", f"pretrained={model_dir},dtype=float32")
+    assert ours.keys() == reference.keys() == {"minivllm_mc_facts", "minivllm_gen_facts"}
+    assert set(ours["minivllm_mc_facts"]) == {"acc,none", "acc_norm,none"}
+    assert set(ours["minivllm_gen_facts"]) == {"exact_match,first_word"}
+    for task, metrics in reference.items():
+        for metric, value in metrics.items():
+            assert ours[task][metric] == pytest.approx(value, abs=0.02), (task, metric, ours, reference)
+    # the tasks discriminate: neither a model that scores nothing nor one that scores everything passes
+    assert all(0 < value < 1 for metrics in reference.values() for value in metrics.values()), reference
