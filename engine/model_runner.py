@@ -179,6 +179,7 @@ class ModelRunner:
                 meta, logits_indices, [reqs[i] for i in sampled],
                 prompt_logprobs.select_rows(reqs, starts, counts, qsl))
 
+    @torch.inference_mode()  # the samplers mask the logits (inference tensors) in place
     def execute(self, batch: SchedulerOutput, block_tables: list[list[int]]):
         """Runs one step. Returns (requests that sampled, their new token ids, their Logprob|None):
         one token per request, or with drafts the accepted ones and one more (see RejectionSampler)."""

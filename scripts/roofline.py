@@ -122,19 +122,24 @@ def time_decode(llm: LLM, batch: int, context_len: int, steps: int) -> float:
     eng = llm.engine
     llm.reset_prefix_cache()
     vocab = llm.tokenizer.vocab_size
+    # Sequences decode while the later ones still prefill: room for those tokens too, so that all
+    # `batch` sequences are still running in the timed steps.
+    prefill_steps = -(-batch * context_len // eng.config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + 4, ignore_eos=True)
     for i in range(batch):  # distinct random prompts: no prefix sharing
         g = torch.Generator().manual_seed(i)
         ids = torch.randint(100, vocab - 100, (context_len,), generator=g).tolist()
-        eng.add_request(None, ids, SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
+        eng.add_request(None, ids, params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     eng.step()  # warm: every sequence now decodes
+    assert len(eng.scheduler.running) == batch, "a sequence finished before the timed steps"
     start = time.perf_counter()
     for _ in range(steps):
         eng.step()
     elapsed = (time.perf_counter() - start) / steps
-    while eng.has_unfinished_requests():
-        eng.step()
+    for request_id in list(eng.groups):
+        eng.abort_request(request_id)
     return elapsed
 
 

@@ -19,7 +19,7 @@ def request(drafts, params: SamplingParams, q=None, seed=None, output=()):
     return SimpleNamespace(spec_token_ids=list(drafts), spec_token_probs=q, params=params,
                            generator=None if seed is None else torch.Generator().manual_seed(seed),
                            output_token_ids=list(output), all_token_ids=[1, 2, 3] + list(output),
-                           eos_token_ids=frozenset())
+                           eos_token_ids=frozenset(), grammar=None)
 
 
 def one_hot_logits(token_ids):

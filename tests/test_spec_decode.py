@@ -63,6 +63,23 @@ def test_greedy_alone_equals_no_speculation(spec_llm, prompts, hf_reference, cop
         assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} {value}' in text
 
 
+def test_structured_request_beside_drafted_ones(spec_llm, copy_prompts, copy_reference):
+    """A constrained request runs undrafted in the same steps as drafted ones: its grammar mask still
+    applies, and the drafted requests keep their greedy tokens."""
+    pytest.importorskip("xgrammar")
+    from engine import StructuredOutputsParams
+    choices = ["apple pie", "banana split", "cherry tart"]
+    constrained = SamplingParams(temperature=0, max_tokens=16,
+                                 structured_outputs=StructuredOutputsParams(choice=choices))
+    before = spec_llm.engine.stats().spec_decoding
+    outs = spec_llm.generate(copy_prompts[:2] + [copy_prompts[2]], [GREEDY, GREEDY, constrained], use_tqdm=False)
+    assert outs[2].outputs[0].text in choices
+    for out, ref in zip(outs[:2], copy_reference[:2]):
+        assert_greedy_matches(out.outputs[0].token_ids, ref)
+    drafts, _ = stats_delta(spec_llm, before)
+    assert drafts > 0
+
+
 def test_batched_with_chunked_prefill_and_prefix_hits(prompts, hf_reference, copy_prompts, copy_reference):
     llm = make_llm(speculative_config=NGRAM, max_num_batched_tokens=64, kv_cache_memory=256 << 20)
     steps = []

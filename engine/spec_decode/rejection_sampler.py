@@ -5,6 +5,7 @@ import torch
 
 from engine.outputs import Logprob
 from engine.sampler import Sampler
+from engine.structured import apply_grammar_bitmask
 
 
 class Extended:
@@ -46,6 +47,8 @@ class RejectionSampler(Sampler):
         len(request.spec_token_ids)). Returns each request's new tokens (accepted drafts + one more)
         and their Logprob|None (from the raw logits, as `Sampler`)."""
         views = [Extended(r, r.spec_token_ids[:j]) for r in requests for j in range(len(r.spec_token_ids) + 1)]
+        # structured-output requests are never drafted (Speculator.propose): their one row gets its mask
+        apply_grammar_bitmask(logits, [r for r in requests for _ in range(len(r.spec_token_ids) + 1)])
         want = any(r.params.logprobs is not None for r in requests)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
         logits = self._process(logits, views)
