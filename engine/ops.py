@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from engine import cpu_kernels
 
 REFINE_TOP = 8  # logits re-scored in float32 per row after a bfloat16 / float16 LM head
-SMALL_M = 1  # rows up to which the bfloat16 weight-streaming kernel beats torch's GEMM here
+SMALL_M = 8  # rows up to which the bfloat16 weight-streaming kernel beats torch's GEMM here (1.3-4x at 1-8 rows)
 _SUFFIX = {torch.float32: "float", torch.bfloat16: "bf16"}
 
 

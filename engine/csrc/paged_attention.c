@@ -294,7 +294,15 @@ static int cpu_has_avx512bf16(void) { return 0; }
 /* Which path `paged_attention_bf16` takes here: 1 = AVX512-BF16, 0 = portable. */
 int attention_isa(void) { return cpu_has_avx512bf16(); }
 
-/* Runs keys [k_begin, k_end) of one task through its chunks. */
+/* Asks for [p, p + bytes) in L1 ahead of use. A task's blocks lie wherever the block table put them, so
+ * the hardware prefetchers cannot guess the next one: without this the kernel waited on DRAM latency
+ * and streamed K/V at ~12 GB/s on this 2-core EPYC. */
+static inline void prefetch_bytes(const void *p, size_t bytes) {
+    for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
+}
+
+/* Runs keys [k_begin, k_end) of one task through its chunks, the next chunk's K and V prefetched while
+ * the current one computes. */
 #define RUN_KEYS(T)                                                                                    \
     static void run_keys_##T(Task *tk, const T *k_cache, const T *v_cache, const int32_t *table,       \
                              int k_begin, int k_end, int h, int num_kv_heads, int bs, int avx, float *kvf) { \
@@ -303,6 +311,13 @@ int attention_isa(void) { return cpu_has_avx512bf16(); }
             int n = bs - off < CHUNK ? bs - off : CHUNK;                                               \
             n = k_end - t < n ? k_end - t : n;                                                         \
             const size_t base = (((size_t)table[t / bs] * num_kv_heads + h) * bs + off) * tk->D;       \
+            const int next = t + n;                                                                    \
+            if (next < k_end) {                                                                        \
+                const int noff = next % bs, nn = bs - noff < CHUNK ? bs - noff : CHUNK;                \
+                const size_t nbase = (((size_t)table[next / bs] * num_kv_heads + h) * bs + noff) * tk->D; \
+                prefetch_bytes(k_cache + nbase, (size_t)nn * tk->D * sizeof(T));                       \
+                prefetch_bytes(v_cache + nbase, (size_t)nn * tk->D * sizeof(T));                       \
+            }                                                                                          \
             CHUNK_DISPATCH_##T(tk, k_cache + base, v_cache + base, t, n, kvf, avx);                    \
             t += n;                                                                                    \
         }                                                                                              \
