@@ -144,7 +144,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     bench_args = argparse.Namespace(seed=args.seed, max_concurrency=args.max_concurrency, ignore_eos=True,
-                                    disable_tqdm=True)
+                                    disable_tqdm=True, dashboards=0, base_url=None)
     reqs = load_jsonl(args.dataset, args.num_prompts, args.output_len)
     rows = []
     for config in args.configs:
@@ -157,8 +157,9 @@ def main():
             for engine in deployment.engines:  # warm-up, on a prompt no request shares
                 httpx.post(f"{engine}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=120)
             before = scrape(deployment.engines)
-            results, duration = asyncio.run(run_at_rate(bench_args, deployment.url + "/v1/completions", model,
-                                                        reqs, args.request_rate))
+            bench_args.base_url = deployment.url
+            results, duration, _ = asyncio.run(run_at_rate(bench_args, deployment.url + "/v1/completions", model,
+                                                           reqs, args.request_rate))
             after = scrape(deployment.engines)
         finally:
             deployment.stop()

@@ -5,7 +5,9 @@ almost all of every prompt. Compare bench_throughput.py with and without --no-en
 With --documents, writes multi_prefix_workload.jsonl instead: 16 documents x 4 questions = 64 chat
 requests, each document (the first 16 excerpts of workload.jsonl) a system prompt shared by its 4
 questions, interleaved (question 1 of every document, then question 2, ...) so the requests of one
-document are spread over a run, as sessions are. Where a router sends them decides how much a
+document are spread over a run, as sessions are; each round starts one document later, so a fixed
+rotation over an even number of replicas does not keep a document's questions together by accident
+(with 16 documents per round, request 16q + d would always land on replica d mod 2). Where a router sends them decides how much a
 replica's prefix cache saves (one engine ~3/4 of the prompt tokens, round_robin over two replicas ~1/2);
 the one-prefix workload cannot show that, as every replica caches its single system prompt at once.
 
@@ -125,11 +127,13 @@ def write_documents(tok, out: str, max_tokens: int) -> None:
         documents = [json.loads(line)["prompt"] for line in f if line.strip()][:NUM_DOCUMENTS]
     with open(out, "w") as f:
         for q, question in enumerate(DOCUMENT_QUESTIONS):
-            for d, document in enumerate(documents):
+            for i in range(NUM_DOCUMENTS):
+                d = (i + q) % NUM_DOCUMENTS
+                document = documents[d]
                 messages = [{"role": "system", "content": document}, {"role": "user", "content": question}]
                 prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
                 ids = tok(prompt, add_special_tokens=False)["input_ids"]
-                f.write(json.dumps({"id": q * NUM_DOCUMENTS + d, "document": d, "prompt": prompt,
+                f.write(json.dumps({"id": q * NUM_DOCUMENTS + i, "document": d, "prompt": prompt,
                                     "prompt_token_ids": ids, "num_prompt_tokens": len(ids),
                                     "max_tokens": max_tokens}) + "\n")
     print(f"wrote {NUM_DOCUMENTS * len(DOCUMENT_QUESTIONS)} requests to {out}")
