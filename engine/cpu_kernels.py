@@ -21,6 +21,7 @@ from engine.loader import CACHE_DIR
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -45,7 +46,7 @@ def load() -> ctypes.CDLL | None:
     if shutil.which(cc) is None:
         logger.warning("no C compiler (%s); the CPU runs torch ops for attention and layers", cc)
         return None
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()).hexdigest()[:16]
     lib_path = CACHE_DIR / "kernels" / f"cpu_kernels-{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)

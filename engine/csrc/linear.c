@@ -18,20 +18,7 @@
 #include <immintrin.h>
 #endif
 
-typedef uint16_t bf16;
-
-static inline float bf16_to_f32(bf16 x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-static inline bf16 f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
-}
+#include "bf16.h"
 
 #if defined(__x86_64__)
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))

@@ -42,20 +42,7 @@
 #define NEG_INF (-1e30f)
 #define IS_NEG_INF(x) ((x) <= 0.5f * NEG_INF)
 
-typedef uint16_t bf16;
-
-static inline float bf16_to_f32(bf16 x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-static inline bf16 f32_to_bf16(float f) { /* round to nearest even */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
-}
+#include "bf16.h"
 
 /* Per-task state: rows r = j * G + g (tile position j, head g of the group). */
 typedef struct {
