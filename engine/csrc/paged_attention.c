@@ -328,6 +328,24 @@ RUN_KEYS(bf16)
 #define UNPERMUTE_bf16(tk, avx)
 #endif
 
+/* The query positions of one tile: sequence s (tile_start[s] <= tile < tile_start[s + 1]), its q_len new
+ * tokens, the tile's first position j_first among them, nq <= QT positions, and tok0 the flat row of
+ * the first. */
+typedef struct {
+    int s, q_len, j_first, nq;
+    size_t tok0;
+} Tile;
+
+static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query_start_loc) {
+    Tile t = {0};
+    while (tile_start[t.s + 1] <= tile) t.s++;
+    t.q_len = query_start_loc[t.s + 1] - query_start_loc[t.s];
+    t.j_first = (tile - tile_start[t.s]) * QT;
+    t.nq = t.q_len - t.j_first < QT ? t.q_len - t.j_first : QT;
+    t.tok0 = (size_t)query_start_loc[t.s] + t.j_first;
+    return t;
+}
+
 #define PAGED_ATTENTION(T, FROM_F32, TO_F32)                                                           \
     int paged_attention_##T(const T *q, int q_stride, const T *k, int k_stride, const T *v, int v_stride,   \
                             T *k_cache, T *v_cache, const int64_t *slot_mapping, int num_tokens,       \
@@ -372,19 +390,16 @@ RUN_KEYS(bf16)
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
         for (int unit = num_tasks * parts - 1; unit >= 0; unit--) { /* late tiles (long) first */      \
             const int task = unit / parts, part = unit % parts;                                        \
-            const int h = task % num_kv_heads, tile = task / num_kv_heads;                             \
-            int s = 0;                                                                                 \
-            while (tile_start[s + 1] <= tile) s++;                                                     \
-            const int q_len = query_start_loc[s + 1] - query_start_loc[s];                             \
-            const int j_first = (tile - tile_start[s]) * QT;                                           \
-            const int nq = q_len - j_first < QT ? q_len - j_first : QT;                                \
+            const int h = task % num_kv_heads;                                                         \
+            const Tile ti = tile_of(task / num_kv_heads, tile_start, query_start_loc);                 \
+            const int s = ti.s, nq = ti.nq;                                                            \
             float *ws = thread_ws + (size_t)omp_get_thread_num() * (2 * row_floats + CHUNK * D);       \
-            Task tk = {.R = nq * G, .G = G, .D = D, .first_pos = seq_lens[s] - q_len + j_first,        \
+            Task tk = {.R = nq * G, .G = G, .D = D, .first_pos = seq_lens[s] - ti.q_len + ti.j_first,  \
                        .scale = scale, .acc = ws, .qf = ws + row_floats};                              \
             const int L = tk.first_pos + nq; /* keys the tile's last query sees */                     \
             const int per = (L + parts - 1) / parts;                                                   \
             const int k_begin = part * per, k_end = k_begin + per < L ? k_begin + per : L;             \
-            const size_t tok0 = (size_t)query_start_loc[s] + j_first;                                  \
+            const size_t tok0 = ti.tok0;                                                               \
             for (int r = 0; r < tk.R; r++) {                                                           \
                 const T *qr = q + (tok0 + r / G) * q_stride + ((size_t)h * G + r % G) * D;             \
                 for (int d = 0; d < D; d++) tk.qf[(size_t)r * D + d] = TO_F32(qr[d]);                  \
@@ -413,13 +428,10 @@ RUN_KEYS(bf16)
         if (parts > 1) { /* 3. merge each task's partitions by their log-sum-exp */                    \
             _Pragma("omp parallel for num_threads(num_threads)")                                       \
             for (int task = 0; task < num_tasks; task++) {                                             \
-                const int h = task % num_kv_heads, tile = task / num_kv_heads;                         \
-                int s = 0;                                                                             \
-                while (tile_start[s + 1] <= tile) s++;                                                 \
-                const int q_len = query_start_loc[s + 1] - query_start_loc[s];                         \
-                const int j_first = (tile - tile_start[s]) * QT;                                       \
-                const int nq = q_len - j_first < QT ? q_len - j_first : QT;                            \
-                const size_t tok0 = (size_t)query_start_loc[s] + j_first;                              \
+                const int h = task % num_kv_heads;                                                     \
+                const Tile ti = tile_of(task / num_kv_heads, tile_start, query_start_loc);             \
+                const int nq = ti.nq;                                                                  \
+                const size_t tok0 = ti.tok0;                                                           \
                 const float *base = part_ws + (size_t)task * parts * (row_floats + 2 * MAX_ROWS);      \
                 for (int r = 0; r < nq * G; r++) {                                                     \
                     float mx = NEG_INF, l = 0.f, o[MAX_HEAD_DIM] = {0};                                \
