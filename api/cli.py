@@ -38,11 +38,14 @@ def byte_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2)]
 
 
-def _structured_outputs_config(text: str) -> StructuredOutputsConfig:
-    try:
-        return StructuredOutputsConfig.from_json(text)
-    except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _json_flag(from_json):
+    """The argparse type of a JSON-object flag: `from_json`'s errors become usage errors."""
+    def parse(text: str):
+        try:
+            return from_json(text)
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -89,7 +92,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="larger request bodies get 413 (default: %(default)s)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file replacing the tokenizer's")
-    p.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=StructuredOutputsConfig(),
+    p.add_argument("--structured-outputs-config", type=_json_flag(StructuredOutputsConfig.from_json),
+                   default=StructuredOutputsConfig(),
                    metavar="JSON", help='structured outputs (response_format, structured_outputs, tool_choice '
                    '"required"/named): JSON object with backend ("xgrammar"), disable_any_whitespace, compile_timeout '
                    '(seconds, default 10), max_cached_grammars; e.g. \'{"backend": "xgrammar"}\'')
@@ -105,7 +109,7 @@ def make_parser() -> argparse.ArgumentParser:
                         "before they are aborted (default: %(default)s; a second SIGINT aborts at once)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and uvicorn (default: %(default)s)")
-    p.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None, metavar="JSON",
+    p.add_argument("--kv-transfer-config", type=_json_flag(KVTransferConfig.from_json), default=None, metavar="JSON",
                    help='disaggregated prefill/decode role, vLLM\'s keys: \'{"kv_connector": "NixlConnector", '
                         '"kv_role": "kv_producer" | "kv_consumer" | "kv_both"}\' (needs the [kv] extra)')
     p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
@@ -116,13 +120,6 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
                    help="vllm-router policy with --data-parallel-size > 1 (default: %(default)s)")
     return p
-
-
-def _kv_transfer_config(text: str) -> KVTransferConfig:
-    try:
-        return KVTransferConfig.from_json(text)
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 _ABORT_GRACE = 5.0  # seconds for aborted responses to be sent before uvicorn closes the connections

@@ -1,6 +1,7 @@
 """Engine configuration: the knobs of `LLM(...)`, `AsyncEngine` and `server.py`, named as in vLLM."""
 from dataclasses import dataclass
 
+from engine import json_config
 from engine.kv_transfer.config import KVTransferConfig
 from engine.spec_decode.config import SpeculativeConfig
 from engine.structured.params import StructuredOutputsConfig
@@ -49,7 +50,8 @@ class EngineConfig:
 
     def __post_init__(self):
         if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):
-            self.structured_outputs_config = StructuredOutputsConfig(**(self.structured_outputs_config or {}))
+            self.structured_outputs_config = StructuredOutputsConfig(**json_config.parse(
+                StructuredOutputsConfig, self.structured_outputs_config or {}, "structured_outputs_config"))
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -21,7 +21,7 @@ def test_config_parsing():
                           ('{"kv_connector": "NixlConnector", "kv_role": "prefill"}', "kv_role must be"),
                           ('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}', "kv_connector must be"),
                           ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_size": 1}',
-                           "unsupported --kv-transfer-config key(s): kv_buffer_size"),
+                           "unknown --kv-transfer-config key(s): kv_buffer_size"),
                           ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
                            '"kv_connector_extra_config": {"abort_request_timeout": 0}}', "positive number"),
                           ("[1]", "JSON object"), ("{", "not valid JSON")]:

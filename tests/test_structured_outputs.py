@@ -212,3 +212,16 @@ def test_bitmask_apply_equals_xgrammar_kernel(llm):
     xgr.apply_token_bitmask_inplace(expected, torch.from_numpy(words))
     apply_grammar_bitmask(logits, requests)
     assert torch.equal(logits, expected)
+
+
+def test_structured_outputs_config_rejects_unknown_keys_and_bad_json():
+    """The flag's JSON and the dict given to LLM(...) go through one parser (engine/json_config.py)."""
+    from engine import EngineConfig, StructuredOutputsConfig
+    assert StructuredOutputsConfig.from_json('{"compile_timeout": 5}').compile_timeout == 5
+    assert EngineConfig(structured_outputs_config={"compile_timeout": 5}).structured_outputs_config.compile_timeout == 5
+    with pytest.raises(ValueError, match=r"unknown structured_outputs_config key\(s\): timeout"):
+        EngineConfig(structured_outputs_config={"timeout": 5})
+    with pytest.raises(ValueError, match="--structured-outputs-config is not valid JSON"):
+        StructuredOutputsConfig.from_json("{")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        StructuredOutputsConfig.from_json("[1]")

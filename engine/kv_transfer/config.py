@@ -1,7 +1,8 @@
 """`--kv-transfer-config`: which KV connector an engine runs and in which role, with vLLM's keys."""
-import json
 import uuid
 from dataclasses import dataclass, field
+
+from engine import json_config
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("NixlConnector",)
@@ -64,17 +65,7 @@ class KVTransferConfig:
     @classmethod
     def from_json(cls, text: str) -> "KVTransferConfig":
         """Parses the JSON of `--kv-transfer-config`. Raises ValueError naming the bad or unknown key."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
-        known = set(cls.__dataclass_fields__)
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unsupported --kv-transfer-config key(s): {', '.join(sorted(unknown))} "
-                             f"(supported: {', '.join(sorted(known))})")
+        data = json_config.parse(cls, text, "--kv-transfer-config")
         missing = {"kv_connector", "kv_role"} - set(data)
         if missing:
             raise ValueError(f"--kv-transfer-config needs {' and '.join(sorted(missing))}")

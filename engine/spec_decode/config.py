@@ -1,6 +1,7 @@
 """`speculative_config`: vLLM's keys, defaults and validation (vllm/config/speculative.py)."""
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from engine import json_config
 
 METHODS = ("ngram", "draft_model")
 # vLLM's other methods, refused by name so the error says what is missing rather than "unknown"
@@ -42,22 +43,11 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "SpeculativeConfig":
-        if not isinstance(data, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative_config key(s) {', '.join(unknown)} "
-                             f"(supported: {', '.join(sorted(known))})")
-        return cls(**data)
+        return cls(**json_config.parse(cls, data, "speculative_config"))
 
     @classmethod
     def from_json(cls, text: str) -> "SpeculativeConfig":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        return cls(**json_config.parse(cls, text, "speculative_config"))
 
     def __post_init__(self):
         if self.method is None:

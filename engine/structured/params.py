@@ -1,7 +1,8 @@
 """What a request's output must match (`StructuredOutputsParams`) and the engine-wide options."""
-import dataclasses
 import json
 from dataclasses import dataclass
+
+from engine import json_config
 
 INSTALL_HINT = "pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi"
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -96,14 +97,4 @@ class StructuredOutputsConfig:
         """From the flag's JSON object, e.g. '{"backend": "xgrammar", "compile_timeout": 5}'.
 
         Raises ValueError for invalid JSON, a non-object, unknown keys or bad values."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError("must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**data)
+        return cls(**json_config.parse(cls, text, "--structured-outputs-config"))
