@@ -1,4 +1,4 @@
-"""What the scripts that drive a live server share (fuzz.py, soak.py, bench_startup.py): `python server.py`
+"""What the scripts and tests that drive a live server share (fuzz.py, soak.py, bench_startup.py, tests/server_harness.py): `python server.py`
 in a subprocess on a free port, its resident memory, and its /metrics."""
 import os
 import re
@@ -16,19 +16,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class ServerProcess:
-    """`python server.py --port 0 ARGS` with its log in a temporary file; `url` is read from the "ready"
-    line. `started` is the monotonic time just before the process was spawned.
+    """`python server.py --port 0 ARGS` with its log in a temporary file; `url` is the first group of
+    `ready_pattern` in the log (the "ready" line), so there is no race for a free port. `started` is the
+    monotonic time just before the process was spawned.
 
     Raises RuntimeError (with the log's tail) if the server exits or is not ready within `timeout` seconds.
     """
 
-    def __init__(self, args: list[str], timeout: float = 300):
+    def __init__(self, args: list[str], timeout: float = 300, ready_pattern: str = r"ready: (http://[\d.]+:\d+)"):
         self._log = tempfile.NamedTemporaryFile(prefix="server-", suffix=".log", delete=False)
         self.started = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "server.py", "--port", "0", *args], cwd=REPO,
                                      stdout=self._log, stderr=subprocess.STDOUT)
         deadline = self.started + timeout
-        while not (ready := re.search(r"ready: (http://[\d.]+:\d+)", self.log())):
+        while not (ready := re.search(ready_pattern, self.log())):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
                 raise RuntimeError(f"server did not start (exit {self.proc.wait()}):\n{self.log()[-4000:]}")

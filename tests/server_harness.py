@@ -3,11 +3,6 @@ the real server (`python server.py`) in a subprocess on a free 127.0.0.1 port, s
 module that uses it, plus HTTP clients and a /metrics reader."""
 import asyncio
 import os
-import re
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
@@ -15,45 +10,11 @@ import pytest
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from scripts.server_process import ServerProcess  # noqa: F401 (also imported from here by test modules)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small enough to start in seconds; 64 sequences so the 64-client test runs in one batch.
 ENGINE_ARGS = dict(dtype="float32", kv_cache_memory=256 << 20, max_model_len=2048, max_num_seqs=64)
-
-
-class ServerProcess:
-    """`python server.py --port 0 ARGS` with its log in a temporary file; the port is read from the
-    "ready" line (the first match of `ready_pattern`'s group), so there is no race for a free port.
-
-    Raises RuntimeError (with the log) if the server exits or is not ready within `timeout` seconds.
-    """
-
-    def __init__(self, *args: str, timeout: float = 180, ready_pattern: str = r"ready: (http://127\.0\.0\.1:\d+)"):
-        self._log = tempfile.NamedTemporaryFile(prefix="server-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "server.py", "--port", "0", *args], cwd=ROOT,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while not (ready := re.search(ready_pattern, self.log())):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"server did not start (exit {self.proc.wait()}):\n{self.log()}")
-            time.sleep(0.1)
-        self.url = ready.group(1)
-
-    def log(self) -> str:
-        with open(self._log.name, errors="replace") as f:
-            return f.read()
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        """Sends `sig` and returns the exit status (killing the process if it outlives `timeout`)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        os.unlink(self._log.name)
-        return self.proc.returncode
 
 
 def cli_args(**engine_args) -> list[str]:
@@ -70,7 +31,8 @@ def engine_args() -> dict:
 @pytest.fixture(scope="session")
 def server():
     """The shared server on the default model, tool_choice "auto" on; it must exit 0 on SIGTERM at the end."""
-    proc = ServerProcess(*cli_args(**ENGINE_ARGS), "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    proc = ServerProcess([*cli_args(**ENGINE_ARGS), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                         timeout=180)
     yield proc
     log = proc.log()
     assert proc.stop() == 0, log[-4000:]
@@ -83,7 +45,7 @@ def server_factory():
     started = []
 
     def start(*args: str) -> ServerProcess:
-        started.append(ServerProcess(*args))
+        started.append(ServerProcess(list(args), timeout=180))
         return started[-1]
 
     yield start

@@ -27,8 +27,8 @@ def dash():
     from server_harness import ServerProcess, cli_args  # imported as the plugin above, for its asserts
 
     # 128 tokens per step: the prompts below are prefilled in chunks, next to other requests' decodes
-    proc = ServerProcess("--api-key", KEY, *cli_args(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024,
-                                                     max_num_batched_tokens=128))
+    proc = ServerProcess(["--api-key", KEY, *cli_args(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024,
+                                                      max_num_batched_tokens=128)], timeout=180)
     yield proc
     log = proc.log()
     assert proc.stop() == 0, log[-4000:]

@@ -55,7 +55,7 @@ def _pids_alive(pids: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def dp():
-    proc = ServerProcess("--data-parallel-size", "2", "--router-policy", "cache_aware", *ENGINE,
+    proc = ServerProcess(["--data-parallel-size", "2", "--router-policy", "cache_aware", *ENGINE],
                          timeout=300, ready_pattern=r"ready: (http://127\.0\.0\.1:\d+) \(OpenAI base_url .*vllm-router")
     yield proc
     proc.stop()
@@ -173,8 +173,9 @@ class Router:
 @pytest.fixture(scope="module")
 def pd():
     with ThreadPoolExecutor(2) as pool:  # both servers load at once
-        prefill = pool.submit(ServerProcess, *ENGINE, *_kv_config("kv_producer", abort_request_timeout=ABORT_TIMEOUT))
-        decode = pool.submit(ServerProcess, *ENGINE, *_kv_config("kv_consumer"))
+        prefill = pool.submit(ServerProcess, [*ENGINE, *_kv_config("kv_producer", abort_request_timeout=ABORT_TIMEOUT)],
+                              timeout=180)
+        decode = pool.submit(ServerProcess, [*ENGINE, *_kv_config("kv_consumer")], timeout=180)
         servers = [f.result() for f in (prefill, decode)]
     router = Router(servers[0].url, servers[1].url)
     yield servers[0], servers[1], router
