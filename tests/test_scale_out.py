@@ -19,6 +19,9 @@ import pytest
 
 pytest.register_assert_rewrite("server_harness")  # imported here for its classes, before pytest loads it as a plugin
 from server_harness import ROOT, MetricsReader, ServerProcess, cli_args  # noqa: E402
+
+from api.data_parallel import HEALTH_CHECK_INTERVAL  # noqa: E402
+
 pytest.importorskip("vllm_router", reason="needs the [router] extra")
 pytest.importorskip("nixl", reason="needs the [kv] extra")
 pytestmark = pytest.mark.slow
@@ -111,8 +114,14 @@ def test_data_parallel_survives_a_dead_replica_and_stops_everything_on_sigterm(d
     while f"replica 1 (pid {pids[1]}) exited with status -9; not restarted" not in dp.log():
         assert time.monotonic() < deadline, dp.log()[-2000:]
         time.sleep(0.2)
-    r = httpx.post(f"{dp.url}/v1/completions", json={"prompt": "Still there?", "max_tokens": 2}, timeout=120)
-    assert r.status_code == 200 and dp.proc.poll() is None
+    # Until the router's health checks (every HEALTH_CHECK_INTERVAL s) take the dead replica out, a
+    # request it routes there fails with a 5xx; after that the live replica serves it.
+    deadline = time.monotonic() + 6 * HEALTH_CHECK_INTERVAL
+    while (r := httpx.post(f"{dp.url}/v1/completions", json={"prompt": "Still there?", "max_tokens": 2},
+                           timeout=120)).status_code != 200:
+        assert r.status_code >= 500 and time.monotonic() < deadline, (r.status_code, r.text)
+        time.sleep(1)
+    assert dp.proc.poll() is None
     dp.proc.send_signal(signal.SIGTERM)
     assert dp.proc.wait(timeout=60) == 0
     assert "stopped the router and 2 replicas" in dp.log()
