@@ -18,8 +18,7 @@ from api.serving import ServerSettings
 from api.tool_calls import TOOL_CALL_PARSERS
 from engine import AsyncEngine, EngineConfig, StructuredOutputsConfig
 from engine.distributed.group import EngineDeadError
-from engine.kv_transfer import KVTransferConfig
-from engine.spec_decode import SpeculativeConfig
+from engine.config import KVTransferConfig, SpeculativeConfig
 
 logger = logging.getLogger("api")
 

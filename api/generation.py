@@ -1,18 +1,14 @@
 """`Generation`: an API request's prompts running on the engine, their output streams merged; and
 cancelling work when the client disconnects."""
 import asyncio
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from api.errors import JSONResponse
-
 from api.metrics import RequestTracker
 from engine import RequestOutput, SamplingParams
-
-if TYPE_CHECKING:
-    from api.serving import ServingContext
+from engine.outputs import FinalOutputs
 
 
 class Generation:
@@ -21,9 +17,10 @@ class Generation:
     Iterate it for (prompt index, RequestOutput) pairs as the engine makes them; `aclose()` aborts
     whatever is still running, and is safe to call more than once. Iteration raises APIError when
     an engine request fails (400 bad input, 500 engine step failure, 503 shutting down).
+    ctx: the app's `api.serving.ServingContext`.
     """
 
-    def __init__(self, ctx: "ServingContext", prompts: list[list[int]], params: SamplingParams, request_id: str):
+    def __init__(self, ctx, prompts: list[list[int]], params: SamplingParams, request_id: str):
         self._ctx = ctx
         self._queue: asyncio.Queue = asyncio.Queue()
         ctx.num_queued += len(prompts)
@@ -72,13 +69,10 @@ class Generation:
 
     async def final_outputs(self) -> list[RequestOutput]:
         """Runs to the end; returns each prompt's last RequestOutput with all its samples, by index."""
-        last: dict[int, RequestOutput] = {}
-        samples: dict[int, dict] = {}
+        finals, last = FinalOutputs(), {}
         async for index, out in self:
-            last[index] = out
-            samples.setdefault(index, {}).update({c.index: c for c in out.outputs})
-        for index, out in last.items():
-            out.outputs = [samples[index][i] for i in sorted(samples[index])]
+            if (final := finals.add(out)) is not None:
+                last[index] = final
         return [last[i] for i in sorted(last)]
 
 

@@ -15,6 +15,7 @@ from api.generation import Generation
 from api.metrics import ServerMetrics
 from api.protocol import ChatMessage, SamplingRequest
 from engine import EngineStepError, KVTransferError, SamplingParams, StructuredOutputsParams
+from engine.chat_template import encode_chat
 
 logger = logging.getLogger("api")
 
@@ -102,13 +103,10 @@ class ServingContext:
         the chat template. Raises APIError 400 when the template rejects it (or the model has none and
         no --chat-template was given)."""
         try:
-            text = self.tokenizer.apply_chat_template(
-                [m.to_template() for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=self.settings.chat_template, tools=tools)
+            return encode_chat(self.tokenizer, [m.to_template() for m in messages], self.settings.chat_template,
+                               add_generation_prompt, tools, add_special_tokens)
         except (TemplateError, ValueError, TypeError) as e:
             raise APIError(400, f"the chat template could not render the messages: {e}", param="messages") from None
-        # The template already holds the special tokens, so by default encoding adds no BOS again.
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, prompt_param: str, max_param: str) -> int:
         """Output tokens allowed for a prompt: `requested`, or all the room left when None.

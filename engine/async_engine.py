@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import EngineStepError, KVTransferError, LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.structured import StructuredOutputsParams
+from engine.sampling_params import StructuredOutputsParams
 from engine.snapshot import SnapshotSlot
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class AsyncEngine:
         self.block_size = config.block_size
         self.device, self.dtype = self.engine.runner.device, self.engine.runner.dtype
         self._queues: dict[str, asyncio.Queue] = {}
-        self._pending: list[tuple] = []  # ("add", id, prompt, params, arrival) / ("abort", id)
+        self._pending: list[tuple] = []  # ("add", id, prompt, params, arrival, token ids) / ("abort", id)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
@@ -52,8 +52,7 @@ class AsyncEngine:
     @property
     def dead_error(self) -> str | None:
         """Why the engine can run no more steps (a tensor-parallel rank died), or None."""
-        tp = self.engine.runner.tp
-        return tp.error if tp is not None else None
+        return self.engine.executor.error
 
     async def start(self) -> None:
         """Starts the step coroutine on the running loop (idempotent)."""
@@ -91,14 +90,14 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.engine.tokenize(prompt)  # validate now, so the caller gets the error, not the loop
+        ids = self.engine.tokenize(prompt)  # now, so the caller gets the error, not the loop
         if params.structured_outputs is not None:
             await self.compile_grammar(params.structured_outputs)
         if not self.is_alive:
             raise RuntimeError("the engine loop is not running")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._pending.append(("add", request_id, prompt, params, time.monotonic()))
+        self._pending.append(("add", request_id, prompt, params, time.monotonic(), ids))
         self._wakeup.set()
         finished = False
         try:
@@ -149,9 +148,9 @@ class AsyncEngine:
         pending, self._pending = self._pending, []
         for item in pending:
             if item[0] == "add":
-                _, rid, prompt, params, arrival = item
+                _, rid, prompt, params, arrival, ids = item
                 try:
-                    self.engine.add_request(rid, prompt, params, arrival)
+                    self.engine.add_request(rid, prompt, params, arrival, ids)
                 except ValueError as e:
                     self._deliver_error(rid, e)
             else:

@@ -1,9 +1,10 @@
 """The offline API: `LLM(model=...).generate(prompts, sampling_params)`, as in vLLM."""
 from tqdm import tqdm
 
+from engine.chat_template import encode_chat
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import FinalOutputs, RequestOutput
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -59,23 +60,16 @@ class LLM:
         """Applies the model's chat template (or `chat_template`) to one conversation or a list of
         them, then generates. A conversation is a list of {"role", "content"} dicts."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, chat_template=chat_template,
-                                                      add_generation_prompt=add_generation_prompt)
-                   for c in conversations]
-        # The template already holds the special tokens; encoding must not add a BOS again.
-        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        token_ids = [encode_chat(self.tokenizer, c, chat_template, add_generation_prompt) for c in conversations]
         return self.generate(token_ids, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        finals: dict[str, dict] = {rid: {} for rid in ids}
+        finals = FinalOutputs()
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while len(results) < len(ids):
                 for out in self.engine.step():
-                    for c in out.outputs:
-                        finals[out.request_id][c.index] = c
-                    if out.finished:
-                        out.outputs = [finals[out.request_id][i] for i in sorted(finals[out.request_id])]
-                        results[out.request_id] = out
+                    if (final := finals.add(out)) is not None:
+                        results[out.request_id] = final
                         bar.update(1)
         return [results[rid] for rid in ids]

@@ -1,24 +1,25 @@
 """The synchronous engine: requests in, one scheduled model step at a time, outputs out."""
-import concurrent.futures
 import itertools
 import logging
 import time
 
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.core.step_io import SchedulerOutput
 from engine.detokenizer import IncrementalDetokenizer
-from engine.distributed.launcher import build_runner
-from engine.kv_transfer import NixlConnector
-from engine.loader import resolve_model
+from engine.executor import build_executor
+from engine.kv_transfer.connector import NixlConnector
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 from engine.snapshot import StepLog
-from engine.spec_decode.speculator import Speculator
-from engine.structured import RequestGrammar, StructuredOutputManager
+from engine.spec_decode.speculator import NoSpeculation, Speculator
+from engine.structured.manager import StructuredOutputManager
+from engine.structured.matcher import RequestGrammar
+from models.loader import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,13 @@ class KVTransferError(EngineStepError):
 
 
 class LLMEngine:
-    """Scheduler + KV cache manager + model runner, driven by `step()`.
+    """Scheduler + KV cache manager + executor, driven by `step()`.
 
     A request with n > 1 becomes n sequences (ids "<id>#<i>") that share the prompt's KV blocks
     through the prefix cache; outputs are reported per request id with the changed samples.
+    The features plug in at fixed points of the step, each a no-op when off: the KV connector before
+    scheduling (in the scheduler), structured outputs before the forward (the grammar bitmask), the
+    speculator after the update (next step's drafts).
     """
 
     def __init__(self, config: EngineConfig):
@@ -58,7 +62,8 @@ class LLMEngine:
         config_done = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
         tokenizer_done = time.perf_counter()
-        self.runner = build_runner(config, hf_config, self.model_dir)
+        self.executor = build_executor(config, hf_config, self.model_dir)
+        self.runner = self.executor.runner  # rank 0's: the KV cache, dtype, device and limits
         logger.info("engine built in %.2fs: model config %.2fs, tokenizer %.2fs, model and KV cache %.2fs",
                     time.perf_counter() - start, config_done - start, tokenizer_done - config_done,
                     time.perf_counter() - tokenizer_done)
@@ -67,18 +72,16 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_connector = (NixlConnector(config.kv_transfer_config, self.runner.kv_cache, config.block_size)
                              if config.kv_transfer_config else None)
-        self.speculator = None
+        self.speculator = NoSpeculation()
         if config.speculative_config is not None:
             self.speculator = Speculator(config.speculative_config, config, self.runner, self.tokenizer,
                                          self.max_model_len)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.kv_connector,
-                                   on_free=self.speculator.free if self.speculator is not None else None)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   self.kv_connector, on_free=self.speculator.free)
         self.eos_token_ids = self._eos_token_ids(hf_config)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                                   config.structured_outputs_config)
         self.groups: dict[str, list[Request]] = {}
-        self._compiling: list[str] = []  # ids of groups queued before their grammar had compiled
-        self.generation_tokens = 0
         self.step_log = StepLog()  # recent steps, for the dashboard
         self._ids = itertools.count()
         logger.info("model %s: %s on %s, %s attention, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
@@ -119,12 +122,12 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> str:
-        """Queues a request (n sequences); returns its id. Raises ValueError for bad input.
+                    arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> str:
+        """Queues a request (n sequences); returns its id. `prompt_token_ids`: the prompt already
+        tokenized by `tokenize` (else it is tokenized here).
 
-        A structured-output request waits in the queue until its grammar has compiled (on the manager's
-        pool); if the compile fails there, the request finishes with "abort" (callers that want the error
-        compile first: `structured.compile(spec)`, as `LLM.generate` and the server do).
+        Raises ValueError for bad input, including a structured-outputs constraint that does not
+        compile (this waits for its compile, compile_timeout seconds at most).
         """
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
@@ -132,15 +135,13 @@ class LLMEngine:
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
             if any(t >= self.vocab_size for t in ids):
                 raise ValueError(f"{name} token ids must be below the vocabulary size {self.vocab_size}")
-        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
-            # rank 0 alone would compute the extra logits, which under tensor parallelism every rank must
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
-        ids = self.tokenize(prompt)
+        if params.prompt_logprobs is not None and not self.executor.supports_prompt_logprobs:
+            raise ValueError(f"prompt_logprobs is not supported by {type(self.executor).__name__}")
+        ids = prompt_token_ids or self.tokenize(prompt)
         if self.kv_connector is not None:
             self.kv_connector.check_request((params.extra_args or {}).get("kv_transfer_params"), len(ids), params.n)
-        compiled = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
-        if compiled is not None and compiled.done() and compiled.exception() is not None:
-            raise compiled.exception()
+        compiled = self.structured.compile_and_wait([params.structured_outputs])[0] \
+            if params.structured_outputs else None
         text = prompt if isinstance(prompt, str) else None
         arrival = arrival_time or time.monotonic()
         group = []
@@ -152,8 +153,6 @@ class LLMEngine:
             group.append(Request(seq_id, request_id, i, text, ids, params, detok, self.eos_token_ids, arrival,
                                  grammar))
         self.groups[request_id] = group
-        if compiled is not None and not compiled.done():
-            self._compiling.append(request_id)
         for req in group:
             self.scheduler.add_request(req)
         return request_id
@@ -183,81 +182,54 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step; returns the outputs of requests that changed.
 
-        Raises EngineStepError after finishing the step's requests if the model step failed, and its
+        Raises EngineStepError after finishing the step's requests if the model step failed, and
         KVTransferError (before scheduling) for requests whose prompt K/V could not be pulled.
         """
         start = time.monotonic()
-        if self.kv_connector is not None:
-            failed = self.scheduler.update_from_kv_connector()
-            if failed:
-                parents = list(dict.fromkeys(req.parent_id for req, _ in failed))
-                for parent in parents:
-                    self.groups.pop(parent, None)
-                raise KVTransferError(parents, "; ".join(dict.fromkeys(reason for _, reason in failed)))
-        failed = self._abort_failed_compiles() if self._compiling else []
-        if failed:
-            return failed
-        batch = self.scheduler.schedule()
-        if not batch.requests:
-            if self._compiling:  # only compiles are left: wait for one rather than spin
-                concurrent.futures.wait([self.groups[g][0].grammar.compiled for g in self._compiling],
-                                        timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+        self._fail_kv_transfers(self.scheduler.update_from_kv_connector())
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.requests:
             return []
-        tables = [self.kv.block_ids(r.request_id) for r in batch.requests]
+        self.structured.fill_bitmask(scheduler_output)
         try:
-            sampled, tokens, logprobs = self.runner.execute(batch, tables)
+            runner_output = self.executor.execute_model(scheduler_output)
         except Exception as e:
-            logger.exception("engine step failed; failing its %d requests", len(batch.requests))
-            parents = list(dict.fromkeys(r.parent_id for r in batch.requests))
+            self._fail_step(scheduler_output, e)
+        changed = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.scheduler.update_draft_token_ids(
+            self.speculator.propose(scheduler_output, runner_output, len(self.scheduler.running)))
+        self.step_log.record(scheduler_output, start, self.scheduler.num_preemptions)
+        return self._outputs(changed)
+
+    def _fail_kv_transfers(self, failed: list[tuple[Request, str]]) -> None:
+        """Raises KVTransferError for the requests whose prompt K/V could not be pulled (already finished)."""
+        if failed:
+            parents = list(dict.fromkeys(req.parent_id for req, _ in failed))
             for parent in parents:
-                for req in self.groups.pop(parent, []):
-                    if not req.is_finished:
-                        self.scheduler.finish(req, "abort", uncache=True)
-            raise EngineStepError(parents, e) from e
-        changed: dict[str, list[Request]] = {}
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-            if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
-                self.scheduler.finish(req, "length")  # a prompt-only request ends after its prefill
-                changed.setdefault(req.parent_id, []).append(req)
-        for req, new_tokens, new_logprobs in zip(sampled, tokens, logprobs):
-            # rejected draft tokens: their K/V slots are simply overwritten by later steps
-            req.num_computed_tokens -= len(req.spec_token_ids) + 1 - len(new_tokens)
-            if self.speculator is not None:
-                self.speculator.observe(req, new_tokens)
-            for token, logprob in zip(new_tokens, new_logprobs):
-                req.append_token(token, logprob, self.max_model_len)
-                self.generation_tokens += 1
-                if req.finish_reason is not None:  # tokens after a stop are dropped
-                    self.scheduler.finish(req, req.finish_reason)
-                    break
-            changed.setdefault(req.parent_id, []).append(req)
-        if self.speculator is not None:
-            self.speculator.propose([r for r in sampled if not r.is_finished], len(self.scheduler.running))
-        self.step_log.record(batch, start, self.scheduler.num_preemptions)
+                self.groups.pop(parent, None)
+            raise KVTransferError(parents, "; ".join(dict.fromkeys(reason for _, reason in failed)))
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception):
+        """Finishes every request of a failed step (their blocks freed and uncached: their K/V may be
+        garbage) and raises EngineStepError."""
+        logger.exception("engine step failed; failing its %d requests", len(scheduler_output.requests))
+        parents = list(dict.fromkeys(r.parent_id for r in scheduler_output.requests))
+        for parent in parents:
+            for req in self.groups.pop(parent, []):
+                if not req.is_finished:
+                    self.scheduler.finish(req, "abort", uncache=True)
+        raise EngineStepError(parents, error) from error
+
+    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
+        by_parent: dict[str, list[Request]] = {}
+        for req in changed:
+            by_parent.setdefault(req.parent_id, []).append(req)
         outputs = []
-        for parent, reqs in changed.items():
-            group = self.groups[parent]
-            out = self._output(group, reqs)
+        for parent, reqs in by_parent.items():
+            out = self._output(self.groups[parent], reqs)
             if out.finished:
                 del self.groups[parent]
             outputs.append(out)
-        return outputs
-
-    def _abort_failed_compiles(self) -> list[RequestOutput]:
-        """Aborts the queued groups whose grammar failed to compile; forgets those that compiled."""
-        outputs, still = [], []
-        for parent in self._compiling:
-            group = self.groups.get(parent)
-            if group is None:  # aborted meanwhile
-                continue
-            compiled = group[0].grammar.compiled
-            if not compiled.done():
-                still.append(parent)
-            elif compiled.exception() is not None:
-                logger.error("request %s: structured outputs: %s", parent, compiled.exception())
-                outputs.append(self.abort_request(parent))
-        self._compiling = still
         return outputs
 
     def _output(self, group: list[Request], changed: list[Request]) -> RequestOutput:
@@ -284,9 +256,9 @@ class LLMEngine:
         return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting) + loading, kv_cache_usage=self.kv.usage,
                            prefix_cache_queries=self.kv.prefix_cache_queries,
                            prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=s.num_preemptions,
-                           prompt_tokens=s.num_prompt_tokens, generation_tokens=self.generation_tokens,
+                           prompt_tokens=s.num_prompt_tokens, generation_tokens=s.num_generation_tokens,
                            prompt_tokens_by_source=dict(s.prompt_tokens_by_source),
                            prompt_tokens_recomputed=s.num_prompt_tokens_recomputed,
                            kv_transfer_failures=self.kv_connector.num_failed_transfers if self.kv_connector else 0,
                            kv_expired_requests=self.kv_connector.num_expired_requests if self.kv_connector else 0,
-                           spec_decoding=self.speculator.stats.copy() if self.speculator is not None else None)
+                           spec_decoding=self.speculator.stats.copy() if self.speculator.stats is not None else None)

@@ -1,7 +1,5 @@
 """What the engine hands back: per-request outputs (vLLM's shapes), and engine-wide statistics."""
-from dataclasses import dataclass, field
-
-from engine.spec_decode.metrics import SpecDecodingStats
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -126,6 +124,65 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[Logprob | None] | None = None
     kv_transfer_params: dict | None = None  # for the decode server, when its blocks wait for one (engine.kv_transfer)
+
+
+class FinalOutputs:
+    """Each request's final RequestOutput, from the outputs a stream gives step by step (which carry
+    only the samples that changed): `add` every output; it returns the final one, with all n samples
+    ordered by index, when the request finishes (None before)."""
+
+    def __init__(self):
+        self._samples: dict[str, dict[int, CompletionOutput]] = {}
+
+    def add(self, out: RequestOutput) -> RequestOutput | None:
+        samples = self._samples.setdefault(out.request_id, {})
+        samples.update({c.index: c for c in out.outputs})
+        if not out.finished:
+            return None
+        del self._samples[out.request_id]
+        out.outputs = [samples[i] for i in sorted(samples)]
+        return out
+
+
+@dataclass
+class SpecDecodingStats:
+    """Cumulative counts (tokens) since the engine started.
+
+    num_drafts: verified drafts (one per request and step that had draft tokens); num_draft_tokens:
+    their tokens; num_accepted_tokens: those accepted; num_accepted_tokens_per_pos[i]: drafts whose
+    token at position i was accepted (length num_speculative_tokens). Exported as vLLM's
+    `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens` and
+    `..._num_accepted_tokens_per_pos` (label `position`).
+    """
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.num_accepted_tokens_per_pos = self.num_accepted_tokens_per_pos or [0] * self.num_spec_tokens
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def copy(self) -> "SpecDecodingStats":
+        return replace(self, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verified draft, the bonus token included: 1 + accepted / drafts (vLLM's)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass

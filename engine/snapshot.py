@@ -16,8 +16,8 @@ from operator import attrgetter
 
 import numpy as np
 
-from engine.request import Request, RequestStatus
-from engine.scheduler import SchedulerOutput
+from engine.core.request import Request, RequestStatus
+from engine.core.step_io import SchedulerOutput
 
 # Per-block states in `kv.state`: free (no hash), cached (free, hash kept: a prefix-cache entry that
 # allocation may evict), in use by one request, shared (ref count > 1: prefix hits, n > 1 samples).

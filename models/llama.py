@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine import ops
+from engine.kernels import ops
 from engine.distributed.group import TPGroup
-from engine.distributed.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-                                       partition_heads)
+from engine.distributed.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from models.config import ModelShape
 
 
 class RMSNorm(nn.Module):
@@ -75,18 +75,27 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, bias: bool, tp: TPGroup | None):
+    def __init__(self, shape: ModelShape, backend: AttentionBackend, bias: bool, tp: TPGroup | None):
         super().__init__()
         # this rank's heads (all of them without tensor parallelism)
-        self.num_heads, self.num_kv_heads = partition_heads(config, tp.world_size if tp else 1)
-        self.head_dim = head_dim_of(config)
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.q_size = self.num_heads * self.head_dim
         # q, k and v projections fused into one matmul; the loader stacks the checkpoint's three.
-        self.qkv_proj = ColumnParallelLinear.qkv(config, self.head_dim, bias, tp)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, tp)
+        self.qkv_proj = ColumnParallelLinear.qkv(shape, bias, tp)
+        self.o_proj = RowParallelLinear(shape.total_num_heads * self.head_dim, shape.hidden_size, tp)
         self.backend = backend
 
-    def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Grouped-query self-attention (Ainslie et al. 2023) with rotary positions (Su et al. 2021).
+
+        x: this step's normed hidden states [T, hidden] in the model dtype; rope: float32 (cos, sin)
+        [T, head_dim // 2] of each token's position; kv_cache: this layer's (k_cache, v_cache) in the
+        backend's layout; meta: the step's attention metadata. The new tokens' K/V are written to the
+        cache at `meta.slot_mapping` by the backend, which then attends causally over each sequence's
+        cached prefix and its new tokens. Returns [T, hidden] (summed over ranks by o_proj under
+        tensor parallelism).
+        """
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # views of qkv
         ops.rotary_(qkv[:, :self.num_heads + self.num_kv_heads], *rope)  # q and k in place, in one go
@@ -105,10 +114,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, backend, bias, tp):
+    def __init__(self, config, shape: ModelShape, backend, bias, tp):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend, bias, tp)
+        self.self_attn = LlamaAttention(shape, backend, bias, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
@@ -119,27 +128,24 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(residual, x))
 
 
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 class LlamaForCausalLM(nn.Module):
     """A Llama-family decoder over the paged KV cache.
 
     `forward` maps a flat step batch (input_ids, positions: int64 [T]) to hidden states
     [T, hidden_size]; `compute_logits` maps selected hidden states [N, hidden] to float32 logits
     [N, vocab] (on rank 0 only under tensor parallelism). `qkv_bias` is True for Qwen2 (and any config
-    with `attention_bias`). With `tp`, this rank holds its shard of every layer (engine/distributed).
+    with `attention_bias`). `shape` is this rank's (models.config); with `tp`, this rank holds its shard
+    of every layer (engine/distributed).
     """
 
-    def __init__(self, config, backend: AttentionBackend, max_model_len: int, qkv_bias: bool = False,
-                 tp: TPGroup | None = None):
+    def __init__(self, config, shape: ModelShape, backend: AttentionBackend, max_model_len: int,
+                 qkv_bias: bool = False, tp: TPGroup | None = None):
         super().__init__()
         self.config = config
-        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_model_len)
+        self.rotary = RotaryEmbedding(config, shape.head_dim, max_model_len)
         bias = qkv_bias or bool(getattr(config, "attention_bias", False))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, bias, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, shape, backend, bias, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -147,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        # The residual stream stays float32 (see engine/csrc/layer_ops.c); sublayers run in the model dtype.
+        # The residual stream stays float32 (see engine/kernels/csrc/layer_ops.c); sublayers run in the model dtype.
         residual, x = self.embed_tokens(input_ids).float(), None
         rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from api.cli import byte_size  # noqa: E402
 from bench_common import DEFAULT_WORKLOAD, REPO, Request, load_jsonl, random_requests, run_info  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.loader import default_model_path  # noqa: E402
+from models.loader import default_model_path  # noqa: E402
 
 VLLM_SCRIPT = REPO.parent / "shared" / "peers" / "vllm_cpu.sh"
 MATCH_PREFIX = 16  # output tokens compared with ours

@@ -75,10 +75,11 @@ def breakdown() -> dict[str, float]:
     from transformers import AutoConfig, AutoTokenizer
     lap("import transformers")
     import api.cli  # noqa: F401
-    from engine import host_memory
+    from engine.worker import host_memory
     from engine.attention import make_backend
-    from engine.loader import resolve_model
-    from engine.model_runner import _iter_safetensors
+    from models.loader import resolve_model
+    from models.config import ModelShape
+    from models.loader import iter_safetensors
     from models import get_model_class
     lap("import the server")
     model_dir = resolve_model(None)
@@ -87,14 +88,15 @@ def breakdown() -> dict[str, float]:
     lap("model config (transformers' config classes)")
     AutoTokenizer.from_pretrained(model_dir)
     lap("tokenizer")
-    backend = make_backend(None, torch.device("cpu"), torch.float32, cfg, 16)
+    shape = ModelShape.from_hf(cfg)
+    backend = make_backend(None, torch.device("cpu"), torch.float32, shape, 16)
     lap(f"attention backend ({type(backend).__name__}, C kernel build check)")
     cls, kwargs = get_model_class(cfg)
     with torch.device("meta"):
-        model = cls(cfg, backend, cfg.max_position_embeddings, **kwargs)
+        model = cls(cfg, shape, backend, cfg.max_position_embeddings, **kwargs)
     model = model.to_empty(device="cpu")
     lap("model build (meta, to_empty)")
-    model.load_weights(_iter_safetensors(model_dir))
+    model.load_weights(iter_safetensors(model_dir))
     lap("weights")
     host_memory.zeros(((2 << 30) // 4,), torch.float32)
     lap("KV cache, 2 GiB (host_memory.zeros)")

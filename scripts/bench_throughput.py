@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from api.cli import byte_size  # noqa: E402
 from bench_common import DEFAULT_WORKLOAD, load_jsonl, random_requests, run_info  # noqa: E402
-import engine.sampler  # noqa: E402
+import engine.sample.rejection_sampler  # noqa: E402
 from engine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 # --structured json: a record with nested objects, an array, an enum and bounded numbers
@@ -118,19 +118,25 @@ def run_structured(llm, reqs, use_tqdm: bool) -> dict:
     plain = report(run(llm, reqs, use_tqdm, ignore_eos=False))
     llm.reset_prefix_cache()
     mask_calls = []  # (seconds, constrained rows) of every step's mask fill + apply
-    apply_mask = engine.sampler.apply_grammar_bitmask
+    structured, sampler_module = llm.engine.structured, engine.sample.rejection_sampler
+    fill, apply = structured.fill_bitmask, sampler_module.apply_token_bitmask
 
-    def timed(logits, requests):
+    def timed_fill(scheduler_output):
         t = time.perf_counter()
-        apply_mask(logits, requests)
-        mask_calls.append((time.perf_counter() - t, sum(r.grammar is not None for r in requests)))
+        fill(scheduler_output)
+        mask_calls.append([time.perf_counter() - t, len(scheduler_output.structured_rows)])
 
-    engine.sampler.apply_grammar_bitmask = timed
+    def timed_apply(logits, bitmask, rows):
+        t = time.perf_counter()
+        apply(logits, bitmask, rows)
+        mask_calls[-1][0] += time.perf_counter() - t
+
+    structured.fill_bitmask, sampler_module.apply_token_bitmask = timed_fill, timed_apply
     try:
         print("constrained to a JSON schema:")
         constrained = report(run(llm, reqs, use_tqdm, ignore_eos=False, structured=spec))
     finally:
-        engine.sampler.apply_grammar_bitmask = apply_mask
+        structured.fill_bitmask, sampler_module.apply_token_bitmask = fill, apply
     full = [t for t, rows in mask_calls if rows >= 0.9 * len(reqs)] or [t for t, _ in mask_calls]
     ratio = constrained["output_tok_per_s"] / plain["output_tok_per_s"]
     mask_ms = 1e3 * sum(full) / len(full)

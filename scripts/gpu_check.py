@@ -48,7 +48,8 @@ from transformers import LlamaConfig
 from engine.attention.base import AttentionMetadata
 from engine.attention.flashinfer import FlashInferBackend, flashinfer_available
 from engine.attention.torch_native import TorchNativeBackend
-from engine.cuda_graph import CUDAGraphRunner
+from engine.worker.cuda_graph import CUDAGraphRunner
+from models.config import ModelShape
 from models.llama import LlamaForCausalLM
 
 BLOCK, MAX_LEN, DTYPE, DEVICE = 16, 2048, torch.bfloat16, "cuda"
@@ -244,7 +245,7 @@ def main():
     torch.manual_seed(0)
     torch.set_default_dtype(DTYPE)  # initialise in bfloat16 directly; 8B float32 weights would need 32 GB
     with torch.device(DEVICE):
-        model = LlamaForCausalLM(cfg, fi, MAX_LEN).to(DTYPE).eval()
+        model = LlamaForCausalLM(cfg, ModelShape.from_hf(cfg), fi, MAX_LEN).to(DTYPE).eval()
     torch.set_default_dtype(torch.float32)
     print(f"(a) Llama-3.1-8B-shaped model, random weights: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
           f"parameters in {time.perf_counter() - t:.1f} s")

@@ -53,7 +53,7 @@ def main():
     ap.add_argument("--num-key-value-heads", type=int, default=COMMON["num_key_value_heads"])
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-    from engine.loader import default_model_path, resolve_model
+    from models.loader import default_model_path, resolve_model
 
     save_tiny_model(args.arch, args.path, resolve_model(default_model_path()),
                     num_key_value_heads=args.num_key_value_heads)

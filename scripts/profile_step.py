@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 from bench_common import DEFAULT_WORKLOAD, load_jsonl  # noqa: E402
+import engine.worker.model_runner as model_runner  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 PARTS = ["schedule", "prepare", "attention", "forward", "lm_head", "sampling", "step"]
@@ -50,7 +51,7 @@ def main():
 
     step_totals = collections.defaultdict(float)
     eng.scheduler.schedule = timed(eng.scheduler.schedule, step_totals, "schedule")
-    runner.prepare = timed(runner.prepare, step_totals, "prepare")
+    model_runner.prepare_inputs = timed(model_runner.prepare_inputs, step_totals, "prepare")
     runner.backend.forward = timed(runner.backend.forward, step_totals, "attention")
     runner.model.forward = timed(runner.model.forward, step_totals, "forward")
     runner.model.compute_logits = timed(runner.model.compute_logits, step_totals, "lm_head")

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from transformers import AutoConfig  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.loader import resolve_model  # noqa: E402
+from models.loader import resolve_model  # noqa: E402
 
 # Published peaks: bf16 dense tensor-core FLOP/s and HBM bytes/s (NVIDIA H100 SXM5 / H200 SXM datasheets).
 GPU_PEAKS = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12)}

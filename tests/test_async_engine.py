@@ -53,14 +53,14 @@ async def test_bad_prompt_raises_before_streaming(engine):
 
 
 async def test_failed_step_fails_only_its_requests(engine):
-    runner = engine.engine.runner
-    original = runner.execute
+    executor = engine.engine.executor
+    original = executor.execute_model
 
     def broken(*args):
-        runner.execute = original  # fail once
+        executor.execute_model = original  # fail once
         raise RuntimeError("injected fault")
 
-    runner.execute = broken
+    executor.execute_model = broken
     with pytest.raises(EngineStepError):
         await collect(engine, "Hello", SamplingParams(max_tokens=4), "doomed")
     assert_no_leak(engine.engine)

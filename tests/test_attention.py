@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.attention.base import AttentionMetadata
-from engine import cpu_kernels
+from engine.kernels import cpu_kernels
 from engine.attention.cpu import CPUBackend, kernel_isa
 from engine.attention.torch_native import TorchNativeBackend
 

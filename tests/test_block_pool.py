@@ -1,7 +1,7 @@
 """Block pool and KV cache manager invariants: hash chain, LRU eviction order, ref counts."""
 from types import SimpleNamespace
 
-from engine.block_manager import BlockPool, KVCacheManager, hash_block
+from engine.core.kv_cache_manager import BlockPool, KVCacheManager, hash_block
 
 
 def seq(request_id, tokens):

@@ -8,7 +8,7 @@ from torch import nn
 from engine.attention.base import AttentionMetadata
 from engine.attention.flashinfer import FlashInferBackend, flashinfer_available
 from engine.attention.torch_native import TorchNativeBackend
-from engine.cuda_graph import CUDAGraphRunner, capture_sizes, padded_size
+from engine.worker.cuda_graph import CUDAGraphRunner, capture_sizes, padded_size
 
 H, KVH, BS, NUM_BLOCKS, MAX_BLOCKS = 4, 2, 16, 64, 4
 DUMMY = NUM_BLOCKS - 1

@@ -144,7 +144,7 @@ def test_preemptions_in_step_log_and_timings():
     assert engine.scheduler.num_preemptions > 0
     assert sum(s[4] for s in engine.step_log.steps) == engine.scheduler.num_preemptions
     assert sum(o.metrics.num_preemptions for o in outs) == engine.scheduler.num_preemptions
-    assert sum(s[2] for s in engine.step_log.steps) <= engine.generation_tokens
+    assert sum(s[2] for s in engine.step_log.steps) <= engine.scheduler.num_generation_tokens
     for out in outs:
         t = out.metrics.timings()
         assert t["predicted_n"] == len(out.outputs[0].token_ids) == 12

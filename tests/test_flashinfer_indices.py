@@ -12,7 +12,7 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.attention.flashinfer import FlashInferBackend, flashinfer_available, paged_kv_indices
 from engine.attention.torch_native import TorchNativeBackend
-from engine.cuda_graph import CUDAGraphRunner
+from engine.worker.cuda_graph import CUDAGraphRunner
 
 BS, H, KVH, D = 4, 4, 2, 8  # block size, query heads, KV heads, head dim
 
@@ -185,15 +185,23 @@ def test_graph_decode_wrappers_with_padding(fake_flashinfer):
         ref = run_step(TorchNativeBackend(H, KVH, D, BS, D ** -0.5), meta, kv_ref, q, k, v)
         bs, padded = graphs.load_inputs(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), meta)
         q, k, v = (torch.cat([x, x.new_zeros(bs - n, *x.shape[1:])]) for x in (q, k, v))
-        with graphs.backend_mode(bs):
+        with fi.cuda_graph_decode(bs):
             out = run_step(fi, padded, kv, q, k, v)
         assert bs >= n and padded.num_seqs == bs
         torch.testing.assert_close(out[:n], ref)
         assert torch.equal(kv[0][1:], kv_ref[0][1:]) and torch.equal(kv[1][1:], kv_ref[1][1:])
 
 
-def test_flashinfer_available_is_a_bool():
-    assert flashinfer_available() in (True, False)
+@pytest.mark.parametrize("module, expected", [(None, False), (types.ModuleType("flashinfer"), True)])
+def test_flashinfer_available_follows_the_import(monkeypatch, module, expected):
+    """False when `import flashinfer` fails (None in sys.modules makes it raise ImportError, as a
+    missing package does), True when it works."""
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    flashinfer_available.cache_clear()
+    try:
+        assert flashinfer_available() is expected
+    finally:
+        flashinfer_available.cache_clear()  # later callers probe the real package
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not flashinfer_available(),

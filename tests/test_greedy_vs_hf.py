@@ -21,13 +21,13 @@ def test_batched_with_chunked_prefill_matches_hf(prompts, hf_reference, backend)
     llm = make_llm(max_num_batched_tokens=64, enable_prefix_caching=False, attention_backend=backend)
     assert type(llm.engine.runner.backend).__name__ == {"cpu": "CPUBackend", "torch_native": "TorchNativeBackend"}[backend]
     steps = []
-    original = llm.engine.runner.execute
+    original = llm.engine.executor.execute_model
 
-    def spy(batch, tables):
-        steps.append(list(batch.num_new_tokens))
-        return original(batch, tables)
+    def spy(scheduler_output):
+        steps.append(list(scheduler_output.num_new_tokens))
+        return original(scheduler_output)
 
-    llm.engine.runner.execute = spy
+    llm.engine.executor.execute_model = spy
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for out, ref in zip(outs, hf_reference):
         assert_greedy_matches(out.outputs[0].token_ids, ref)

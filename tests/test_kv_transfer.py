@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.kv_transfer import KVTransferConfig
+from engine.config import KVTransferConfig
 from engine.kv_transfer.nixl import KVLayout, NixlTransport, block_runs
 
 

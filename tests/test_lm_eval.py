@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.loader import resolve_model
+from models.loader import resolve_model
 
 pytest_plugins = ["server_harness"]
 

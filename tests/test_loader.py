@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.loader import default_model_path, resolve_model
+from models.loader import default_model_path, resolve_model
 
 
 def test_default_gguf_is_converted_once(llm):

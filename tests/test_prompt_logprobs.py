@@ -6,7 +6,7 @@ import torch
 
 from conftest import make_llm
 from engine import SamplingParams
-from engine import prompt_logprobs as pl
+from engine.sample import prompt_logprobs as pl
 
 TEXT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
 

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.sampler import Sampler
-from engine.spec_decode.rejection_sampler import RejectionSampler
+from engine.sample.rejection_sampler import RejectionSampler
 
 VOCAB = 10
 # chi-square critical value for 9 degrees of freedom at p = 1e-4: a correct sampler fails ~1 in 10^4
@@ -108,12 +107,19 @@ def test_seeded_requests_reproduce_their_tokens():
     assert any(run(s) != runs[0] for s in range(100, 110))
 
 
-def test_no_draft_row_draws_what_the_plain_sampler_draws():
-    params = SamplingParams(temperature=1.0, top_p=0.9)
+def test_no_draft_row_draws_the_exponential_race_of_plain_sampling():
+    """Without drafts a row draws argmax p / E with E ~ Exp(1) from the request's own generator, p the
+    top-p-filtered softmax: what sampling without speculation draws, seed for seed."""
+    params = SamplingParams(temperature=0.7, top_p=0.9)
     logits = torch.randn(1, VOCAB)
-    ours = [RejectionSampler()(logits, [request([], params, seed=s)])[0][0][0] for s in range(30)]
-    plain = [Sampler()(logits, [request([], params, seed=s)])[0][0] for s in range(30)]
-    assert ours == plain
+    ours = [RejectionSampler()(logits.clone(), [request([], params, seed=s)])[0][0][0] for s in range(30)]
+    probs = torch.softmax(logits[0] / 0.7, dim=-1)
+    order = probs.argsort(descending=True)
+    covered = probs[order].cumsum(0) - probs[order]  # mass of the tokens ranked above each
+    nucleus = torch.zeros_like(probs).scatter_(0, order, (covered < 0.9).float()) * probs
+    reference = [int((nucleus / torch.empty(VOCAB).exponential_(generator=torch.Generator().manual_seed(s))).argmax())
+                 for s in range(30)]
+    assert ours == reference and len(set(ours)) > 1
 
 
 def test_penalties_see_the_drafts_before_each_position():

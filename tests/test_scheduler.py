@@ -1,8 +1,8 @@
 """Scheduler: token budget, running requests before new ones, chunked prefill, FCFS preemption."""
-from engine.block_manager import KVCacheManager
-from engine.request import Request
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.scheduler import Scheduler
 
 
 def make_request(rid, num_prompt_tokens, max_tokens=16):
@@ -22,12 +22,12 @@ def run_step(sched: Scheduler):
 
 
 def test_budget_and_chunked_prefill():
-    sched = Scheduler(KVCacheManager(100, 16), max_num_seqs=8, max_num_batched_tokens=128)
+    sched = Scheduler(KVCacheManager(100, 16), max_num_seqs=8, max_num_batched_tokens=128, max_model_len=4096)
     for rid in "abc":
         sched.add_request(make_request(rid, 100))
     out = run_step(sched)
     assert [r.request_id for r in out.requests] == ["a", "b"]
-    assert out.num_new_tokens == [100, 28] and out.total_tokens == 128
+    assert out.num_new_tokens == [100, 28] and out.total_num_scheduled_tokens == 128
     out = run_step(sched)
     # running first: a's decode, then b's next chunk, then c takes what is left
     assert [r.request_id for r in out.requests] == ["a", "b", "c"]
@@ -35,7 +35,7 @@ def test_budget_and_chunked_prefill():
 
 
 def test_max_num_seqs():
-    sched = Scheduler(KVCacheManager(100, 16), max_num_seqs=2, max_num_batched_tokens=1000)
+    sched = Scheduler(KVCacheManager(100, 16), max_num_seqs=2, max_num_batched_tokens=1000, max_model_len=4096)
     for rid in "abc":
         sched.add_request(make_request(rid, 10))
     out = run_step(sched)
@@ -44,7 +44,7 @@ def test_max_num_seqs():
 
 def test_preempts_newest_running_request_fcfs():
     # 4 blocks of 4 tokens; a and b take 2 blocks each, then a's decode needs a third block
-    sched = Scheduler(KVCacheManager(4, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(KVCacheManager(4, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096)
     a, b = make_request("a", 8), make_request("b", 8)
     sched.add_request(a)
     sched.add_request(b)
@@ -64,7 +64,7 @@ def test_preempts_newest_running_request_fcfs():
 
 
 def test_waiting_request_blocked_by_memory_is_not_skipped():
-    sched = Scheduler(KVCacheManager(4, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(KVCacheManager(4, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096)
     big, small = make_request("big", 20), make_request("small", 2)
     sched.add_request(big)
     sched.add_request(small)
@@ -73,7 +73,7 @@ def test_waiting_request_blocked_by_memory_is_not_skipped():
 
 
 def test_finish_frees_blocks_at_once():
-    sched = Scheduler(KVCacheManager(8, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(KVCacheManager(8, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096)
     a = make_request("a", 10)
     sched.add_request(a)
     run_step(sched)

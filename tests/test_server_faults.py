@@ -37,14 +37,14 @@ def faulty():
 
 
 def fail_next_step(engine) -> None:
-    runner = engine.engine.runner
-    execute = runner.execute
+    executor = engine.engine.executor
+    execute = executor.execute_model
 
     def fail_once(*args, **kwargs):
-        runner.execute = execute
+        executor.execute_model = execute
         raise RuntimeError("injected fault")
 
-    runner.execute = fail_once
+    executor.execute_model = fail_once
 
 
 async def test_failed_step_gives_500_and_server_keeps_serving(faulty, caplog):

@@ -83,13 +83,14 @@ def test_structured_request_beside_drafted_ones(spec_llm, copy_prompts, copy_ref
 def test_batched_with_chunked_prefill_and_prefix_hits(prompts, hf_reference, copy_prompts, copy_reference):
     llm = make_llm(speculative_config=NGRAM, max_num_batched_tokens=64, kv_cache_memory=256 << 20)
     steps = []
-    original = llm.engine.runner.execute
+    original = llm.engine.executor.execute_model
 
-    def spy(batch, tables):
-        steps.append([(n, len(r.spec_token_ids)) for r, n in zip(batch.requests, batch.num_new_tokens)])
-        return original(batch, tables)
+    def spy(scheduler_output):
+        steps.append([(n, len(r.spec_token_ids)) for r, n in zip(scheduler_output.requests,
+                                                                  scheduler_output.num_new_tokens)])
+        return original(scheduler_output)
 
-    llm.engine.runner.execute = spy
+    llm.engine.executor.execute_model = spy
     # each copy prompt twice: the second copy hits the blocks of the first
     outs = llm.generate(prompts + copy_prompts + copy_prompts, GREEDY, use_tqdm=False)
     for out, ref in zip(outs, hf_reference + copy_reference + copy_reference):

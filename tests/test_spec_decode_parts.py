@@ -7,11 +7,11 @@ import sys
 import numpy as np
 import pytest
 
-from engine.block_manager import KVCacheManager
-from engine.request import Request
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.spec_decode import SpeculativeConfig
+from engine.core.scheduler import Scheduler
+from engine.config import SpeculativeConfig
 from engine.spec_decode.ngram import find_ngram_proposal
 from engine.spec_decode.policy import DraftLengthPolicy
 
@@ -138,7 +138,7 @@ def test_only_verified_blocks_enter_the_prefix_cache():
 
 
 def test_scheduler_gives_drafts_slots_under_the_budget():
-    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10, max_model_len=4096)
     a, b = make_request("a", range(8)), make_request("b", range(100, 108))
     for req in (a, b):
         sched.add_request(req)
@@ -149,7 +149,7 @@ def test_scheduler_gives_drafts_slots_under_the_budget():
     a.spec_token_ids, b.spec_token_ids = [5, 6, 7, 8], [5, 6, 7, 8]
     out = sched.schedule()
     # a: its 2 tokens (last prompt token + sampled) + 4 drafts; b: the 4 tokens left of the budget
-    assert out.num_new_tokens == [6, 4] and out.total_tokens == 10
+    assert out.num_new_tokens == [6, 4] and out.total_num_scheduled_tokens == 10
     assert a.spec_token_ids == [5, 6, 7, 8] and b.spec_token_ids == [5, 6]  # b's drafts cut to fit
 
 
@@ -158,18 +158,18 @@ def test_policy_drafts_less_as_the_batch_grows():
     req = make_request("a", range(4))
     assert policy.lengths([req], [5], num_running=1) == [4]  # prior 1/2: 0.5^4 = 0.06 > 1/25
     for _ in range(10):  # every draft accepted
-        policy.observe(req, [1, 2, 3], [1, 2, 3, 4])
+        policy.observe(req.request_id, [1, 2, 3], [1, 2, 3, 4])
     assert policy.lengths([req], [5], num_running=1) == [5]
     assert 1 <= policy.lengths([req], [5], num_running=64)[0] < 5
     assert policy.lengths([req], [2], num_running=1) == [2]  # the cap
     for _ in range(10):  # every draft rejected at once
-        policy.observe(req, [1, 2, 3], [9])
+        policy.observe(req.request_id, [1, 2, 3], [9])
     assert policy.lengths([req], [5], num_running=64) == [0]
     assert policy.lengths([req], [5], num_running=1)[0] >= 1
     # a shadow proposal that the sampled token confirms raises the rate
     before = policy.requests["a"].rate
-    policy.keep_shadow(req, [3])
-    policy.observe(req, [], [3])
+    policy.keep_shadow(req.request_id, [3])
+    policy.observe(req.request_id, [], [3])
     assert policy.requests["a"].rate > before
-    policy.free(req)
+    policy.free(req.request_id)
     assert not policy.requests

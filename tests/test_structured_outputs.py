@@ -4,6 +4,7 @@ greedy tokens, requests wait in the queue while their grammar compiles, and bad 
 import json
 import re
 import sys
+import threading
 from concurrent.futures import Future
 
 import jsonschema
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from engine import SamplingParams, StructuredOutputsParams
-from engine.structured import apply_grammar_bitmask
+from engine.sample.bitmask import apply_token_bitmask
 from tests.conftest import assert_greedy_matches, make_llm
 from tests.structured_schemas import random_schemas
 
@@ -116,27 +117,22 @@ def test_length_mid_structure_and_stop_string(llm):
     assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == '"age"'
 
 
-def test_request_waits_in_queue_while_its_grammar_compiles(llm, monkeypatch):
-    """A request whose grammar is not compiled yet stays waiting while others run; it runs once the
-    compile is done. One whose compile fails ends with "abort" and frees everything."""
+def test_add_request_waits_for_its_grammar_and_refuses_a_failed_compile(llm, monkeypatch):
+    """LLMEngine.add_request compiles (or finds) the grammar before queueing: a constraint whose compile
+    fails raises ValueError and queues nothing; one still compiling is waited for."""
     engine = llm.engine
     spec = StructuredOutputsParams(choice=["yes", "no"])
     compiled = engine.structured.compile(spec).result()
-    pending, failing = Future(), Future()
-    futures = iter([pending, failing])
+    failing, pending = Future(), Future()
+    futures = iter([failing, pending])
     monkeypatch.setattr(engine.structured, "compile", lambda _: next(futures))
     prompt = chat(llm, "Yes or no?")
-    engine.add_request("slow", prompt, SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec))
-    engine.add_request("bad", prompt, SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec))
-    engine.add_request("plain", prompt, SamplingParams(temperature=0, max_tokens=3))
-    for _ in range(3):
-        engine.step()
-    assert [r.request_id for r in engine.scheduler.waiting] == ["slow", "bad"]
-    assert "plain" not in engine.groups  # finished while the others waited
     failing.set_exception(ValueError("invalid grammar: test"))
-    outputs = engine.step()
-    assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("bad", "abort")]
-    pending.set_result(compiled)
+    with pytest.raises(ValueError, match="invalid grammar: test"):
+        engine.add_request("bad", prompt, SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec))
+    assert "bad" not in engine.groups and not engine.has_unfinished_requests()
+    threading.Timer(0.2, pending.set_result, [compiled]).start()
+    engine.add_request("slow", prompt, SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec))
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
@@ -175,9 +171,9 @@ def test_compile_timeout_and_missing_xgrammar(llm, monkeypatch):
 def test_matcher_api_for_speculative_decoding(llm):
     """accept_tokens stops at the first token the grammar rejects; rollback undoes accepted tokens
     (also the stop token); the special tokens other than EOS are never allowed."""
-    from engine.structured import RequestGrammar
+    from engine.structured.matcher import RequestGrammar
     structured = llm.engine.structured
-    grammar = RequestGrammar(structured.compile(StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)))
+    grammar = RequestGrammar(structured.compile(StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)).result())
     good = llm.tokenizer.encode('{"name": "Ann", "age": 7}', add_special_tokens=False)
     eos = 2
     bad = llm.tokenizer.encode("hello", add_special_tokens=False)
@@ -199,23 +195,19 @@ def test_bitmask_apply_equals_xgrammar_kernel(llm):
     """The NumPy unpack + masked_fill equals xgrammar's own CPU kernel on random masks, for a subset of rows."""
     import xgrammar as xgr
 
-    class Row:
-        def __init__(self, words):
-            self.grammar = None if words is None else type("G", (), {"fill_bitmask": lambda _, bm, k: bm.__setitem__(k, words)})()
-
     gen = np.random.default_rng(0)
     words = gen.integers(-2**31, 2**31, size=(5, 1536), dtype=np.int64).astype(np.int32)
     words[[1, 4]] = -1  # rows without a grammar: every token allowed
-    requests = [Row(None if i in (1, 4) else words[i]) for i in range(5)]
+    rows = [0, 2, 3]
     logits = torch.randn(5, 49152)
     expected = logits.clone()
     xgr.apply_token_bitmask_inplace(expected, torch.from_numpy(words))
-    apply_grammar_bitmask(logits, requests)
+    apply_token_bitmask(logits, words[rows], rows)
     assert torch.equal(logits, expected)
 
 
 def test_structured_outputs_config_rejects_unknown_keys_and_bad_json():
-    """The flag's JSON and the dict given to LLM(...) go through one parser (engine/json_config.py)."""
+    """The flag's JSON and the dict given to LLM(...) go through one parser (engine/config/parse.py)."""
     from engine import EngineConfig, StructuredOutputsConfig
     assert StructuredOutputsConfig.from_json('{"compile_timeout": 5}').compile_timeout == 5
     assert EngineConfig(structured_outputs_config={"compile_timeout": 5}).structured_outputs_config.compile_timeout == 5

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from api.cli import main as server_main
 from engine import LLM, SamplingParams
-from engine.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, partition_heads
+from engine.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from models.config import ModelShape, partition_heads
 from engine.llm_engine import EngineStepError
 from scripts.make_tiny_model import save_tiny_model
 from tests.conftest import assert_greedy_matches, make_llm
@@ -46,7 +47,7 @@ def _restore_threads():
 
 
 def stop_workers(llm: LLM) -> None:
-    llm.engine.runner.tp.workers.shutdown()
+    llm.engine.executor.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_tp3_greedy_matches_the_reference_on_the_real_model(tp3, prompts, hf_ref
 
 @pytest.mark.slow
 def test_killed_rank_fails_the_engine_with_a_clear_error(tp3):
-    workers = tp3.engine.runner.tp.workers
+    workers = tp3.engine.executor.workers
     victim = workers.procs[1]  # rank 2
     os.kill(victim.pid, signal.SIGKILL)
     start = time.monotonic()
@@ -124,10 +125,10 @@ def test_parallel_layers_reassemble_the_full_layers():
     torch.manual_seed(0)
     for heads, kv_heads, n in [(6, 3, 3), (4, 1, 2), (8, 2, 4)]:
         config, d = SimpleNamespace(hidden_size=8, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                    intermediate_size=8 * n), 2
+                                    intermediate_size=8 * n, head_dim=2, num_hidden_layers=1, vocab_size=10), 2
         q, k, v = torch.randn(heads * d, 8), torch.randn(kv_heads * d, 8), torch.randn(kv_heads * d, 8)
         for r in range(n):
-            layer = ColumnParallelLinear.qkv(config, d, False, Shard(r, n))
+            layer = ColumnParallelLinear.qkv(ModelShape.from_hf(config, n), False, Shard(r, n))
             for shard, tensor in enumerate((q, k, v)):
                 layer.weight_loader(layer.weight, tensor, shard)
             q_rows, kv_rows = heads // n * d, max(1, kv_heads // n) * d

@@ -1,45 +1,70 @@
 """Attention backends: `torch_native` everywhere (the reference), `cpu` (a C paged-attention kernel;
-the CPU default), `flashinfer` on CUDA when it is installed."""
+the CPU default), `flashinfer` on CUDA when it is installed and the dtype is float16 or bfloat16."""
 import logging
 
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine import cpu_kernels
+from engine.kernels import cpu_kernels
 from engine.attention.cpu import CPUBackend
+from engine.attention.flashinfer import FlashInferBackend, flashinfer_available
 from engine.attention.torch_native import TorchNativeBackend
 
 logger = logging.getLogger(__name__)
 
+# FlashInfer's kernels are built for 16-bit (and fp8) inputs; there is none for float32.
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
-def make_backend(name: str | None, device: torch.device, dtype: torch.dtype, hf_config,
-                 block_size: int, tp_size: int = 1) -> AttentionBackend:
-    """Builds the attention backend for a model config (for one rank's heads of `tp_size`).
 
-    name: "torch_native", "cpu", "flashinfer", or None (flashinfer on CUDA when importable, cpu on the
-    CPU when its kernel builds, else torch_native).
-    Raises ValueError for an unknown name or flashinfer asked for where it cannot run.
+def choose_backend(name: str | None, device_type: str, dtype: torch.dtype, flashinfer_ok: bool,
+                   cpu_kernels_ok: bool) -> str:
+    """Which backend make_backend builds: "flashinfer", "cpu" or "torch_native".
+
+    name: the one asked for ("torch_native", "cpu", "flashinfer"), or None for the best that runs:
+    flashinfer on CUDA for float16 / bfloat16 when `flashinfer_ok` (the package imports), the C
+    kernel on the CPU for float32 / bfloat16 when `cpu_kernels_ok` (it builds), else torch_native;
+    falling back from flashinfer logs why. An explicit "cpu" that cannot run falls back to torch_native too.
+    Raises ValueError for an unknown name, flashinfer asked for off CUDA, in another dtype or not
+    installed, and cpu asked for off the CPU.
     """
-    from engine.distributed.layers import partition_heads
-    from models.llama import head_dim_of
-
-    head_dim = head_dim_of(hf_config)
-    args = (*partition_heads(hf_config, tp_size), head_dim, block_size, head_dim ** -0.5)
-    if name in (None, "flashinfer") and device.type == "cuda":
-        from engine.attention.flashinfer import FlashInferBackend, flashinfer_available
-
-        if flashinfer_available():
-            return FlashInferBackend(*args, dtype=dtype, device=device)
-        if name == "flashinfer":
-            raise ValueError("attention_backend flashinfer needs the flashinfer-python package (pip install .[cuda])")
-        logger.warning("FlashInfer is not installed; falling back to the torch_native attention backend")
-    elif name == "flashinfer":
-        raise ValueError("attention_backend flashinfer needs a CUDA device")
     if name not in (None, "torch_native", "flashinfer", "cpu"):
         raise ValueError(f"unknown attention_backend {name!r}; choose torch_native, cpu or flashinfer")
-    if name == "cpu" and device.type != "cpu":
+    if name == "flashinfer":
+        if device_type != "cuda":
+            raise ValueError("attention_backend flashinfer needs a CUDA device")
+        if dtype not in FLASHINFER_DTYPES:
+            raise ValueError(f"attention_backend flashinfer supports float16 and bfloat16, not "
+                             f"{str(dtype).removeprefix('torch.')}; use dtype bfloat16 (--dtype bfloat16) "
+                             f"or attention_backend torch_native")
+        if not flashinfer_ok:
+            raise ValueError("attention_backend flashinfer needs the flashinfer-python package (pip install .[cuda])")
+        return "flashinfer"
+    if name == "cpu" and device_type != "cpu":
         raise ValueError("attention_backend cpu needs the CPU device")
-    if device.type == "cpu" and name in (None, "cpu") and dtype in (torch.float32, torch.bfloat16) \
-            and cpu_kernels.load() is not None:
-        return CPUBackend(*args)
-    return TorchNativeBackend(*args)
+    if name is None and device_type == "cuda":
+        if dtype not in FLASHINFER_DTYPES:
+            logger.info("FlashInfer supports float16 and bfloat16, not %s; using the torch_native attention "
+                        "backend", str(dtype).removeprefix("torch."))
+        elif flashinfer_ok:
+            return "flashinfer"
+        else:
+            logger.warning("FlashInfer is not installed; falling back to the torch_native attention backend")
+    if device_type == "cpu" and name in (None, "cpu") and dtype in CPU_KERNEL_DTYPES and cpu_kernels_ok:
+        return "cpu"
+    return "torch_native"
+
+
+def make_backend(name: str | None, device: torch.device, dtype: torch.dtype, shape,
+                 block_size: int) -> AttentionBackend:
+    """Builds the attention backend for one rank's heads (`shape`: models.config.ModelShape), as
+    choose_backend picks it. Raises ValueError as choose_backend does."""
+    # Probe only what the choice can use: importing flashinfer takes seconds, and the C kernels
+    # are compiled on first use.
+    flashinfer_ok = device.type == "cuda" and name in (None, "flashinfer") and flashinfer_available()
+    cpu_kernels_ok = device.type == "cpu" and name in (None, "cpu") and cpu_kernels.load() is not None
+    choice = choose_backend(name, device.type, dtype, flashinfer_ok, cpu_kernels_ok)
+    args = (shape.num_heads, shape.num_kv_heads, shape.head_dim, block_size, shape.head_dim ** -0.5)
+    if choice == "flashinfer":
+        return FlashInferBackend(*args, dtype=dtype, device=device)
+    return CPUBackend(*args) if choice == "cpu" else TorchNativeBackend(*args)

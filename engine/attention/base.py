@@ -1,5 +1,7 @@
 """The attention-backend interface: what the model runner hands every attention layer each step."""
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +41,16 @@ class AttentionBackend(ABC):
     The KV cache of one layer is a pair (k_cache, v_cache), each of `kv_cache_shape(num_blocks)` in
     the model dtype: [num_blocks, block_size, num_kv_heads, head_dim] (FlashInfer's "NHD" paged layout)
     unless a backend says otherwise.
+
+    CUDA graphs (engine/worker/cuda_graph.py) call `init_cuda_graph_decode` once and then plan and
+    run each captured decode inside `cuda_graph_decode(batch_size)`; both do nothing here.
     """
+
+    # True when the decode keeps graph-safe state (fixed buffers that plan() refills) so that a
+    # captured decode serves any context length. The model runner captures CUDA graphs only for such
+    # backends: the others (torch_native) can be captured only by gathering every row at full
+    # max_model_len, which costs memory and time in proportion to it.
+    supports_cuda_graphs: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -51,6 +62,15 @@ class AttentionBackend(ABC):
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Prepare per-step state shared by all layers (index arrays, kernel plans)."""
+
+    def init_cuda_graph_decode(self, batch_sizes: Sequence[int], max_blocks_per_seq: int) -> None:
+        """Prepares graph-safe decode state for each of `batch_sizes` (the captured sizes), over
+        block tables of `max_blocks_per_seq` columns. Nothing by default."""
+
+    def cuda_graph_decode(self, batch_size: int) -> AbstractContextManager:
+        """A context within which plan() and forward() serve a captured decode of exactly
+        `batch_size` rows. By default it changes nothing."""
+        return nullcontext()
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

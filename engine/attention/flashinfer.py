@@ -20,7 +20,8 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 logger = logging.getLogger(__name__)
 
 # Split-KV scratch for all wrappers; 128 MiB is FlashInfer's recommended size. The wrappers run one
-# after another on one stream, so they can share it.
+# after another on one stream, so they can share it. Graph-mode decodes of large batches need more:
+# see graph_workspace_bytes.
 WORKSPACE_BYTES = 128 << 20
 
 
@@ -35,12 +36,34 @@ def flashinfer_available() -> bool:
     return True
 
 
+def graph_workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, batch_size: int) -> int:
+    """Bytes of workspace that a use_cuda_graph decode wrapper's plan() takes for `batch_size` rows.
+
+    Read from FlashInfer's include/flashinfer/attention/scheduler.cuh (PrefillPlan and
+    PrefillSplitQOKVIndptr; flashinfer-python 0.6 is what pyproject allows): with use_tensor_cores the
+    decode wrapper plans a prefill of one query per row, and in graph mode it always splits the KV,
+    taking float32 partial outputs and log-sum-exps for a padded count of work tiles:
+        num_heads * padded * tile_q * (head_dim + 1) * 4 bytes,
+        padded = ceil(batch_size * group / tile_q) + batch_size - 1,
+    where group = num_heads / num_kv_heads query heads are packed per row and tile_q (its CTA tile)
+    is 16 for groups up to 16, else 64, or 128 past 64 when head_dim < 256 (Ampere or newer).
+    For Llama-3-8B (32 heads, group 4, head_dim 128) that is about heads x 1.25 batch x 16 x head_dim
+    x 4 bytes, over 128 MiB past batch ~408. FlashInfer also pads to at least 2 * SMs / num_kv_heads
+    tiles; that floor is left out: with groups up to 16 and head_dim up to 256 it stays under
+    WORKSPACE_BYTES on GPUs of up to 250 SMs, and no workspace is smaller than that.
+    """
+    group = num_heads // num_kv_heads
+    tile_q = 16 if group <= 16 else 64 if group <= 64 or head_dim >= 256 else 128
+    padded = -(-batch_size * group // tile_q) + batch_size - 1
+    return num_heads * padded * tile_q * (head_dim + 1) * 4
+
+
 def paged_kv_indices(block_tables: torch.Tensor, seq_lens: Sequence[int], query_start_loc: Sequence[int],
                      block_size: int, start: int, end: int):
     """FlashInfer's paged-KV arrays for the batch rows start..end-1 (a contiguous run of sequences).
 
-    block_tables: int32 [B, max_blocks] (any device); seq_lens: B ints, KV tokens of each sequence
-    after this step; query_start_loc: B + 1 ints, offsets of each sequence's new tokens.
+    block_tables: int32 or int64 [B, max_blocks] (any device); seq_lens: B ints, KV tokens of each
+    sequence after this step; query_start_loc: B + 1 ints, offsets of each sequence's new tokens.
     Returns, for the n = end - start rows, all int32:
       qo_indptr [n + 1] (CPU), rebased so that row `start`'s first query token is 0;
       paged_kv_indptr [n + 1] (CPU); paged_kv_last_page_len [n] (CPU);
@@ -59,7 +82,7 @@ def paged_kv_indices(block_tables: torch.Tensor, seq_lens: Sequence[int], query_
     rows = torch.repeat_interleave(torch.arange(start, end), num_pages)
     cols = torch.arange(int(kv_indptr[-1])) - torch.repeat_interleave(kv_indptr[:-1], num_pages)
     flat = (rows * block_tables.shape[1] + cols).to(block_tables.device)
-    indices = block_tables.reshape(-1)[flat]
+    indices = block_tables.reshape(-1)[flat].to(torch.int32)  # FlashInfer's kernels take int32 indices
     return (qsl - qsl[0]).to(torch.int32), kv_indptr.to(torch.int32), indices, last_page_len.to(torch.int32)
 
 
@@ -74,6 +97,8 @@ class FlashInferBackend(AttentionBackend):
     CUDA graphs: `init_cuda_graph_decode` makes one graph-safe decode wrapper per batch size, and
     inside `cuda_graph_decode(bs)` plan() and forward() use that wrapper instead of the eager one.
     """
+
+    supports_cuda_graphs = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
                  *, dtype: torch.dtype, device: torch.device | str):
@@ -95,16 +120,25 @@ class FlashInferBackend(AttentionBackend):
 
         A captured kernel reads its index arrays from fixed addresses, so each wrapper gets fixed
         buffers that its plan() refills. All sizes share one set of buffers (views of the largest):
-        a graph is only replayed right after its own plan, so no two are live at once.
+        a graph is only replayed right after its own plan, so no two are live at once. They share
+        the eager workspace too, unless the largest size's split-KV scratch (graph_workspace_bytes)
+        exceeds it: then they share one of that size, and the eager wrappers keep theirs.
         """
         max_bs = max(batch_sizes)
         dev, i32 = self.device, torch.int32
+        workspace = self._workspace
+        need = graph_workspace_bytes(self.num_heads, self.num_kv_heads, self.head_dim, max_bs)
+        if need > WORKSPACE_BYTES:
+            logger.info("FlashInfer's graphed decodes up to batch %d need %.0f MiB of split-KV scratch, more "
+                        "than the eager %d MiB: they get a workspace of their own",
+                        max_bs, need / 2**20, WORKSPACE_BYTES >> 20)
+            workspace = torch.zeros(need, dtype=torch.uint8, device=dev)
         indptr = torch.zeros(max_bs + 1, dtype=i32, device=dev)
         indices = torch.zeros(max_bs * max_blocks_per_seq, dtype=i32, device=dev)
         last_page_len = torch.zeros(max_bs, dtype=i32, device=dev)
         for bs in batch_sizes:
             self._graph_decode[bs] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
                 paged_kv_indptr_buffer=indptr[:bs + 1], paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last_page_len[:bs])
 

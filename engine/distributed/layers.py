@@ -18,34 +18,11 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine.distributed.group import TPGroup
-from engine import ops
+from engine.kernels import ops
 
 
 def _rank_size(tp: TPGroup | None) -> tuple[int, int]:
     return (tp.rank, tp.world_size) if tp is not None else (0, 1)
-
-
-def partition_heads(config, tp_size: int) -> tuple[int, int]:
-    """(query heads, KV heads) of one rank for a Hugging Face config split over `tp_size` ranks.
-
-    Query heads are split evenly. KV heads too when there are at least `tp_size` of them; with fewer,
-    each rank holds one, shared by tp_size / num_key_value_heads ranks (replicated, as vLLM does).
-    Raises ValueError when the heads (or the MLP's intermediate_size) do not split evenly.
-    """
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    errors = []
-    if heads % tp_size:
-        errors.append(f"num_attention_heads ({heads})")
-    if kv_heads >= tp_size and kv_heads % tp_size:
-        errors.append(f"num_key_value_heads ({kv_heads})")
-    elif kv_heads < tp_size and tp_size % kv_heads:
-        errors.append(f"num_key_value_heads ({kv_heads}; KV heads fewer than the ranks are replicated, "
-                      f"which needs the ranks to be a multiple of them)")
-    if config.intermediate_size % tp_size:
-        errors.append(f"intermediate_size ({config.intermediate_size})")
-    if errors:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {', '.join(errors)}")
-    return heads // tp_size, max(1, kv_heads // tp_size)
 
 
 def _linear_parameters(out_features: int, in_features: int, bias: bool, fan_in: int):
@@ -77,13 +54,13 @@ class ColumnParallelLinear(nn.Module):
         return cls(input_size, [n // size for n in output_sizes], bias, [rank] * len(output_sizes))
 
     @classmethod
-    def qkv(cls, config, head_dim: int, bias: bool, tp: TPGroup | None):
-        """q | k | v of one rank: its query heads and its (possibly replicated) KV head group."""
+    def qkv(cls, shape, bias: bool, tp: TPGroup | None):
+        """q | k | v of one rank (`shape`: models.config.ModelShape): its query heads and its (possibly
+        replicated) KV head group."""
         rank, size = _rank_size(tp)
-        heads, kv_heads = partition_heads(config, size)
-        kv_group = rank // max(1, size // config.num_key_value_heads)  # ranks sharing a replicated KV head
-        return cls(config.hidden_size, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias,
-                   [rank, kv_group, kv_group])
+        kv_group = rank // max(1, size // shape.total_num_kv_heads)  # ranks sharing a replicated KV head
+        q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        return cls(shape.hidden_size, [q, kv, kv], bias, [rank, kv_group, kv_group])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)

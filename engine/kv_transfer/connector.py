@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_transfer.config import KVTransferConfig
+from engine.config.kv_transfer import KVTransferConfig
 from engine.kv_transfer.nixl import NixlTransport
 from engine.kv_transfer.side_channel import HandshakeServer, fetch_metadata
 
@@ -73,7 +73,7 @@ def _check_remote_prefill(params: dict, num_blocks: int) -> None:
 class NixlConnector:
     """KV transfer between engines over NIXL, in the role `config.kv_role`.
 
-    Called by the scheduler from the engine's thread (requests are `engine.request.Request`s, which
+    Called by the scheduler from the engine's thread (requests are `engine.core.request.Request`s, which
     carry `kv_transfer_params`): producers pin finished requests' blocks (`request_finished`) and
     serve the handshake; consumers pull blocks (`get_num_new_matched_tokens`, `start_load`); both
     report progress through `poll`, which the engine calls before every step.

@@ -1,6 +1,3 @@
 """Speculative decoding: n-gram prompt lookup or a draft model proposes, the target verifies a whole
-draft in one step, and rejection sampling keeps the output distribution exactly the target's."""
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.metrics import SpecDecodingStats
-
-__all__ = ["SpeculativeConfig", "SpecDecodingStats"]
+draft in one step, and rejection sampling (engine.sample.rejection_sampler) keeps the output
+distribution exactly the target's. Its settings are `engine.config.SpeculativeConfig`."""

@@ -6,18 +6,20 @@ import logging
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
-from engine.loader import resolve_model
-from engine.scheduler import SchedulerOutput
-from engine.spec_decode.rejection_sampler import Extended, RejectionSampler
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.step_io import SchedulerOutput
+from engine.sample.rejection_sampler import RejectionSampler, WithDrafts
+from engine.worker.model_runner import ModelRunner
+from models.loader import resolve_model
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
-class _DraftSeq:
-    """The draft model's view of one request: its KV progress, and the drafts of its last proposal.
+class DraftSequence:
+    """The draft model's view of one request, a `engine.core.step_io.Sequence` of its own: its KV
+    progress in the draft's cache, and the drafts of its last proposal.
 
     base: the request's length when `drafts` were proposed; K/V of the draft tokens that the target
     accepted stay valid (same tokens at the same positions), the rest is recomputed.
@@ -58,8 +60,6 @@ class DraftModelProposer:
     cheap = False
 
     def __init__(self, model: str, config: EngineConfig, target_runner, target_tokenizer, max_model_len: int):
-        from engine.model_runner import ModelRunner  # model_runner imports this package
-
         try:
             model_dir = resolve_model(model)
         except FileNotFoundError as e:
@@ -72,12 +72,13 @@ class DraftModelProposer:
                              "logits); draft_model needs the same vocabulary")
         draft_config = dataclasses.replace(config, model=model, tokenizer=None, max_model_len=max_model_len,
                                            enforce_eager=True, speculative_config=None)
-        self.runner = ModelRunner(draft_config, hf_config, model_dir, num_blocks=target_runner.num_blocks)
+        self.runner = ModelRunner(draft_config, hf_config, model_dir, target_runner.device)
+        self.runner.init_kv_cache(target_runner.num_blocks, cuda_graphs=False)
         self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, enable_caching=False)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.sampler = RejectionSampler()
-        self.seqs: dict[str, _DraftSeq] = {}
+        self.seqs: dict[str, DraftSequence] = {}
         logger.info("draft model %s: %d KV blocks of its own", model, self.runner.num_blocks)
 
     def propose(self, requests: list, lengths: list[int]) -> list[tuple[list[int], object]]:
@@ -87,7 +88,7 @@ class DraftModelProposer:
         for r, length in zip(requests, lengths):
             if length <= 0:
                 continue
-            seq = self.seqs.setdefault(r.request_id, _DraftSeq(r.request_id))
+            seq = self.seqs.setdefault(r.request_id, DraftSequence(r.request_id))
             # K/V is valid up to the last draft token the target accepted
             matched = 0
             while matched < len(seq.drafts) and seq.base + matched < r.num_tokens and \
@@ -102,13 +103,13 @@ class DraftModelProposer:
                 budget -= n
         live = dict(rows)
         while rows:
-            batch = SchedulerOutput([seq for seq, _ in rows], counts)
-            logits, sampled = self.runner.compute_logits(batch, [self.kv.block_ids(s.request_id) for s, _ in rows])
+            batch = SchedulerOutput([seq for seq, _ in rows], counts, [self.kv.block_ids(s.request_id) for s, _ in rows])
+            logits, sampled = self.runner.compute_logits(batch)
             for seq, n in zip(batch.requests, counts):
                 seq.num_computed_tokens += n
             if not sampled:
                 break
-            tokens, qs = self.sampler.sample_draft(logits, [Extended(s.request, s.drafts) for s in sampled])
+            tokens, qs = self.sampler.sample_draft(logits, [WithDrafts(s.request, s.drafts) for s in sampled])
             rows, counts = [], []
             for seq, token, q in zip(sampled, tokens, qs):
                 seq.drafts.append(token)

@@ -1,50 +1,11 @@
-"""Speculative-decoding counters and their log line, as vLLM's vllm/v1/spec_decode/metrics.py."""
+"""The speculative-decoding log line, as vLLM's vllm/v1/spec_decode/metrics.py (the counters are
+`engine.outputs.SpecDecodingStats`)."""
 import logging
 import time
-from dataclasses import dataclass, field, replace
+
+from engine.outputs import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SpecDecodingStats:
-    """Cumulative counts (tokens) since the engine started.
-
-    num_drafts: verified drafts (one per request and step that had draft tokens); num_draft_tokens:
-    their tokens; num_accepted_tokens: those accepted; num_accepted_tokens_per_pos[i]: drafts whose
-    token at position i was accepted (length num_speculative_tokens). Exported as vLLM's
-    `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens` and
-    `..._num_accepted_tokens_per_pos` (label `position`).
-    """
-
-    num_spec_tokens: int
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-
-    def __post_init__(self):
-        self.num_accepted_tokens_per_pos = self.num_accepted_tokens_per_pos or [0] * self.num_spec_tokens
-
-    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted_tokens
-        for i in range(num_accepted_tokens):
-            self.num_accepted_tokens_per_pos[i] += 1
-
-    def copy(self) -> "SpecDecodingStats":
-        return replace(self, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verified draft, the bonus token included: 1 + accepted / drafts (vLLM's)."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / drafted tokens."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 class SpecDecodingLogging:

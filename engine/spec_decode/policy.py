@@ -59,10 +59,10 @@ class DraftLengthPolicy:
             out.append(n)
         return out
 
-    def observe(self, request, drafts: list[int], new_token_ids: list[int]) -> None:
+    def observe(self, request_id: str, drafts: list[int], new_token_ids: list[int]) -> None:
         """Books a step's outcome: the drafts verified (first len(new_token_ids) - 1 accepted), or,
         without drafts, the shadow proposal against the sampled token."""
-        state = self.requests.setdefault(request.request_id, _Acceptance())
+        state = self.requests.setdefault(request_id, _Acceptance())
         if drafts:
             accepted = len(new_token_ids) - 1
             for _ in range(accepted):
@@ -73,8 +73,8 @@ class DraftLengthPolicy:
             state.add(new_token_ids[0] == state.shadow[0])
         state.shadow = []
 
-    def keep_shadow(self, request, proposal: list[int]) -> None:
-        self.requests.setdefault(request.request_id, _Acceptance()).shadow = proposal
+    def keep_shadow(self, request_id: str, proposal: list[int]) -> None:
+        self.requests.setdefault(request_id, _Acceptance()).shadow = proposal
 
-    def free(self, request) -> None:
-        self.requests.pop(request.request_id, None)
+    def free(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)

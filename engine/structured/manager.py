@@ -7,7 +7,13 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from engine.structured.params import INSTALL_HINT, StructuredOutputsConfig, StructuredOutputsParams
+import numpy as np
+
+from engine.config.structured_outputs import StructuredOutputsConfig
+from engine.core.step_io import SchedulerOutput
+from engine.sampling_params import StructuredOutputsParams
+
+INSTALL_HINT = "pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi"
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +68,34 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         return future
 
-    def compile_and_wait(self, specs: list[StructuredOutputsParams]) -> None:
+    def compile_and_wait(self, specs: list[StructuredOutputsParams]) -> list:
         """Compiles `specs` (on the pool, in parallel) and waits for each in turn, `config.compile_timeout`
         seconds at most after the one before (the pool compiles in order, so each grammar gets about that
-        long of its own). Raises ValueError for the first invalid spec, or one still compiling then."""
+        long of its own); returns their CompiledGrammars. Raises ValueError for the first invalid spec, or
+        one still compiling then."""
+        compiled = []
         for future in [self.compile(spec) for spec in specs]:
             try:
-                future.result(timeout=self.config.compile_timeout)
+                compiled.append(future.result(timeout=self.config.compile_timeout))
             except concurrent.futures.TimeoutError:
                 raise self.timeout_error() from None
+        return compiled
+
+    def fill_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        """Before a step runs: the next tokens allowed to each structured-output request that samples in
+        it, one bitmask row each, into `scheduler_output.grammar_bitmask` / `structured_rows` (vLLM's
+        StructuredOutputManager.grammar_bitmask). Costs one attribute check per request without a grammar."""
+        rows = {}
+        for req, n in zip(scheduler_output.requests, scheduler_output.num_new_tokens):
+            if req.grammar is not None and req.num_computed_tokens + n >= req.num_tokens:
+                rows[req.request_id] = len(rows)
+        if not rows:
+            return
+        bitmask = np.empty((len(rows), -(-self.vocab_size // 32)), dtype=np.int32)
+        for req in scheduler_output.requests:
+            if req.request_id in rows:
+                req.grammar.fill_bitmask(bitmask, rows[req.request_id])
+        scheduler_output.grammar_bitmask, scheduler_output.structured_rows = bitmask, rows
 
     def timeout_error(self) -> ValueError:
         return ValueError(f"structured outputs: the grammar did not compile within {self.config.compile_timeout} s "

@@ -1,37 +1,27 @@
 """One sequence's position in its grammar."""
-import logging
-from concurrent.futures import Future
-
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 
 class RequestGrammar:
     """The grammar state of one sequence (each of n samples has its own), over a shared compiled grammar.
 
-    `ready` turns true when the compile finished; until then the scheduler leaves the request waiting.
-    The xgrammar `GrammarMatcher` is made on first use. The API is what a step needs, and what
+    compiled: the xgrammar `CompiledGrammar`; the `GrammarMatcher` is made on first use. The API is
+    what a step needs, and what
     speculative decoding needs to check draft tokens: `accept_tokens` (how many of the given tokens the
     grammar accepts, in order; it advances over those), `rollback(n)` (undo the last n accepted tokens,
     e.g. rejected drafts), `fill_bitmask` (allowed next tokens into a bitmask row) and `is_terminated`
     (a stop token was accepted: nothing may follow).
     """
 
-    def __init__(self, compiled: Future):
+    def __init__(self, compiled):
         self.compiled = compiled
         self._matcher = None
-
-    @property
-    def ready(self) -> bool:
-        """The compile has finished (successfully or not: `compiled.exception()` tells)."""
-        return self.compiled.done()
 
     @property
     def matcher(self):
         if self._matcher is None:
             import xgrammar
-            self._matcher = xgrammar.GrammarMatcher(self.compiled.result())
+            self._matcher = xgrammar.GrammarMatcher(self.compiled)
         return self._matcher
 
     def accept_tokens(self, token_ids: list[int]) -> int:

@@ -5,7 +5,7 @@ are real and ship with Python itself: module docstrings and function sources of 
 library (no download). Pair it with workload.jsonl (no copying) as the control.
 
 Usage: python scripts/data/make_copy_workload.py [--tokenizer HF_DIR] [--max-tokens 128]
-With no --tokenizer, uses the default model's directory (engine.loader.resolve_model).
+With no --tokenizer, uses the default model's directory (models.loader.resolve_model).
 Fields, as in workload.jsonl: id, prompt (templated text), prompt_token_ids, num_prompt_tokens,
 max_tokens, plus task ("repeat" or "edit") and source (the module or function quoted).
 """
@@ -84,7 +84,7 @@ def main():
     args = ap.parse_args()
     sys.path.insert(0, str(HERE.parents[1]))  # the repository root
     from transformers import AutoTokenizer
-    from engine.loader import resolve_model
+    from models.loader import resolve_model
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model(None))
     half = args.num_requests // 2

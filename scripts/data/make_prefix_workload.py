@@ -12,7 +12,7 @@ replica's prefix cache saves (one engine ~3/4 of the prompt tokens, round_robin 
 the one-prefix workload cannot show that, as every replica caches its single system prompt at once.
 
 Usage: python scripts/data/make_prefix_workload.py [--documents] [--tokenizer HF_DIR] [--max-tokens N]
-With no --tokenizer, uses the default model's directory (engine.loader.resolve_model).
+With no --tokenizer, uses the default model's directory (models.loader.resolve_model).
 Fields, as in workload.jsonl: id, prompt (templated text), prompt_token_ids, num_prompt_tokens, max_tokens.
 """
 import argparse
@@ -148,7 +148,7 @@ def main():
     a = ap.parse_args()
     if a.tokenizer is None:
         sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `engine`
-        from engine.loader import resolve_model
+        from models.loader import resolve_model
         a.tokenizer = resolve_model(None)
     from transformers import AutoTokenizer
 

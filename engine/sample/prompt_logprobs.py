@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.step_io import Sequence
 from engine.outputs import Logprob
 
 SLICE_ROWS = 256  # rows of logits held at once: 256 x 49152 float32 (SmolLM2's vocabulary) = 48 MiB
@@ -22,7 +23,7 @@ class PromptRows:
     """Rows `row .. row + count - 1` of a step's hidden states, at positions `position ..`, predict
     prompt tokens `position + 1 ..` of `request`."""
 
-    request: object  # engine.request.Request
+    request: Sequence
     row: int
     position: int
     count: int
@@ -48,9 +49,9 @@ def select_rows(requests, starts, counts, query_start_loc) -> list[PromptRows]:
     return out
 
 
-def collect(model, hidden: torch.Tensor, rows: list[PromptRows]) -> None:
-    """Appends each selected position's entry to its request's `prompt_logprobs` (a list of
-    Logprob | None): the prompt token's logprob and rank, and the request's top
+def collect(model, hidden: torch.Tensor, rows: list[PromptRows]) -> dict[str, list[Logprob]]:
+    """The entries the selected positions give, by request id, to append to each request's
+    `prompt_logprobs` in order: the prompt token's logprob and rank, and the request's top
     `params.prompt_logprobs` (token id, logprob) pairs.
 
     model: has `compute_logits(hidden [N, H]) -> float32 [N, vocab]`; hidden: the step's hidden
@@ -77,10 +78,13 @@ def collect(model, hidden: torch.Tensor, rows: list[PromptRows]) -> None:
     top_values = torch.cat(top_values).tolist() if k else None
     top_ids = torch.cat(top_ids).tolist() if k else None
     targets = targets.tolist()
+    out: dict[str, list[Logprob]] = {}
     i = 0
     for r in rows:
         want = r.request.params.prompt_logprobs
+        entries = out.setdefault(r.request.request_id, [])
         for _ in range(r.count):
             top = list(zip(top_ids[i][:want], top_values[i][:want])) if want else []
-            r.request.prompt_logprobs.append(Logprob(targets[i], token_logprobs[i], top, ranks[i]))
+            entries.append(Logprob(targets[i], token_logprobs[i], top, ranks[i]))
             i += 1
+    return out

@@ -7,7 +7,6 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import Logprob, RequestMetrics
 from engine.sampling_params import SamplingParams
-from engine.structured import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -30,7 +29,7 @@ class Request:
     def __init__(self, request_id: str, parent_id: str, index: int, prompt: str | None,
                  prompt_token_ids: list[int], params: SamplingParams,
                  detokenizer: IncrementalDetokenizer, eos_token_ids: frozenset[int], arrival_time: float,
-                 grammar: RequestGrammar | None = None):
+                 grammar=None):
         self.request_id, self.parent_id, self.index = request_id, parent_id, index
         self.prompt, self.prompt_token_ids = prompt, prompt_token_ids
         self.params = params
@@ -53,12 +52,12 @@ class Request:
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.detokenizer = detokenizer
         self.logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
-        # filled by the model runner as the prompt is computed (engine.prompt_logprobs); sample 0 only
+        # filled by the model runner as the prompt is computed (engine.sample.prompt_logprobs); sample 0 only
         self.prompt_logprobs: list[Logprob | None] | None = \
             [None] if params.prompt_logprobs is not None and index == 0 else None
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
-        self.grammar = grammar  # structured outputs: advanced with every sampled token
+        self.grammar = grammar  # structured outputs (engine.structured.RequestGrammar): advanced with every token
         self.generator = None
         if params.seed is not None:
             # index keeps the n samples of one seeded request apart while each stays reproducible

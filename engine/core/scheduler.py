@@ -16,34 +16,26 @@ under the same budget; the drafts that do not fit are dropped.
 """
 import time
 from collections import deque
-from dataclasses import dataclass
 
-from engine.block_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's batch: requests with their number of new tokens, in batch order (running first)."""
-
-    requests: list[Request]
-    num_new_tokens: list[int]
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.step_io import ModelRunnerOutput, SchedulerOutput
 
 
 class Scheduler:
-    """Decides, every step, which requests run and how many tokens each computes.
+    """Decides, every step, which requests run and how many tokens each computes, and applies what the
+    step computed (`update_from_output`): the one place, with the KV manager, where requests change.
 
-    max_num_seqs: running requests at most; max_num_batched_tokens: tokens per step at most.
+    max_num_seqs: running requests at most; max_num_batched_tokens: tokens per step at most;
+    max_model_len: tokens per sequence at most. connector: the KV connector (engine.kv_transfer) or
+    None. on_free: called with each request whose blocks are freed (a draft model's KV goes too).
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, connector=None,
-                 on_free=None):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 connector=None, on_free=None):
         self.kv = kv
-        self.on_free = on_free  # called with each request whose blocks are freed (a draft model's KV goes too)
+        self.max_model_len = max_model_len
+        self.on_free = on_free
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.connector = connector  # an engine.kv_transfer.NixlConnector, or None
         self.waiting: deque[Request] = deque()
@@ -54,6 +46,8 @@ class Scheduler:
         # cached ones were computed again because the last prompt token always is
         self.prompt_tokens_by_source = dict.fromkeys(("local_compute", "local_cache_hit", "external_kv_transfer"), 0)
         self.num_prompt_tokens_recomputed = 0
+        self.num_generation_tokens = 0  # tokens sampled
+        self._finished_req_ids: list[str] = []  # since the last schedule
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -62,6 +56,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """This step's batch: running requests first (each its remaining tokens, drafts included, within
+        the token budget; the newest preempted while blocks run out), then waiting ones in FCFS order
+        (prefix-cache hits and pulled K/V skipped, the prompt chunked to the budget left), while no
+        request was preempted and max_num_seqs allows. Allocates every scheduled token's KV slots and
+        trims drafts that did not fit.
+        """
         budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
         counts: list[int] = []
@@ -83,15 +83,11 @@ class Scheduler:
                 i += 1
                 continue
             break  # `req` itself was preempted: nothing below it can run either
+        num_running = len(scheduled)
         # New requests only when nothing had to be preempted, so a freed block is not handed straight
-        # to a newcomer while older requests wait (FCFS). Requests whose grammar still compiles stay
-        # waiting, in order, and do not hold up the others.
-        compiling: list[Request] = []
+        # to a newcomer while older requests wait (FCFS).
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if req.grammar is not None and not req.grammar.ready:
-                compiling.append(self.waiting.popleft())
-                continue
             if self.kv.req_blocks.get(req.request_id):  # back from a KV pull, its blocks allocated
                 hits, num_hit_tokens = [], req.num_computed_tokens
             else:
@@ -122,8 +118,49 @@ class Scheduler:
             budget -= n
         for req, n in zip(scheduled, counts):
             del req.spec_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens):]
-        self.waiting.extendleft(reversed(compiling))
-        return SchedulerOutput(scheduled, counts)
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        return SchedulerOutput(scheduled, counts, [self.kv.block_ids(r.request_id) for r in scheduled],
+                               num_new_requests=len(scheduled) - num_running, finished_req_ids=finished,
+                               scheduled_spec_decode_tokens={r.request_id: list(r.spec_token_ids)
+                                                             for r in scheduled if r.spec_token_ids})
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Applies one step's results; returns the requests that changed (new tokens, or finished).
+
+        Every scheduled request advances by its scheduled tokens; a prompt-only request (max_tokens 0)
+        finishes once its prompt is computed; prompt logprobs are appended. A request that sampled rolls
+        back its rejected draft tokens (their K/V slots are simply overwritten by later steps), then
+        takes its new tokens one by one with the usual stop checks (tokens after a stop are dropped).
+        """
+        changed = []
+        for req, n in zip(scheduler_output.requests, scheduler_output.num_new_tokens):
+            req.num_computed_tokens += n
+            if req.request_id in runner_output.prompt_logprobs:
+                req.prompt_logprobs.extend(runner_output.prompt_logprobs[req.request_id])
+            if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                self.finish(req, "length")
+                changed.append(req)
+        by_id = {r.request_id: r for r in scheduler_output.requests}
+        for req_id, new_tokens, new_logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
+                                                   runner_output.logprobs):
+            req = by_id[req_id]
+            req.num_computed_tokens -= len(req.spec_token_ids) + 1 - len(new_tokens)
+            req.spec_token_ids, req.spec_token_probs = [], None
+            for token, logprob in zip(new_tokens, new_logprobs):
+                req.append_token(token, logprob, self.max_model_len)
+                self.num_generation_tokens += 1
+                if req.finish_reason is not None:
+                    self.finish(req, req.finish_reason)
+                    break
+            changed.append(req)
+        return changed
+
+    def update_draft_token_ids(self, drafts: dict[str, tuple[list[int], object]]) -> None:
+        """Sets the draft tokens (and the distributions q they were drawn from, None for one-hot) that
+        running requests verify in their next step (vLLM's name)."""
+        for req in self.running:
+            if req.request_id in drafts:
+                req.spec_token_ids, req.spec_token_probs = drafts[req.request_id]
 
     def _count_prompt_sources(self, req: Request) -> None:
         # vLLM's accounting (PromptTokenStats): a fully cached prompt still computes its last token
@@ -137,7 +174,10 @@ class Scheduler:
     def update_from_kv_connector(self) -> list[tuple[Request, str]]:
         """Applies the connector's news: requests whose K/V arrived go back to the front of the queue
         with all prompt tokens but the last computed; released blocks are freed; requests whose pull
-        failed are finished and their blocks freed. Returns those with the reason."""
+        failed are finished and their blocks freed. Returns those with the reason (none without a
+        connector)."""
+        if self.connector is None:
+            return []
         out = self.connector.poll()
         for req in reversed(out.loaded):
             req.num_computed_tokens = req.num_prompt_tokens - 1
@@ -155,6 +195,7 @@ class Scheduler:
         self.kv.free(req)
         if self.on_free is not None:
             self.on_free(req)
+        req.spec_token_ids, req.spec_token_probs = [], None
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
@@ -178,4 +219,6 @@ class Scheduler:
         if self.on_free is not None:
             self.on_free(req)
         req.kv_transfer_params = params
+        req.spec_token_ids, req.spec_token_probs = [], None
         req.status = RequestStatus.FINISHED
+        self._finished_req_ids.append(req.request_id)

@@ -3,6 +3,7 @@
 A GGUF file is converted once to a Hugging Face directory (dequantized, float32) with transformers
 and cached under ~/.cache/minivllm/gguf/<sha256 of the file>, so later starts read safetensors.
 """
+import glob
 import hashlib
 import importlib.util
 import logging
@@ -11,10 +12,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from engine.config import CACHE_DIR
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_DIR = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm"))
 
 
 def default_model_path() -> str:
@@ -83,3 +85,17 @@ def convert_gguf(path: Path) -> Path:
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def iter_safetensors(model_dir: str):
+    """(name, tensor) of every tensor in the directory's *.safetensors files, file by file (sorted).
+    Raises FileNotFoundError when there are none."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

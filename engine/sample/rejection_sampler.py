@@ -1,16 +1,17 @@
 """Verifying drafts: speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers
 via Speculative Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative
 Sampling"), as vLLM's vllm/v1/sample/rejection_sampler.py; and drawing draft tokens with their q."""
+import numpy as np
 import torch
 
 from engine.outputs import Logprob
-from engine.sampler import Sampler
-from engine.structured import apply_grammar_bitmask
+from engine.sample.bitmask import apply_token_bitmask
+from engine.sample.sampler import Sampler
 
 
-class Extended:
-    """A request seen as if `extra` tokens (drafts) followed its output: what the sampler reads for
-    draft position j (penalties and min_tokens count the drafts before j, as without speculation)."""
+class WithDrafts:
+    """A request seen as if `extra` tokens (drafts) followed its output: the `SamplingView` of draft
+    position j (penalties and min_tokens count the drafts before j, as without speculation)."""
 
     def __init__(self, request, extra: list[int]):
         self.request, self.extra = request, extra
@@ -42,13 +43,17 @@ class RejectionSampler(Sampler):
     drafts draws exactly what `Sampler` draws, so its tokens are the same as without speculation.
     """
 
-    def __call__(self, logits: torch.Tensor, requests: list) -> tuple[list[list[int]], list[list[Logprob | None]]]:
+    def __call__(self, logits: torch.Tensor, requests: list, grammar_bitmask: np.ndarray | None = None,
+                 grammar_rows: list[int] = ()) -> tuple[list[list[int]], list[list[Logprob | None]]]:
         """logits: float32 [sum(1 + d_i), vocab], the rows of each request in order (d_i =
-        len(request.spec_token_ids)). Returns each request's new tokens (accepted drafts + one more)
-        and their Logprob|None (from the raw logits, as `Sampler`)."""
-        views = [Extended(r, r.spec_token_ids[:j]) for r in requests for j in range(len(r.spec_token_ids) + 1)]
-        # structured-output requests are never drafted (Speculator.propose): their one row gets its mask
-        apply_grammar_bitmask(logits, [r for r in requests for _ in range(len(r.spec_token_ids) + 1)])
+        len(request.spec_token_ids)). grammar_bitmask: int32 [len(grammar_rows), ceil(vocab / 32)], the
+        tokens allowed to requests[grammar_rows[k]] (structured outputs; such requests have no drafts).
+        Returns each request's new tokens (accepted drafts + one more) and their Logprob|None (from the
+        raw logits, as `Sampler`)."""
+        views = [WithDrafts(r, r.spec_token_ids[:j]) for r in requests for j in range(len(r.spec_token_ids) + 1)]
+        if grammar_bitmask is not None:
+            first_row = np.cumsum([0] + [len(r.spec_token_ids) + 1 for r in requests])
+            apply_token_bitmask(logits, grammar_bitmask, [int(first_row[i]) for i in grammar_rows])
         want = any(r.params.logprobs is not None for r in requests)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
         logits = self._process(logits, views)
@@ -75,7 +80,7 @@ class RejectionSampler(Sampler):
     def sample_draft(self, logits: torch.Tensor, views: list) -> tuple[list[int], list[torch.Tensor | None]]:
         """A draft model's next token per row, with the distribution q it was drawn from.
 
-        logits: float32 [N, vocab], the draft's logits for `views` (requests `Extended` with their
+        logits: float32 [N, vocab], the draft's logits for `views` (requests `WithDrafts` with their
         drafts so far), processed like the target's. Greedy rows take the argmax (q one-hot: None);
         random rows draw from q, and q [vocab] is returned for their verification.
         """

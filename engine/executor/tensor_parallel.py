@@ -1,7 +1,7 @@
-"""Rank 0's side of tensor parallelism: start one process per other rank, watch them, stop them.
+"""Rank 0's side of tensor parallelism: the executor, and the other ranks' processes (start, watch, stop).
 
 Rank 0 is the engine's own process (it runs the scheduler, its model shard and the sampler); ranks
-1..N-1 are `python -m engine.distributed.worker` processes that only run their model shard, started
+1..N-1 are `python -m engine.executor.tp_worker` processes that only run their model shard, started
 with torchrun's semantics: rank, world size and the address of the rendezvous (a TCPStore that rank
 0 serves on a free 127.0.0.1 port, holding the engine config) on the command line. Unlike
 multiprocessing's "spawn", this never re-imports the caller's main module, so a script needs no
@@ -28,35 +28,68 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.core.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.distributed.group import EngineDeadError, TPGroup
-from engine.distributed.layers import partition_heads
-from engine.model_runner import ModelRunner
+from engine.executor.abstract import Executor, default_device, use_cpu_threads
+from engine.worker.input_batch import prepare_inputs
+from engine.worker.model_runner import ModelRunner
+from models.config import ModelShape
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT = 600  # seconds for the other ranks to import torch and reach the rendezvous
 
 
-def build_runner(config: EngineConfig, hf_config, model_dir: str) -> ModelRunner:
-    """The engine's ModelRunner: rank 0's when config.tensor_parallel_size > 1, after starting the
-    other ranks (which load their shards at the same time).
+class TensorParallelExecutor(Executor):
+    """Rank 0 of `config.tensor_parallel_size` ranks, after starting the others (which load their
+    shards at the same time): each step rank 0 prepares the inputs, broadcasts them, runs its shard
+    with the others and samples alone. No CUDA graphs (the collectives would have to be captured) and
+    no prompt logprobs (rank 0 alone would compute their extra logits, which every rank must).
 
     Raises ValueError when the model's heads do not split over the ranks (before starting any),
     or when CUDA has fewer GPUs than ranks, and EngineDeadError when a rank fails to start.
     """
-    world = config.tensor_parallel_size
-    if world == 1:
-        return ModelRunner(config, hf_config, model_dir)
-    partition_heads(hf_config, world)
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and torch.cuda.device_count() < world:
-        raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
-    workers = Workers(config, model_dir, device.type)
-    try:
-        return ModelRunner(config, hf_config, model_dir, workers.group)
-    except BaseException:
-        workers.shutdown()
-        raise
+
+    supports_prompt_logprobs = False
+
+    def __init__(self, config: EngineConfig, hf_config, model_dir: str):
+        world = config.tensor_parallel_size
+        ModelShape.from_hf(hf_config, world)
+        device = default_device(config)
+        if device.type == "cuda" and torch.cuda.device_count() < world:
+            raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
+        self.workers = Workers(config, model_dir, device.type)
+        self.group = self.workers.group
+        try:
+            self.runner = build_rank_runner(config, hf_config, model_dir, self.group)
+        except BaseException:
+            self.workers.shutdown()
+            raise
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        batch = prepare_inputs(scheduler_output, self.runner.block_size, self.runner.device)
+        inputs = batch.model_inputs
+        self.group.broadcast_step(inputs.input_ids, inputs.positions, inputs.attn_metadata, inputs.logits_indices)
+        return self.runner.sample(scheduler_output, batch, self.runner.forward(inputs, batch))
+
+    @property
+    def error(self) -> str | None:
+        return self.group.error
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()
+
+
+def build_rank_runner(config: EngineConfig, hf_config, model_dir: str, group: TPGroup) -> ModelRunner:
+    """One rank's ModelRunner (every rank builds its own the same way): its shard of the model, and
+    as many KV blocks as the rank with the least room holds (a collective: all ranks call it)."""
+    if group.device.type == "cpu":  # the ranks share the cores
+        use_cpu_threads(config, group.world_size)
+    runner = ModelRunner(config, hf_config, model_dir, group.device, group)
+    # the ranks share the machine's memory: kv_cache_memory is for all of them
+    runner.init_kv_cache(group.min(runner.available_kv_blocks(config.kv_cache_memory // group.world_size)),
+                         cuda_graphs=False)
+    return runner
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
@@ -89,7 +122,7 @@ class Workers:
         atexit.register(self.shutdown)
         try:
             for rank in range(1, world):
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "engine.distributed.worker",
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "engine.executor.tp_worker",
                                                     "--rank", str(rank), *args], env=env))
                 logger.info("tensor-parallel rank %d of %d: pid %d", rank, world, self.procs[-1].pid)
             for rank, proc in enumerate(self.procs, 1):

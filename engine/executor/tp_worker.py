@@ -1,4 +1,4 @@
-"""A tensor-parallel rank other than 0 (`python -m engine.distributed.worker`, started by launcher.py):
+"""A tensor-parallel rank other than 0 (`python -m engine.executor.tp_worker`, started by launcher.py):
 loads its shard of the model and the KV cache of its heads, then runs the forward pass of every step
 rank 0 broadcasts, until rank 0 says stop."""
 import argparse
@@ -13,8 +13,8 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from engine.distributed.group import EngineDeadError, TPGroup
-from engine.distributed.launcher import START_TIMEOUT, rank_device
-from engine.model_runner import ModelRunner
+from engine.executor.tensor_parallel import START_TIMEOUT, build_rank_runner, rank_device
+from engine.worker.input_batch import ModelInputs
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         group = TPGroup(store, args.rank, args.world_size, device)
         config = pickle.loads(store.get("engine_config"))  # rank 0's EngineConfig
-        runner = ModelRunner(config, AutoConfig.from_pretrained(args.model_dir), args.model_dir, group)
+        runner = build_rank_runner(config, AutoConfig.from_pretrained(args.model_dir), args.model_dir, group)
         while (step := group.recv_step()) is not None:
-            runner.run_model(*step)
+            runner.forward(ModelInputs(*step))
     except EngineDeadError as e:
         logger.error("stopping: %s", e)
         return 1

@@ -1,7 +1,7 @@
 """`speculative_config`: vLLM's keys, defaults and validation (vllm/config/speculative.py)."""
 from dataclasses import dataclass
 
-from engine import json_config
+from engine.config.parse import parse
 
 METHODS = ("ngram", "draft_model")
 # vLLM's other methods, refused by name so the error says what is missing rather than "unknown"
@@ -43,11 +43,11 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "SpeculativeConfig":
-        return cls(**json_config.parse(cls, data, "speculative_config"))
+        return cls(**parse(cls, data, "speculative_config"))
 
     @classmethod
     def from_json(cls, text: str) -> "SpeculativeConfig":
-        return cls(**json_config.parse(cls, text, "speculative_config"))
+        return cls(**parse(cls, text, "speculative_config"))
 
     def __post_init__(self):
         if self.method is None:

@@ -6,17 +6,18 @@ reads, so, as in vLLM, one graph is captured per batch size of a ladder, all int
 over static input buffers; a decode batch is padded up to the next captured size. Mixed and
 prefill steps run eagerly.
 
-Attention-backend protocol (optional): a backend with `init_cuda_graph_decode(sizes,
-max_blocks_per_seq)` and a `cuda_graph_decode(bs)` context (FlashInferBackend) gets graph-safe
-decode state per size, used during capture and for the plan() before each replay. Other backends
-(torch_native) are captured with every sequence at the full length of the static block table, so
-the recorded gather covers any context and the device-side seq_lens mask it; that costs memory
-and time in proportion to max_model_len, so it suits tests and small models.
+The attention backend takes part through two hooks of AttentionBackend, no-ops by default:
+`init_cuda_graph_decode(sizes, max_blocks_per_seq)`, called once, and the `cuda_graph_decode(bs)`
+context, inside which the graph of size bs is captured and each of its replays planned. FlashInferBackend
+(`supports_cuda_graphs`) keeps graph-safe decode state per size through them. A backend without
+such state (torch_native) is captured with every sequence at the full length of the static block
+table, so the recorded gather covers any context and the device-side seq_lens mask it; that costs
+memory and time in proportion to max_model_len, so the model runner captures graphs only for
+backends with `supports_cuda_graphs` (the tests capture torch_native too).
 """
 import bisect
 import logging
 import time
-from contextlib import nullcontext
 
 import torch
 
@@ -64,16 +65,9 @@ class CUDAGraphRunner:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.block_tables[:, 0] = dummy_block
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        if hasattr(backend, "init_cuda_graph_decode"):
-            backend.init_cuda_graph_decode(self.sizes, max_blocks_per_seq)
+        backend.init_cuda_graph_decode(self.sizes, max_blocks_per_seq)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
-
-    def backend_mode(self, batch_size: int):
-        """The context in which the backend plans and runs a graph of this batch size."""
-        if hasattr(self.backend, "cuda_graph_decode"):
-            return self.backend.cuda_graph_decode(batch_size)
-        return nullcontext()
 
     def _meta(self, batch_size: int, seq_lens_cpu: list[int]) -> AttentionMetadata:
         return AttentionMetadata(
@@ -92,7 +86,7 @@ class CUDAGraphRunner:
         for bs in reversed(self.sizes):
             meta = self._meta(bs, [full] * bs)  # the static rows are all padding rows now
             ids, pos = self.input_ids[:bs], self.positions[:bs]
-            with self.backend_mode(bs):
+            with self.backend.cuda_graph_decode(bs):
                 self.backend.plan(meta)
                 self.model(ids, pos, self.kv_caches, meta)
                 torch.cuda.synchronize()
@@ -139,7 +133,7 @@ class CUDAGraphRunner:
         """One decode step through a graph: hidden states [n, hidden] (a view into the graph's output,
         valid until the next replay). The caller checks can_run(meta) first."""
         bs, padded = self.load_inputs(input_ids, positions, meta)
-        with self.backend_mode(bs):
+        with self.backend.cuda_graph_decode(bs):
             self.backend.plan(padded)
         self._graphs[bs].replay()
         return self._outputs[bs][:meta.num_seqs]

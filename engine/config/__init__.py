@@ -1,10 +1,17 @@
 """Engine configuration: the knobs of `LLM(...)`, `AsyncEngine` and `server.py`, named as in vLLM."""
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
-from engine import json_config
-from engine.kv_transfer.config import KVTransferConfig
-from engine.spec_decode.config import SpeculativeConfig
-from engine.structured.params import StructuredOutputsConfig
+from engine.config.parse import parse
+from engine.config.kv_transfer import KVTransferConfig
+from engine.config.speculative import SpeculativeConfig
+from engine.config.structured_outputs import StructuredOutputsConfig
+
+# where built kernels and converted models are kept between runs
+CACHE_DIR = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm"))
+
+__all__ = ["CACHE_DIR", "EngineConfig", "KVTransferConfig", "SpeculativeConfig", "StructuredOutputsConfig"]
 
 
 @dataclass
@@ -50,7 +57,7 @@ class EngineConfig:
 
     def __post_init__(self):
         if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):
-            self.structured_outputs_config = StructuredOutputsConfig(**json_config.parse(
+            self.structured_outputs_config = StructuredOutputsConfig(**parse(
                 StructuredOutputsConfig, self.structured_outputs_config or {}, "structured_outputs_config"))
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "tensor_parallel_size"):
             if getattr(self, name) < 1:

@@ -1,35 +1,39 @@
-"""Turning a step's logits into tokens: logit processors, greedy / random sampling, logprobs."""
+"""Turning logits into sampling distributions and draws: logit processors, temperature, top-k/top-p,
+min-p, the exponential race, logprobs. The step's sampler is `RejectionSampler` (rejection_sampler.py),
+which uses these for rows with and without draft tokens alike."""
+from typing import Protocol
+
 import torch
 
 from engine.outputs import Logprob
-from engine.structured import apply_grammar_bitmask
+from engine.sampling_params import SamplingParams
+
+
+class SamplingView(Protocol):
+    """What sampling reads of the sequence behind one logits row: a request, or a request seen as if
+    its draft tokens so far had been generated (`rejection_sampler.WithDrafts`)."""
+
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
 
 
 class Sampler:
-    """Samples one token per row of `logits` for the requests that caught up in this step.
+    """Processes logits row by row and draws from them, for the rows' `SamplingView`s.
 
-    Order, as in vLLM: the grammar mask of structured-output rows, logit_bias, min_tokens (EOS and stop
-    tokens banned), repetition/presence/frequency penalties; then greedy rows take the argmax and the others apply temperature, top-k,
-    top-p (nucleus, Holtzman et al. 2019) and min-p before drawing with the exponential race
-    (argmax p / E, E ~ Exp(1)), which a seeded request draws from its own generator so its samples do
-    not depend on the rest of the batch. Logprobs come from the raw logits (grammar-masked).
+    Order, as in vLLM: (the grammar mask, applied by the caller first) logit_bias, min_tokens (EOS and
+    stop tokens banned), repetition/presence/frequency penalties; then greedy rows take the argmax and
+    the others apply temperature, top-k, top-p (nucleus, Holtzman et al. 2019) and min-p before drawing
+    with the exponential race (argmax p / E, E ~ Exp(1)), which a seeded request draws from its own
+    generator so its samples do not depend on the rest of the batch. Logprobs come from the raw
+    logits (grammar-masked).
     """
-
-    def __call__(self, logits: torch.Tensor, requests: list) -> tuple[list[int], list[Logprob | None]]:
-        """logits: float32 [N, vocab], row i for requests[i]. Returns N token ids and N Logprob|None."""
-        apply_grammar_bitmask(logits, requests)
-        want_logprobs = [r.params.logprobs is not None for r in requests]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        logits = self._process(logits, requests)
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if random_rows:
-            idx = torch.tensor(random_rows)
-            tokens[idx] = self._sample(logits[idx], [requests[i] for i in random_rows])
-        token_list = tokens.tolist()
-        logprobs = [self._logprob(raw_logprobs[i], token_list[i], r.params.logprobs) if want else None
-                    for i, (r, want) in enumerate(zip(requests, want_logprobs))]
-        return token_list, logprobs
 
     def _process(self, logits, requests):
         logits = logits.clone() if any(_needs_processing(r) for r in requests) else logits

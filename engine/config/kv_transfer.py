@@ -2,7 +2,7 @@
 import uuid
 from dataclasses import dataclass, field
 
-from engine import json_config
+from engine.config.parse import parse
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("NixlConnector",)
@@ -65,7 +65,7 @@ class KVTransferConfig:
     @classmethod
     def from_json(cls, text: str) -> "KVTransferConfig":
         """Parses the JSON of `--kv-transfer-config`. Raises ValueError naming the bad or unknown key."""
-        data = json_config.parse(cls, text, "--kv-transfer-config")
+        data = parse(cls, text, "--kv-transfer-config")
         missing = {"kv_connector", "kv_role"} - set(data)
         if missing:
             raise ValueError(f"--kv-transfer-config needs {' and '.join(sorted(missing))}")

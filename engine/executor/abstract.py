@@ -1,0 +1,42 @@
+"""The executor interface the engine calls, whether the model runs on one rank or on many."""
+import os
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.step_io import ModelRunnerOutput, SchedulerOutput
+from engine.worker.model_runner import ModelRunner
+
+
+class Executor(ABC):
+    """Runs the model for the engine: `execute_model` once per step.
+
+    runner: rank 0's ModelRunner (its KV cache, dtype, device and limits are the engine's).
+    `error` says why no step can run any more (a rank died), None while it can.
+    """
+
+    runner: ModelRunner
+    supports_prompt_logprobs = True  # False where rank 0 alone cannot compute the extra logits
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step. Raises whatever the forward raised (the engine fails the step's requests)."""
+
+    @property
+    def error(self) -> str | None:
+        return None
+
+    def shutdown(self) -> None:
+        """Stops the processes the executor started (idempotent)."""
+
+
+def default_device(config: EngineConfig) -> torch.device:
+    """`config.device`, or CUDA when available, else the CPU."""
+    return torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def use_cpu_threads(config: EngineConfig, num_ranks: int) -> None:
+    """torch's threads on the CPU: `config.num_threads`, or the cores shared out over the ranks."""
+    torch.set_num_threads(config.num_threads or max(1, os.cpu_count() // num_ranks))
+

@@ -1,0 +1,58 @@
+"""The shape of one rank's model, read once from the Hugging Face config: what the model, the
+attention backend and the KV cache are sized by."""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder's sizes as one of `tp_size` tensor-parallel ranks holds it (all of it when 1).
+
+    num_heads / num_kv_heads: this rank's query and KV heads (KV heads fewer than the ranks are
+    replicated, one per rank, as vLLM does); total_num_heads / total_num_kv_heads: the model's.
+    head_dim: features per head; max_position_embeddings: the model's context limit in tokens.
+    """
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    total_num_heads: int
+    total_num_kv_heads: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tp_size: int
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, config, tp_size: int = 1) -> "ModelShape":
+        """From a transformers config. Raises ValueError when the heads (or the MLP's
+        intermediate_size) do not split evenly over `tp_size` ranks."""
+        heads, kv_heads = partition_heads(config, tp_size)
+        return cls(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                   total_num_heads=config.num_attention_heads, total_num_kv_heads=config.num_key_value_heads,
+                   num_heads=heads, num_kv_heads=kv_heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                   tp_size=tp_size, max_position_embeddings=getattr(config, "max_position_embeddings", None) or 1 << 20)
+
+
+def partition_heads(config, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) of one rank for a Hugging Face config split over `tp_size` ranks.
+
+    Query heads are split evenly. KV heads too when there are at least `tp_size` of them; with fewer,
+    each rank holds one, shared by tp_size / num_key_value_heads ranks (replicated, as vLLM does).
+    Raises ValueError when the heads (or the MLP's intermediate_size) do not split evenly.
+    """
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    errors = []
+    if heads % tp_size:
+        errors.append(f"num_attention_heads ({heads})")
+    if kv_heads >= tp_size and kv_heads % tp_size:
+        errors.append(f"num_key_value_heads ({kv_heads})")
+    elif kv_heads < tp_size and tp_size % kv_heads:
+        errors.append(f"num_key_value_heads ({kv_heads}; KV heads fewer than the ranks are replicated, "
+                      f"which needs the ranks to be a multiple of them)")
+    if config.intermediate_size % tp_size:
+        errors.append(f"intermediate_size ({config.intermediate_size})")
+    if errors:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {', '.join(errors)}")
+    return heads // tp_size, max(1, kv_heads // tp_size)
