@@ -1,4 +1,5 @@
-# `make serve`: set up and serve the default model; `make test`: set up and run the tests.
+# `make serve`: set up and serve the default model; `make test`: set up, check the import layers and run
+# the tests; `make test-fast`: the layers and the tests not marked slow, without the install step.
 PYTHON ?= python3
 
 install:
@@ -19,6 +20,11 @@ browser:
 	    chromium chromium-driver >/dev/null 2>&1; } || echo "could not install chromium: the dashboard browser test will be skipped"
 
 test: install browser
+	lint-imports
 	$(PYTHON) -m pytest -q tests
 
-.PHONY: install serve browser test
+test-fast:
+	lint-imports
+	$(PYTHON) -m pytest -q -m "not slow" tests
+
+.PHONY: install serve browser test test-fast

@@ -100,6 +100,7 @@ class Scheduler:
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                     req.num_external_computed_tokens = num_external
                     self.connector.start_load(req, self.kv.block_ids(req.request_id)[len(hits):])
+                    req.kv_transfer_params = None  # used up: if preempted later, it recomputes like any request
                     continue
             n = min(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, n, hits):

@@ -132,9 +132,8 @@ class NixlConnector:
 
     def start_load(self, request, local_block_ids: list[int]) -> None:
         """Starts pulling the request's last `len(local_block_ids)` prompt blocks into these blocks
-        (allocated, not in the prefix cache until they arrive). Its params are used up: if it is
-        preempted later, it recomputes like any request."""
-        params, request.kv_transfer_params = request.kv_transfer_params, None
+        (allocated, not in the prefix cache until they arrive)."""
+        params = request.kv_transfer_params
         load = _Load(request, list(local_block_ids), params["remote_block_ids"][-len(local_block_ids):],
                      params["remote_engine_id"], params["remote_host"], params["remote_port"],
                      params["remote_request_id"])

@@ -98,6 +98,7 @@ def test_batch_size_schedule_as_vllm():
     assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3}).tokens_for_batch(500) == 3
 
 
+@pytest.mark.slow
 def test_server_refuses_a_bad_config_in_one_line():
     bad = subprocess.run([sys.executable, "server.py", "--speculative-config",
                           '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 6, "prompt_lookup_max": 5}'],

@@ -20,6 +20,7 @@ async def _ids(http, text: str) -> list[int]:
     return (await http.post("/tokenize", json={"prompt": text})).json()["tokens"]
 
 
+@pytest.mark.slow
 async def test_echo_scores_prompts_as_lm_eval_asks(openai_client, http):
     """lm-eval's loglikelihood request (token-id prompts, max_tokens 1, echo, logprobs 1): the score of
     a continuation equals the logprob the sampler gives the same token."""
@@ -110,6 +111,7 @@ async def test_openapi_document_and_docs_page(http):
     assert (await http.get("/docs/static/../../api/app.py")).status_code == 404
 
 
+@pytest.mark.slow
 async def test_sigterm_drains_streams_in_flight(server_factory):
     """SIGTERM during 8 streams: all 8 finish normally, a new request gets 503 with Retry-After, the
     server exits 0."""

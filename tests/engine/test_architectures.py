@@ -11,6 +11,7 @@ from scripts.make_tiny_model import CONFIGS, save_tiny_model
 from tests.conftest import assert_greedy_matches, make_llm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
     if name == "llama3":  # the scaling really changes the frequencies we use

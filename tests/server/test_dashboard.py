@@ -12,6 +12,8 @@ import pytest
 
 from api.dashboard import histogram_quantile
 
+pytestmark = pytest.mark.slow  # starts servers and processes
+
 pytest_plugins = ["server_harness"]
 
 KEY = "dash-key"

@@ -63,6 +63,7 @@ def test_fifty_json_schemas_greedy_and_sampled_validate(llm):
         jsonschema.validate(json.loads(c.text), p.structured_outputs.json)
 
 
+@pytest.mark.slow
 def test_regex_choice_grammar_and_json_object_with_n4_beside_unconstrained(llm, prompts, hf_reference):
     """Constrained requests (n = 4, sampled) in the same batches as the eight unconstrained greedy
     prompts, which still match transformers."""
@@ -90,6 +91,7 @@ def test_regex_choice_grammar_and_json_object_with_n4_beside_unconstrained(llm, 
             assert c.finish_reason == "stop" and check(c.text), (spec.kind, c.finish_reason, c.text)
 
 
+@pytest.mark.slow
 def test_preemption_keeps_grammar_state():
     """Recompute preemption keeps the generated tokens, so each matcher's state stays right."""
     llm = make_llm(kv_cache_memory=12 * 16 * 2 * 30 * 3 * 64 * 4, max_model_len=192)  # 12 blocks of 16

@@ -13,7 +13,7 @@ from models.loader import resolve_model
 
 pytest_plugins = ["server_harness"]
 
-TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "lm_eval")
+TASKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "lm_eval")
 TASKS = "minivllm_mc_facts,minivllm_gen_facts"
 
 

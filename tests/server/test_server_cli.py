@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow  # starts servers and processes
+
 pytest_plugins = ["server_harness"]
 
 KEY = "sekret"

@@ -29,6 +29,7 @@ async def test_completion_with_usage(openai_client):
     assert r.usage.prompt_tokens_details.cached_tokens >= 0
 
 
+@pytest.mark.slow
 async def test_greedy_text_equals_offline_llm(openai_client, engine_args):
     """Completions (four prompts in one request) and chat, greedy, equal `LLM.generate`/`LLM.chat`."""
     api = await openai_client.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=16, temperature=0)
@@ -130,7 +131,7 @@ async def test_completion_logprobs_and_echo(openai_client):
                                                   logprobs=1, echo=True)
     text, lp = echo.choices[0].text, echo.choices[0].logprobs
     assert text == PROMPTS[0] + r.choices[0].text
-    # prompt tokens are scored too (the first has no logprob, as in OpenAI's API): tests/test_server_clients.py
+    # prompt tokens are scored too (the first has no logprob, as in OpenAI's API): tests/server/test_server_clients.py
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and None not in lp.token_logprobs[1:]
     assert lp.token_logprobs[5:] == pytest.approx(r.choices[0].logprobs.token_logprobs, abs=1e-4)
     assert "".join(lp.tokens) == text and all(text[o:o + len(t)] == t for t, o in zip(lp.tokens, lp.text_offset))

@@ -100,6 +100,7 @@ async def test_tool_choice_required_and_named(openai_client):
         assert len(choice.message.tool_calls) == 1
 
 
+@pytest.mark.slow
 async def test_streamed_tool_calls_reassemble_to_the_same_calls(openai_client):
     for tool_choice in ("required", NAMED):
         kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=200, temperature=0,
@@ -123,6 +124,7 @@ async def test_tool_result_round_trip(openai_client):
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
 
 
+@pytest.mark.slow
 async def test_auto_tool_choice_parses_hermes_calls(openai_client):
     """With --tool-call-parser hermes the <tool_call> blocks the model writes become tool_calls (the
     135M model does not write them by itself, so a regex makes it, as a larger model would)."""

@@ -77,6 +77,7 @@ def test_batched_with_others_n_and_prompt_only(small_chunks, reference):
     assert [c.token_ids for c in outs[3].outputs] == [[], []]
 
 
+@pytest.mark.slow
 def test_survives_preemption(reference):
     """A KV cache of 4 blocks (64 tokens) for two 36-token sequences: one is preempted and recomputed,
     and each one's prompt logprobs stay exact."""

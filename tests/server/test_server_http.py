@@ -78,6 +78,7 @@ async def test_metrics_use_vllm_names(http, metrics):
     assert 'vllm:num_requests_running{model_name="SmolLM2-135M-Instruct"} 0.0' in text
 
 
+@pytest.mark.slow
 async def test_64_concurrent_streaming_clients(server, http, metrics):
     """Every stream finishes complete (greedy text equal to the same request alone, 8 tokens, usage
     right), and the engine is idle again afterwards."""

@@ -45,6 +45,7 @@ def stats_delta(llm, before):
     return after.num_drafts - before.num_drafts, after.num_accepted_tokens - before.num_accepted_tokens
 
 
+@pytest.mark.slow
 def test_greedy_alone_equals_no_speculation(spec_llm, prompts, hf_reference, copy_prompts, copy_reference):
     for ids, ref in zip(prompts, hf_reference):
         assert_greedy_matches(spec_llm.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids, ref)
@@ -80,6 +81,7 @@ def test_structured_request_beside_drafted_ones(spec_llm, copy_prompts, copy_ref
     assert drafts > 0
 
 
+@pytest.mark.slow
 def test_batched_with_chunked_prefill_and_prefix_hits(prompts, hf_reference, copy_prompts, copy_reference):
     llm = make_llm(speculative_config=NGRAM, max_num_batched_tokens=64, kv_cache_memory=256 << 20)
     steps = []
@@ -109,8 +111,9 @@ def test_batched_with_chunked_prefill_and_prefix_hits(prompts, hf_reference, cop
     assert_greedy_matches(follow.outputs[0].token_ids, (copy_reference[0][0][16:], copy_reference[0][1][16:]))
 
 
+@pytest.mark.slow
 def test_preemption_keeps_greedy_output(prompts, hf_reference):
-    # as tests/test_greedy_vs_hf.py: 27 blocks, just enough for the longest request alone
+    # as tests/engine/test_greedy_vs_hf.py: 27 blocks, just enough for the longest request alone
     llm = make_llm(speculative_config=NGRAM, kv_cache_memory=27 * 16 * 2 * 30 * 3 * 64 * 4)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -125,6 +128,7 @@ def test_preemption_keeps_greedy_output(prompts, hf_reference):
     SamplingParams(temperature=0, max_tokens=7),
     SamplingParams(temperature=0, max_tokens=40, min_tokens=30, logprobs=1),
 ], ids=["stop", "stop-included", "max_tokens", "min_tokens-logprobs"])
+@pytest.mark.slow
 def test_stops_apply_token_by_token(spec_llm, llm, copy_prompts, params):
     ids = copy_prompts[0]
     ours = spec_llm.generate([ids], params, use_tqdm=False)[0].outputs[0]
@@ -151,6 +155,7 @@ def test_seeded_sampling_is_reproducible_and_n_works(spec_llm, copy_prompts):
     assert len(runs[0].outputs) == 2 and all(len(c.token_ids) > 0 for c in runs[0].outputs)
 
 
+@pytest.mark.slow
 def test_draft_model_target_as_its_own_draft(llm, prompts):
     k = 3
     spec = make_llm(speculative_config={"method": "draft_model", "model": llm.model_dir, "num_speculative_tokens": k})

@@ -11,6 +11,8 @@ from engine import SamplingParams
 from engine.config import KVTransferConfig
 from engine.kv_transfer.nixl import KVLayout, NixlTransport, block_runs
 
+pytestmark = pytest.mark.slow  # two engines and their NIXL agents per test
+
 
 def test_config_parsing():
     c = KVTransferConfig.from_json('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_port": 0, '

@@ -110,6 +110,7 @@ async def test_context_length_error_says_the_numbers(http):
     assert r.status_code == 400 and all(n in message for n in ("is 2048 tokens", "2049 tokens", "1 in the prompt"))
 
 
+@pytest.mark.slow
 async def test_odd_but_valid_values_are_served(http):
     for body in [cmpl(temperature=1e-30), cmpl(temperature=50.0), cmpl(top_k=10**15), cmpl(seed=-1),
                  cmpl(seed=2**63 - 1, n=3), cmpl(prompt=[[1, 2], [3]], echo=True, logprobs=20),

@@ -49,6 +49,7 @@ def test_shared_prefix_is_cached_and_matches(llm, prompts, hf_reference):
     assert second.outputs[0].token_ids == alone[1].outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_preemption_keeps_greedy_output(prompts, hf_reference):
     # 27 blocks of 16 tokens = 432 tokens, just enough for the longest request alone: the eight
     # prompts (~1000 tokens with outputs) cannot all fit
@@ -61,6 +62,7 @@ def test_preemption_keeps_greedy_output(prompts, hf_reference):
         assert_greedy_matches(out.outputs[0].token_ids, ref, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_bfloat16_agrees_with_float32(llm):
     """bfloat16 (the CPU default with AVX512-BF16) takes the first 16 greedy tokens of float32 on at
     least 80% of the benchmark workload's prompts (the first 24 here). bfloat16 weights and activations
