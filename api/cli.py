@@ -18,7 +18,7 @@ from api.serving import ServerSettings
 from api.tool_calls import TOOL_CALL_PARSERS
 from engine import AsyncEngine, EngineConfig, StructuredOutputsConfig
 from engine.distributed.group import EngineDeadError
-from engine.config import KVTransferConfig, SpeculativeConfig
+from engine.config import KVTransferConfig, PoolerConfig, SpeculativeConfig
 
 logger = logging.getLogger("api")
 
@@ -95,7 +95,11 @@ def make_parser() -> argparse.ArgumentParser:
                    default=StructuredOutputsConfig(),
                    metavar="JSON", help='structured outputs (response_format, structured_outputs, tool_choice '
                    '"required"/named): JSON object with backend ("xgrammar"), disable_any_whitespace, compile_timeout '
-                   '(seconds, default 10), max_cached_grammars; e.g. \'{"backend": "xgrammar"}\'')
+                   '(seconds, default 10), max_cached_grammars, max_whitespace_cnt (whitespace characters in a row '
+                   'in JSON output, default 16; null: unbounded); e.g. \'{"backend": "xgrammar"}\'')
+    p.add_argument("--pooler-config", type=_json_flag(PoolerConfig.from_json), default=PoolerConfig(), metavar="JSON",
+                   help='how /v1/embeddings pools the final hidden states: JSON object with pooling_type ("LAST", the '
+                   'default, or "MEAN") and normalize (L2, default true); e.g. \'{"pooling_type": "MEAN"}\'')
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide on tool calls (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                               seed=args.seed, structured_outputs_config=args.structured_outputs_config,
                               tensor_parallel_size=args.tensor_parallel_size,
                               pipeline_parallel_size=args.pipeline_parallel_size, speculative_config=speculative_config,
-                              kv_transfer_config=args.kv_transfer_config,
+                              kv_transfer_config=args.kv_transfer_config, pooler_config=args.pooler_config,
                               # a data-parallel replica runs as many threads as the cores it was bound to
                               num_threads=len(os.sched_getaffinity(0)) if args.data_parallel_rank is not None
                               and hasattr(os, "sched_getaffinity") else None)

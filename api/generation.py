@@ -20,18 +20,19 @@ class Generation:
     ctx: the app's `api.serving.ServingContext`.
     """
 
-    def __init__(self, ctx, prompts: list[list[int]], params: SamplingParams, request_id: str):
+    def __init__(self, ctx, prompts: list[list[int]], params: SamplingParams, request_id: str, pooling: bool = False):
         self._ctx = ctx
         self._queue: asyncio.Queue = asyncio.Queue()
         ctx.num_queued += len(prompts)
-        self._tasks = [asyncio.create_task(self._pump(i, p, params, f"{request_id}-{i}"))
+        self._tasks = [asyncio.create_task(self._pump(i, p, params, f"{request_id}-{i}", pooling))
                        for i, p in enumerate(prompts)]
 
-    async def _pump(self, index: int, prompt: list[int], params: SamplingParams, request_id: str) -> None:
+    async def _pump(self, index: int, prompt: list[int], params: SamplingParams, request_id: str,
+                    pooling: bool) -> None:
         tracker = RequestTracker(self._ctx.metrics, params.n)
         queued = True
         try:
-            outputs = self._ctx.engine.generate(prompt, params, request_id)
+            outputs = self._ctx.engine.generate(prompt, params, request_id, pooling)
             try:
                 async for out in outputs:
                     if queued:

@@ -321,3 +321,16 @@ class DetokenizeRequest(_Body):
 
     model: str | None = None
     tokens: list[TokenId]
+
+
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings (OpenAI's): `input` is a string, a list of strings, token ids, or a list of
+    token-id lists; `encoding_format` float (JSON numbers) or base64 (little-endian float32 bytes)."""
+
+    model: str | None = None
+    input: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+        Annotated[list[TokenId], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None

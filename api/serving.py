@@ -150,8 +150,10 @@ class ServingContext:
             raise APIError(400, f"{param}: {e}", param=param) from None
         params.structured_outputs = spec
 
-    def start(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> Generation:
-        """Admits an API request and starts its engine requests, one per prompt.
+    def start(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+              pooling: bool = False) -> Generation:
+        """Admits an API request and starts its engine requests, one per prompt (embedding requests
+        with `pooling`).
 
         Raises APIError 503 (with Retry-After) when the engine is not running or the queue is full.
         """
@@ -163,7 +165,7 @@ class ServingContext:
         if limit is not None and self.num_queued >= limit:
             raise APIError(503, f"server busy: {self.num_queued} requests are waiting (--max-queue-len {limit}); "
                                 f"retry later", code="queue_full", headers={"Retry-After": "1"})
-        return Generation(self, prompts, params, request_id)
+        return Generation(self, prompts, params, request_id, pooling)
 
     def engine_error(self, error: Exception) -> APIError:
         """The API error for an exception raised by `engine.generate`."""

@@ -34,11 +34,12 @@ class AsyncEngine:
         self.model_name = self.engine.model_name
         self.model_dir = self.engine.model_dir
         self.max_model_len = self.engine.max_model_len
+        self.hidden_size = self.engine.runner.shape.hidden_size  # of an embedding
         self.num_kv_blocks = self.engine.runner.num_blocks
         self.block_size = config.block_size
         self.device, self.dtype = self.engine.runner.device, self.engine.runner.dtype
         self._queues: dict[str, asyncio.Queue] = {}
-        self._pending: list[tuple] = []  # ("add", id, prompt, params, arrival, token ids) / ("abort", id)
+        self._pending: list[tuple] = []  # ("add", id, prompt, params, arrival, token ids, pooling) / ("abort", id)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
@@ -79,10 +80,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       pooling: bool = False) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs, one RequestOutput per step that changed it, the last with
         `finished` True. Leaving the loop early (or a client disconnect cancelling it) aborts it.
+        `pooling`: an embedding request (LLMEngine.add_request); its last output has the embedding.
 
         Raises ValueError for bad input (before any output, including a grammar that does not compile
         in time) and EngineStepError if its step failed.
@@ -97,7 +99,7 @@ class AsyncEngine:
             raise RuntimeError("the engine loop is not running")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._pending.append(("add", request_id, prompt, params, time.monotonic(), ids))
+        self._pending.append(("add", request_id, prompt, params, time.monotonic(), ids, pooling))
         self._wakeup.set()
         finished = False
         try:
@@ -148,9 +150,9 @@ class AsyncEngine:
         pending, self._pending = self._pending, []
         for item in pending:
             if item[0] == "add":
-                _, rid, prompt, params, arrival, ids = item
+                _, rid, prompt, params, arrival, ids, pooling = item
                 try:
-                    self.engine.add_request(rid, prompt, params, arrival, ids)
+                    self.engine.add_request(rid, prompt, params, arrival, ids, pooling)
                 except ValueError as e:
                     self._deliver_error(rid, e)
             else:

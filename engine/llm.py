@@ -31,25 +31,20 @@ class LLM:
         Raises ValueError for a bad prompt or parameter, including a structured-outputs constraint that
         does not compile (in compile_timeout seconds).
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _as_list(prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         # Grammars compile (in parallel) before any request is queued, so a bad one raises here.
         self.engine.structured.compile_and_wait([p.structured_outputs for p in params if p.structured_outputs])
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params):
-                if isinstance(prompt, dict):
-                    prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-                ids.append(self.engine.add_request(None, prompt, p))
-        except Exception:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
-        return self._run(ids, use_tqdm)
+        return self._run(prompts, params, use_tqdm)
+
+    def embed(self, prompts: Prompt | list[Prompt], use_tqdm: bool = True) -> list[RequestOutput]:
+        """The embedding of every prompt (`RequestOutput.embedding`: the final hidden states pooled and
+        normalised as `pooler_config` says), in input order. Raises ValueError for a bad prompt."""
+        prompts = _as_list(prompts)
+        return self._run(prompts, [SamplingParams(max_tokens=0)] * len(prompts), use_tqdm, pooling=True)
 
     def reset_prefix_cache(self) -> None:
         """Empties the prefix cache, so repeated prompts are computed again."""
@@ -63,7 +58,18 @@ class LLM:
         token_ids = [encode_chat(self.tokenizer, c, chat_template, add_generation_prompt) for c in conversations]
         return self.generate(token_ids, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
+             pooling: bool = False) -> list[RequestOutput]:
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                if isinstance(prompt, dict):
+                    prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+                ids.append(self.engine.add_request(None, prompt, p, pooling=pooling))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         results: dict[str, RequestOutput] = {}
         finals = FinalOutputs()
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -73,3 +79,10 @@ class LLM:
                         results[out.request_id] = final
                         bar.update(1)
         return [results[rid] for rid in ids]
+
+
+def _as_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+    """One prompt (a string, token ids or a dict) as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return prompts

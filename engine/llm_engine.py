@@ -19,6 +19,7 @@ from engine.snapshot import StepLog
 from engine.spec_decode.speculator import NoSpeculation, Speculator
 from engine.structured.manager import StructuredOutputManager
 from engine.structured.matcher import RequestGrammar
+from engine.worker import pooler
 from models.loader import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -122,9 +123,12 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> str:
+                    arrival_time: float | None = None, prompt_token_ids: list[int] | None = None,
+                    pooling: bool = False) -> str:
         """Queues a request (n sequences); returns its id. `prompt_token_ids`: the prompt already
-        tokenized by `tokenize` (else it is tokenized here).
+        tokenized by `tokenize` (else it is tokenized here). With `pooling`, an embedding request: the
+        prompt alone is computed (params must have max_tokens 0) and its final output carries the
+        pooled, normalised hidden state (`RequestOutput.embedding`, per --pooler-config).
 
         Raises ValueError for bad input, including a structured-outputs constraint that does not
         compile (this waits for its compile, compile_timeout seconds at most).
@@ -135,6 +139,8 @@ class LLMEngine:
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
             if any(t >= self.vocab_size for t in ids):
                 raise ValueError(f"{name} token ids must be below the vocabulary size {self.vocab_size}")
+        if pooling and (params.max_tokens != 0 or params.n != 1):
+            raise ValueError("an embedding request computes its prompt alone: max_tokens 0 and n 1")
         if params.prompt_logprobs is not None and not self.executor.supports_prompt_logprobs:
             raise ValueError(f"prompt_logprobs is not supported by {type(self.executor).__name__}")
         ids = prompt_token_ids or self.tokenize(prompt)
@@ -151,7 +157,7 @@ class LLMEngine:
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             grammar = RequestGrammar(compiled) if compiled is not None else None
             group.append(Request(seq_id, request_id, i, text, ids, params, detok, self.eos_token_ids, arrival,
-                                 grammar))
+                                 grammar, self.config.pooler_config.pooling_type if pooling else None))
         self.groups[request_id] = group
         for req in group:
             self.scheduler.add_request(req)
@@ -246,9 +252,12 @@ class LLMEngine:
         prompt_logprobs = first.prompt_logprobs
         if prompt_logprobs is not None and len(prompt_logprobs) < first.num_prompt_tokens:
             prompt_logprobs = None  # aborted before its prompt was computed
+        embedding = None
+        if first.pooling and finished and first.finish_reason == "length":  # not aborted
+            embedding = pooler.finish(first.pooled, first.num_prompt_tokens, self.config.pooler_config)
         return RequestOutput(first.parent_id, first.prompt, first.prompt_token_ids, completions, finished,
                              max(first.num_cached_tokens, 0), metrics, prompt_logprobs,
-                             first.kv_transfer_params if finished else None)
+                             first.kv_transfer_params if finished else None, embedding)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

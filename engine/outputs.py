@@ -124,6 +124,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[Logprob | None] | None = None
     kv_transfer_params: dict | None = None  # for the decode server, when its blocks wait for one (engine.kv_transfer)
+    embedding: list[float] | None = None  # an embedding request's, once finished (engine.worker.pooler)
 
 
 class FinalOutputs:

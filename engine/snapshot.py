@@ -79,8 +79,8 @@ class Snapshotter:
     def take(self) -> dict:
         """The engine now, as JSON-ready data (times in seconds, sizes in tokens and blocks):
 
-        requests: running then waiting requests, each with its state ("prefilling", "decoding",
-            "waiting", "preempted"), token counts, latencies and block table (`blocks`, block ids
+        requests: running then waiting requests, each with its kind ("generate", or "embed" for an
+            embedding request), state ("prefilling", "decoding", "waiting", "preempted"), token counts, latencies and block table (`blocks`, block ids
             in hash-chain order); finished: requests finished in the last few seconds.
         kv: block counts by state, and per block `state` (uint8, FREE/CACHED/USED/SHARED) and `pos`
             (its hash-chain position, `pos_unknown` if not known), little-endian arrays in base64.
@@ -158,7 +158,7 @@ class Snapshotter:
             total = max(1, -(-(req.num_tokens - start) // budget))
             chunk = [min(total, max(0, req.num_computed_tokens - start) // budget + 1), total]
         decode_s = (m.last_token_time or 0.0) - (m.first_token_time or 0.0)
-        return {"id": req.request_id, "state": state, "chunk": chunk,
+        return {"id": req.request_id, "kind": "embed" if req.pooling else "generate", "state": state, "chunk": chunk,
                 "prompt": req.num_prompt_tokens, "computed": min(req.num_computed_tokens, req.num_prompt_tokens),
                 "cached": m.num_cached_tokens, "output": num_out, "max_tokens": req.params.max_tokens,
                 "queue": (m.first_scheduled_time or now) - m.arrival_time,

@@ -150,7 +150,7 @@
         r.state === 'finished' ? `finished (${r.reason})` : r.state;
       tr.cells[1].firstChild.textContent = r.preemptions ? `${label} · ${r.preemptions}× preempted` : label;
       tr.cells[2].textContent = `${r.computed} / ${r.prompt}` + (r.cached ? ` (${r.cached} cached)` : '');
-      tr.cells[3].textContent = `${r.output} / ${r.max_tokens ?? '∞'}`;
+      tr.cells[3].textContent = r.kind === 'embed' ? 'embedding' : `${r.output} / ${r.max_tokens ?? '∞'}`;
       tr.cells[3].style.setProperty('--progress', `${r.max_tokens ? 100 * r.output / r.max_tokens : 0}%`);
       tr.cells[4].textContent = fmtSeconds(r.queue);
       tr.cells[5].textContent = fmtSeconds(r.ttft);

@@ -5,13 +5,14 @@ from pathlib import Path
 
 from engine.config.parse import parse
 from engine.config.kv_transfer import KVTransferConfig
+from engine.config.pooler import PoolerConfig
 from engine.config.speculative import SpeculativeConfig
 from engine.config.structured_outputs import StructuredOutputsConfig
 
 # where built kernels and converted models are kept between runs
 CACHE_DIR = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm"))
 
-__all__ = ["CACHE_DIR", "EngineConfig", "KVTransferConfig", "SpeculativeConfig", "StructuredOutputsConfig"]
+__all__ = ["CACHE_DIR", "EngineConfig", "KVTransferConfig", "PoolerConfig", "SpeculativeConfig", "StructuredOutputsConfig"]
 
 
 @dataclass
@@ -30,6 +31,7 @@ class EngineConfig:
     tensor_parallel_size: processes (GPUs on CUDA) the model is split over (engine/distributed).
     pipeline_parallel_size: only 1 (pipeline parallelism is not implemented).
     structured_outputs_config: a StructuredOutputsConfig or a dict of its fields (None = defaults).
+    pooler_config: how embedding requests pool hidden states, a PoolerConfig or a dict (None = defaults).
     speculative_config: speculative decoding, vLLM's keys as a dict or a `SpeculativeConfig`
         (e.g. {"method": "ngram", "num_speculative_tokens": 4}); None = off.
     """
@@ -54,11 +56,14 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
     speculative_config: SpeculativeConfig | dict | None = None
     kv_transfer_config: KVTransferConfig | None = None  # disaggregated prefill/decode role (engine.kv_transfer)
+    pooler_config: PoolerConfig | dict | None = None  # embedding requests' pooling (None = LAST, normalised)
 
     def __post_init__(self):
         if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):
             self.structured_outputs_config = StructuredOutputsConfig(**parse(
                 StructuredOutputsConfig, self.structured_outputs_config or {}, "structured_outputs_config"))
+        if not isinstance(self.pooler_config, PoolerConfig):
+            self.pooler_config = PoolerConfig(**parse(PoolerConfig, self.pooler_config or {}, "pooler_config"))
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -29,7 +29,7 @@ class Request:
     def __init__(self, request_id: str, parent_id: str, index: int, prompt: str | None,
                  prompt_token_ids: list[int], params: SamplingParams,
                  detokenizer: IncrementalDetokenizer, eos_token_ids: frozenset[int], arrival_time: float,
-                 grammar=None):
+                 grammar=None, pooling: str | None = None):
         self.request_id, self.parent_id, self.index = request_id, parent_id, index
         self.prompt, self.prompt_token_ids = prompt, prompt_token_ids
         self.params = params
@@ -58,6 +58,9 @@ class Request:
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.grammar = grammar  # structured outputs (engine.structured.RequestGrammar): advanced with every token
+        # an embedding request: its pooling type (engine.config.PoolerConfig), and the float32 [hidden]
+        # state pooled so far (engine.worker.pooler)
+        self.pooling, self.pooled = pooling, None
         self.generator = None
         if params.seed is not None:
             # index keeps the n samples of one seeded request apart while each stays reproducible
@@ -73,8 +76,10 @@ class Request:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        """True while prompt logprobs are being collected: their positions must be computed."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        """True while prompt logprobs are being collected, and for mean-pooled embeddings: their
+        positions' hidden states must be computed (the last prompt token always is)."""
+        return (self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens) \
+            or self.pooling == "MEAN"
 
     @property
     def is_finished(self) -> bool:

@@ -129,7 +129,7 @@ class Scheduler:
         """Applies one step's results; returns the requests that changed (new tokens, or finished).
 
         Every scheduled request advances by its scheduled tokens; a prompt-only request (max_tokens 0)
-        finishes once its prompt is computed; prompt logprobs are appended. A request that sampled rolls
+        finishes once its prompt is computed; prompt logprobs and pooled hidden states are added. A request that sampled rolls
         back its rejected draft tokens (their K/V slots are simply overwritten by later steps), then
         takes its new tokens one by one with the usual stop checks (tokens after a stop are dropped).
         """
@@ -138,6 +138,9 @@ class Scheduler:
             req.num_computed_tokens += n
             if req.request_id in runner_output.prompt_logprobs:
                 req.prompt_logprobs.extend(runner_output.prompt_logprobs[req.request_id])
+            if req.request_id in runner_output.pooler_output:
+                share = runner_output.pooler_output[req.request_id]
+                req.pooled = share if req.pooled is None or req.pooling == "LAST" else req.pooled + share
             if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
                 self.finish(req, "length")
                 changed.append(req)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
@@ -21,7 +22,7 @@ class Sequence(Protocol):
     all_token_ids: prompt + output token ids (num_tokens of them); num_computed_tokens: how many have
     K/V in the cache; spec_token_ids: draft tokens to verify after the last token; block_hashes: the
     chained hashes of its full blocks, which the KV manager extends; prompt_logprobs: the entries
-    collected so far, None when not asked for.
+    collected so far, None when not asked for; pooling: an embedding request's pooling type, else None.
     """
 
     request_id: str
@@ -30,6 +31,7 @@ class Sequence(Protocol):
     spec_token_ids: list[int]
     block_hashes: list[int]
     prompt_logprobs: list | None
+    pooling: str | None
     params: SamplingParams
 
     @property
@@ -70,9 +72,11 @@ class ModelRunnerOutput:
     req_ids: the requests that sampled (in batch order); sampled_token_ids[i]: their new tokens (one,
     or with drafts the accepted ones and one more); logprobs[i]: a Logprob|None per new token.
     prompt_logprobs: new prompt-logprob entries of the requests collecting them, in order.
+    pooler_output: this step's share of each embedding request's pooled hidden state (engine.worker.pooler).
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Logprob | None]] = field(default_factory=list)
     prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -55,9 +55,6 @@ class Sampler:
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         return logits
 
-    def _sample(self, logits, requests):
-        return self._draw(self._probs(logits, requests), requests)
-
     def _probs(self, logits, requests):
         """Sampling distributions [N, vocab] of processed logits: temperature, top-k/top-p, min-p."""
         temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)

@@ -35,6 +35,7 @@ class DraftSequence:
     drafts: list = dataclasses.field(default_factory=list)
     probs: list = dataclasses.field(default_factory=list)
     prompt_logprobs: None = None  # the target collects them, never the draft
+    pooling: None = None  # embedding requests sample nothing, so are never drafted
 
     @property
     def params(self):

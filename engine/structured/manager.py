@@ -112,7 +112,8 @@ class StructuredOutputManager:
         compiler = self._get_compiler()
         try:
             if kind == "json":
-                return compiler.compile_json_schema(text, any_whitespace=any_whitespace)
+                return compiler.compile_json_schema(text, any_whitespace=any_whitespace,
+                                                    max_whitespace_cnt=self.config.max_whitespace_cnt)
             if kind == "regex":
                 return compiler.compile_regex(text)
             return compiler.compile_grammar(text)

@@ -8,6 +8,7 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.core.step_io import SchedulerOutput, Sequence
 from engine.sample.prompt_logprobs import PromptRows, select_rows
+from engine.worker.pooler import PoolingRows
 
 
 @dataclass
@@ -29,12 +30,14 @@ class InputBatch:
     """One step's model inputs and what rank 0 needs to turn its logits into tokens.
 
     sampled: the sequences that sample this step, in logits order (row i has 1 + len(its drafts)
-    logits rows); prompt_rows: hidden-state rows that give prompt logprobs.
+    logits rows); prompt_rows: hidden-state rows that give prompt logprobs; pooling_rows: those of
+    embedding requests.
     """
 
     model_inputs: ModelInputs
     sampled: list[Sequence]
     prompt_rows: list[PromptRows]
+    pooling_rows: list[PoolingRows]
 
 
 def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, device: torch.device) -> InputBatch:
@@ -78,7 +81,9 @@ def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, device: t
     logits_indices = torch.from_numpy(np.repeat(qsl[1:][sampled] - widths, widths) + rank).to(device)
     inputs = ModelInputs(torch.from_numpy(input_ids.astype(np.int64)).to(device), torch.from_numpy(positions).to(device),
                          meta, logits_indices)
-    return InputBatch(inputs, [reqs[i] for i in sampled], select_rows(reqs, starts, counts, qsl))
+    pooling = [PoolingRows(r.request_id, int(qsl[i]), int(counts[i]), bool(seq_lens[i] == r.num_tokens))
+               for i, r in enumerate(reqs) if r.pooling]
+    return InputBatch(inputs, [reqs[i] for i in sampled], select_rows(reqs, starts, counts, qsl), pooling)
 
 
 def _new_token_ids(seq: Sequence, start: int, end: int) -> list[int]:

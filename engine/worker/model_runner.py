@@ -11,7 +11,7 @@ from engine.core.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.distributed.group import TPGroup
 from engine.sample import prompt_logprobs
 from engine.sample.rejection_sampler import RejectionSampler
-from engine.worker import host_memory
+from engine.worker import host_memory, pooler
 from engine.worker.cuda_graph import CUDAGraphRunner
 from engine.worker.input_batch import InputBatch, ModelInputs, prepare_inputs
 from models import get_model_class
@@ -137,33 +137,36 @@ class ModelRunner:
         """The step's forward alone (a draft model's proposals): (float32 CPU logits [N, vocab] at the
         sampled rows, None when N is 0; the sequences that sample, in logits order)."""
         batch = prepare_inputs(scheduler_output, self.block_size, self.device)
-        logits, _ = self.forward(batch.model_inputs, batch)
+        logits, _ = self.forward(batch.model_inputs)
         return (logits.cpu() if logits is not None else None), batch.sampled
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs, batch: InputBatch | None = None) \
-            -> tuple[torch.Tensor | None, dict[str, list]]:
+            -> tuple[torch.Tensor | None, ModelRunnerOutput]:
         """The forward pass of one step (what every tensor-parallel rank runs): float32 logits [N, vocab]
         of the rows at logits_indices (None when N is 0 and on ranks other than 0), and, given rank 0's
-        `batch`, the prompt logprobs its prompt rows give (by request id)."""
+        `batch`, the output of everything but sampling: prompt logprobs and pooled hidden states."""
         meta = inputs.attn_metadata
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)  # plans for the padded batch itself
         else:
             self.backend.plan(meta)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
-        prompt = prompt_logprobs.collect(self.model, hidden, batch.prompt_rows) if batch is not None and batch.prompt_rows else {}
+        out = ModelRunnerOutput()
+        if batch is not None and batch.prompt_rows:
+            out.prompt_logprobs = prompt_logprobs.collect(self.model, hidden, batch.prompt_rows)
+        if batch is not None and batch.pooling_rows:
+            out.pooler_output = pooler.pool(hidden, batch.pooling_rows, self.config.pooler_config.pooling_type)
         if inputs.logits_indices.shape[0] == 0:
-            return None, prompt
-        return self.model.compute_logits(hidden[inputs.logits_indices]), prompt
+            return None, out
+        return self.model.compute_logits(hidden[inputs.logits_indices]), out
 
     @torch.inference_mode()
     def sample(self, scheduler_output: SchedulerOutput, batch: InputBatch,
-               forward_output: tuple[torch.Tensor | None, dict[str, list]]) -> ModelRunnerOutput:
+               forward_output: tuple[torch.Tensor | None, ModelRunnerOutput]) -> ModelRunnerOutput:
         """Rank 0: turns the forward's logits into each sampling request's new tokens (one, or with
         drafts the accepted ones and one more: see RejectionSampler), masked by the step's grammars."""
-        logits, prompt = forward_output
-        out = ModelRunnerOutput(prompt_logprobs=prompt)
+        logits, out = forward_output
         if logits is None:
             return out
         rows = scheduler_output.structured_rows

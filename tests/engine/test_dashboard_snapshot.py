@@ -208,3 +208,16 @@ def test_slot_rate_limit_and_idle_snapshot(llm):
         assert costly.seq == 2 and costly.next_due() > 60
     finally:
         engine.abort_request("busy2")
+
+
+def test_embedding_requests_show_as_embed(llm):
+    engine = llm.engine
+    snapper = Snapshotter(engine)
+    engine.add_request("e", list(range(100, 140)), SamplingParams(max_tokens=0), pooling=True)
+    engine.add_request("g", list(range(200, 240)), SamplingParams(max_tokens=2, **GREEDY))
+    try:
+        kinds = {r["id"]: r["kind"] for r in snapper.take()["requests"]}
+        assert kinds == {"e": "embed", "g": "generate"}
+    finally:
+        engine.abort_request("e")
+        engine.abort_request("g")

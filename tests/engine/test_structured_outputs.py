@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import SamplingParams, StructuredOutputsParams
+from engine import SamplingParams, StructuredOutputsConfig, StructuredOutputsParams
 from engine.sample.bitmask import apply_token_bitmask
 from tests.conftest import assert_greedy_matches, make_llm
 from tests.structured_schemas import random_schemas
@@ -219,3 +219,22 @@ def test_structured_outputs_config_rejects_unknown_keys_and_bad_json():
         StructuredOutputsConfig.from_json("{")
     with pytest.raises(ValueError, match="must be a JSON object"):
         StructuredOutputsConfig.from_json("[1]")
+
+
+def test_json_whitespace_runs_are_bounded(llm):
+    """JSON grammars allow at most max_whitespace_cnt (16) whitespace characters in a row, so a model
+    cannot fill max_tokens with newlines; with the bound off (null) they allow any run."""
+    from engine.structured.manager import StructuredOutputManager
+    from engine.structured.matcher import RequestGrammar
+
+    newline = llm.tokenizer.encode("\n", add_special_tokens=False)
+    brace = llm.tokenizer.encode("{", add_special_tokens=False)
+    assert len(newline) == len(brace) == 1
+    spec = StructuredOutputsParams(json_object=True)
+    for bound, accepted in [(16, 16), (None, 40)]:
+        engine = llm.engine
+        manager = StructuredOutputManager(llm.tokenizer, engine.vocab_size, engine.eos_token_ids,
+                                          StructuredOutputsConfig(max_whitespace_cnt=bound))
+        grammar = RequestGrammar(manager.compile(spec).result())
+        assert grammar.accept_tokens(brace + newline * 40) == 1 + accepted
+        manager.shutdown()
