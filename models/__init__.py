@@ -6,6 +6,7 @@ _REGISTRY = {
     "LlamaForCausalLM": (LlamaForCausalLM, {}),
     "MistralForCausalLM": (LlamaForCausalLM, {}),
     "Qwen2ForCausalLM": (LlamaForCausalLM, {"qkv_bias": True}),
+    "Qwen3ForCausalLM": (LlamaForCausalLM, {"qk_norm": True}),
 }
 
 

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a paged KV cache.
 
 Llama: Touvron et al. 2023; RMSNorm (Zhang & Sennrich 2019), rotary embeddings (Su et al. 2021),
 grouped-query attention (Ainslie et al. 2023), SwiGLU (Shazeer 2020). Tokens of all sequences in a
@@ -28,6 +28,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         return ops.add_rms_norm(residual, delta, self.weight, self.eps)
+
+
+class HeadRMSNorm(nn.Module):
+    """Qwen3's RMSNorm over each head's features (q_norm, k_norm): x [T, heads, head_dim] -> the same
+    shape and dtype, normalised in float32 as transformers does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
@@ -75,7 +88,8 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, shape: ModelShape, backend: AttentionBackend, bias: bool, tp: TPGroup | None):
+    def __init__(self, shape: ModelShape, backend: AttentionBackend, bias: bool, tp: TPGroup | None,
+                 qk_norm_eps: float | None = None):
         super().__init__()
         # this rank's heads (all of them without tensor parallelism)
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
@@ -84,6 +98,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear.qkv(shape, bias, tp)
         self.o_proj = RowParallelLinear(shape.total_num_heads * self.head_dim, shape.hidden_size, tp)
         self.backend = backend
+        # Qwen3 normalises each query and key head before the rotation
+        self.q_norm = HeadRMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = HeadRMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -98,6 +115,9 @@ class LlamaAttention(nn.Module):
         """
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # views of qkv
+        if self.q_norm is not None:
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
         ops.rotary_(qkv[:, :self.num_heads + self.num_kv_heads], *rope)  # q and k in place, in one go
         o = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(o.view(-1, self.q_size))
@@ -114,10 +134,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, shape: ModelShape, backend, bias, tp):
+    def __init__(self, config, shape: ModelShape, backend, bias, tp, qk_norm: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(shape, backend, bias, tp)
+        self.self_attn = LlamaAttention(shape, backend, bias, tp, config.rms_norm_eps if qk_norm else None)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
@@ -134,18 +154,18 @@ class LlamaForCausalLM(nn.Module):
     `forward` maps a flat step batch (input_ids, positions: int64 [T]) to hidden states
     [T, hidden_size]; `compute_logits` maps selected hidden states [N, hidden] to float32 logits
     [N, vocab] (on rank 0 only under tensor parallelism). `qkv_bias` is True for Qwen2 (and any config
-    with `attention_bias`). `shape` is this rank's (models.config); with `tp`, this rank holds its shard
+    with `attention_bias`); `qk_norm` for Qwen3 (per-head RMSNorm of queries and keys). `shape` is this rank's (models.config); with `tp`, this rank holds its shard
     of every layer (engine/distributed).
     """
 
     def __init__(self, config, shape: ModelShape, backend: AttentionBackend, max_model_len: int,
-                 qkv_bias: bool = False, tp: TPGroup | None = None):
+                 qkv_bias: bool = False, qk_norm: bool = False, tp: TPGroup | None = None):
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_model_len)
         bias = qkv_bias or bool(getattr(config, "attention_bias", False))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, shape, backend, bias, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, shape, backend, bias, tp, qk_norm)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

@@ -14,7 +14,7 @@ import shutil
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
@@ -24,6 +24,7 @@ CONFIGS = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "qwen2": lambda: Qwen2Config(**COMMON),
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),  # head_dim is not hidden_size / heads there
 }
 
 
@@ -40,6 +41,10 @@ def save_tiny_model(arch: str, path, tokenizer_dir: str, **overrides):
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.self_attn.q_proj.bias, std=0.5)
             torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=0.5)
+    if arch == "qwen3":  # the q/k norms start at ones; make them matter
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.q_norm.weight, mean=1.0, std=0.5)
+            torch.nn.init.normal_(layer.self_attn.k_norm.weight, mean=1.0, std=0.5)
     model.save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(tokenizer_dir, f), path)

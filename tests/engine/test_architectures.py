@@ -1,6 +1,7 @@
 """Each supported architecture against transformers, on tiny random models saved as HF directories
 (scripts/make_tiny_model.py):
-Llama 3 (llama3 RoPE scaling, untied LM head), Qwen2 (q/k/v biases), Mistral. Plus the registry error."""
+Llama 3 (llama3 RoPE scaling, untied LM head), Qwen2 (q/k/v biases), Mistral, Qwen3 (per-head q/k RMSNorm,
+head_dim apart from hidden_size / heads). Plus the registry error."""
 import pytest
 import torch
 
