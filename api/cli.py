@@ -15,6 +15,7 @@ from api.app import build_app
 from api.data_parallel import ROUTER_POLICIES
 from api.drain import Drain
 from api.serving import ServerSettings
+from api.reasoning import REASONING_PARSERS
 from api.tool_calls import TOOL_CALL_PARSERS
 from engine import AsyncEngine, EngineConfig, StructuredOutputsConfig
 from engine.distributed.group import EngineDeadError
@@ -105,6 +106,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="how tool calls are read from the output with --enable-auto-tool-choice: hermes = "
                         "<tool_call>{...}</tool_call> blocks (Hermes, Qwen)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split <think>...</think> out of chat replies into reasoning_content (and reasoning): "
+                        "deepseek_r1 (the template opens the block) or qwen3 (only when the reply starts with <think>)")
     p.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the live dashboard page at /dashboard (default: on; --no-dashboard: 404)")
     p.add_argument("--shutdown-timeout", type=float, default=30, metavar="SECONDS",
@@ -226,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                               chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
                               tool_call_parser=args.tool_call_parser, enable_dashboard=args.dashboard,
+                              reasoning_parser=args.reasoning_parser,
                               data_parallel_rank=args.data_parallel_rank)
     app = build_app(engine, settings)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,

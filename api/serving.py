@@ -30,7 +30,8 @@ class ServerSettings:
     max_request_body_bytes: larger bodies get 413. enable_auto_tool_choice, tool_call_parser: tool_choice
     "auto" parses the model's calls with this parser (vLLM's flags; both are needed). enable_dashboard:
     serve /dashboard (api/dashboard.py). data_parallel_rank: this replica's rank behind a router
-    (labels /metrics as `engine`), None when serving alone.
+    (labels /metrics as `engine`), None when serving alone. reasoning_parser: --reasoning-parser
+    (api/reasoning.py), None to leave <think> blocks in the content.
     """
 
     served_model_name: str
@@ -42,6 +43,7 @@ class ServerSettings:
     tool_call_parser: str | None = None
     enable_dashboard: bool = True
     data_parallel_rank: int | None = None
+    reasoning_parser: str | None = None
 
 
 def is_json_content_type(value: str) -> bool:
@@ -98,13 +100,14 @@ class ServingContext:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
 
     def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+                    add_special_tokens: bool = False, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a conversation (and the tool definitions, for templates that render them) through
-        the chat template. Raises APIError 400 when the template rejects it (or the model has none and
-        no --chat-template was given)."""
+        the chat template, given `template_kwargs` (e.g. {"enable_thinking": false}). Raises APIError 400
+        when the template rejects it (or the model has none and no --chat-template was given)."""
         try:
             return encode_chat(self.tokenizer, [m.to_template() for m in messages], self.settings.chat_template,
-                               add_generation_prompt, tools, add_special_tokens)
+                               add_generation_prompt, tools, add_special_tokens, **(template_kwargs or {}))
         except (TemplateError, ValueError, TypeError) as e:
             raise APIError(400, f"the chat template could not render the messages: {e}", param="messages") from None
 

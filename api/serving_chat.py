@@ -9,12 +9,13 @@ from starlette.responses import Response
 from api.generation import Generation, final_response
 from api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from api.protocol import ChatCompletionRequest
+from api.reasoning import ReasoningParser, split_reasoning
 from api.errors import APIError
 from api.serving import ServingContext
 from api.streaming import sse_response
 from api.structured_outputs import structured_outputs_params
 from api.tool_calls import ToolCalls, finish_reason
-from engine import RequestOutput, SamplingParams
+from engine import RequestOutput, SamplingParams, StructuredOutputsParams
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -24,13 +25,7 @@ async def create_chat_completion(request: Request) -> Response:
     ctx: ServingContext = request.app.state.serving
     req = await ctx.parse(request, ChatCompletionRequest)
     prompt, params, tools = prepare_chat(ctx, req)
-    spec, param = structured_outputs_params(req)
-    if tools.constraint is not None:
-        if spec is not None:
-            raise APIError(400, f"use either an output constraint ({param}) or tool_choice \"required\" / a named "
-                                f"function, not both", param=param)
-        spec, param = tools.constraint, "tools"
-    await ctx.constrain(params, spec, param)
+    await ctx.constrain(params, *output_constraint(tools, *structured_outputs_params(req)))
     view = _ChatCompletion(ctx, req, len(prompt), tools)
     generation = ctx.start([prompt], params, view.id)
     if req.stream:
@@ -43,13 +38,28 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[list[
     (output constraints aside) and the request's tool calling. Raises APIError 400."""
     s = ctx.settings
     tools = ToolCalls(req, s.tool_call_parser if s.enable_auto_tool_choice else None)
-    prompt = ctx.encode_chat(req.messages, req.add_generation_prompt, tools=tools.template_tools)
+    prompt = ctx.encode_chat(req.messages, req.add_generation_prompt, tools=tools.template_tools,
+                             template_kwargs=req.chat_template_kwargs)
     max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     max_tokens = ctx.max_tokens_for(len(prompt), req.requested_max_tokens, "messages", max_param)
     params = ctx.sampling_params(req, max_tokens, req.engine_logprobs)
     if tools.skip_special_tokens is not None:
         params.skip_special_tokens = tools.skip_special_tokens
     return prompt, params, tools
+
+
+def output_constraint(tools: ToolCalls, spec: StructuredOutputsParams | None,
+                      param: str | None) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the constraint, the request field it came from) of a request whose own output constraint is `spec`
+    (from field `param`): that, or the grammar of its forced tool calls ("tools"), or (None, None).
+
+    Raises APIError 400 naming `param` when the request has both."""
+    if tools.constraint is None:
+        return spec, param
+    if spec is not None:
+        raise APIError(400, f"use either an output constraint ({param}) or tool_choice \"required\" / a named "
+                            f"function, not both", param=param)
+    return tools.constraint, "tools"
 
 
 class _ChatCompletion:
@@ -72,11 +82,20 @@ class _ChatCompletion:
     def _logprobs(self, logprobs) -> dict | None:
         return chat_logprobs(logprobs, self.ctx.token_text) if self.req.logprobs else None
 
+    def _reasoning(self, reasoning: str | None) -> dict:
+        """vLLM's `reasoning_content` and newer `reasoning` fields, with a --reasoning-parser only."""
+        return {"reasoning_content": reasoning, "reasoning": reasoning} if self.ctx.settings.reasoning_parser else {}
+
     def response(self, output: RequestOutput) -> dict:
         choices = []
         for c in output.outputs:
-            content, calls = self.tools.parse(c.text)
-            message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+            reasoning, text = split_reasoning(self.ctx.settings.reasoning_parser, c.text) \
+                if self.ctx.settings.reasoning_parser else (None, c.text)
+            content, calls = self.tools.parse(text)
+            if reasoning is not None and not content:
+                content = None  # all of it was reasoning (cut while thinking), as vLLM reports it
+            message = {"role": "assistant", "content": content} | self._reasoning(reasoning) \
+                | ({"tool_calls": calls} if calls else {})
             choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
                             "finish_reason": finish_reason(c.finish_reason, calls, self.tools.mode),
                             "stop_reason": c.stop_reason})
@@ -101,6 +120,8 @@ class _ChatCompletion:
         sent_chars, sent_logprobs, num_tokens, cached, metrics = {}, {}, {}, 0, None
         prompt_field = None
         streams = [self.tools.streamer() for _ in range(self.req.n)]
+        parser = self.ctx.settings.reasoning_parser
+        thinking = [ReasoningParser(parser) if parser else None for _ in range(self.req.n)]
         async for _, out in generation:
             cached, metrics = out.num_cached_tokens, out.metrics
             if prompt_field is None:
@@ -108,12 +129,19 @@ class _ChatCompletion:
                 if prompt_field:
                     yield self._body("chat.completion.chunk", []) | prompt_field | usage_field
             for c in out.outputs:
-                text, calls = streams[c.index].feed(c.text[sent_chars.get(c.index, 0):], c.finish_reason is not None)
+                finished, new_text, reasoning = c.finish_reason is not None, c.text[sent_chars.get(c.index, 0):], ""
+                if thinking[c.index] is not None:
+                    reasoning, new_text = thinking[c.index].feed(new_text)
+                    if finished:
+                        tail_reasoning, tail_text = thinking[c.index].finish()
+                        reasoning, new_text = reasoning + tail_reasoning, new_text + tail_text
+                text, calls = streams[c.index].feed(new_text, finished)
                 logprobs = self._logprobs(c.logprobs[sent_logprobs.get(c.index, 0):]) if self.req.logprobs else None
                 sent_chars[c.index], num_tokens[c.index] = len(c.text), len(c.token_ids)
                 sent_logprobs[c.index] = len(c.logprobs or ())
-                if text or calls or c.finish_reason or (logprobs and logprobs["content"]):
-                    delta = ({"content": text} if text else {}) | ({"tool_calls": calls} if calls else {})
+                if text or calls or reasoning or finished or (logprobs and logprobs["content"]):
+                    delta = ({"content": text} if text else {}) | (self._reasoning(reasoning) if reasoning else {}) \
+                        | ({"tool_calls": calls} if calls else {})
                     reason = finish_reason(c.finish_reason, streams[c.index].calls, self.tools.mode)
                     yield self._body("chat.completion.chunk", [
                         {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,

@@ -45,6 +45,7 @@ class TPGroup:
             self.device_group = self.cpu_group
         self.error: str | None = None
         self.workers = None
+        self._open_groups = list({id(g): g for g in (self.device_group, self.cpu_group)}.values())
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums x (any shape and dtype, on `device`) over the ranks, in place; returns x."""
@@ -111,6 +112,15 @@ class TPGroup:
         so its communicators are aborted to release the kernels waiting on it."""
         if self.device_group is not self.cpu_group:
             self.device_group.abort()
+
+    def close(self) -> None:
+        """Rank 0, once the other ranks have stopped: shuts the process groups down while the
+        interpreter is alive (a gloo worker thread left to interpreter teardown can abort the process,
+        pytorch #190489). Idempotent; collectives after it raise EngineDeadError."""
+        self.error = self.error or "the engine was shut down"
+        groups, self._open_groups = self._open_groups, []
+        for group in groups:
+            group.shutdown()
 
     def _run(self, op, *args) -> None:
         """Runs the collective `op(*args)` to completion; raises EngineDeadError if it fails or the

@@ -78,6 +78,7 @@ class TensorParallelExecutor(Executor):
 
     def shutdown(self) -> None:
         self.workers.shutdown()
+        self.group.close()
 
 
 def build_rank_runner(config: EngineConfig, hf_config, model_dir: str, group: TPGroup) -> ModelRunner:

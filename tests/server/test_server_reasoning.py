@@ -1,0 +1,49 @@
+"""--reasoning-parser and chat_template_kwargs through the openai SDK: a chat template that opens a
+think block (unless enable_thinking is false), output forced by a regex into thinking + answer."""
+import pytest
+
+from tests.server_harness import cli_args, ENGINE_ARGS
+
+pytest_plugins = ["server_harness"]
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}{% endif %}")
+FORCED = {"structured_outputs": {"regex": r"Two and two make four\.</think>The answer is 4\."}}
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(server_factory, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "think.jinja"
+    template.write_text(TEMPLATE)
+    return server_factory(*cli_args(**ENGINE_ARGS), "--reasoning-parser", "deepseek_r1",
+                          "--chat-template", str(template))
+
+
+def extra(obj, name):
+    return getattr(obj, name, None) or (obj.model_extra or {}).get(name)
+
+
+@pytest.mark.slow
+async def test_reasoning_is_split_whole_and_streamed(reasoning_server):
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=f"{reasoning_server.url}/v1", api_key="unused", max_retries=0) as client:
+        r = await client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=40,
+                                                 temperature=0, extra_body=FORCED)
+        message = r.choices[0].message
+        assert extra(message, "reasoning_content") == extra(message, "reasoning") == "Two and two make four."
+        assert message.content == "The answer is 4."
+        reasoning = content = ""
+        stream = await client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES,
+                                                      max_tokens=40, temperature=0, extra_body=FORCED, stream=True)
+        async for chunk in stream:
+            for choice in chunk.choices:
+                reasoning += extra(choice.delta, "reasoning_content") or ""
+                content += choice.delta.content or ""
+        assert (reasoning, content) == ("Two and two make four.", "The answer is 4.")
+        # the template's variables: without the think block the prompt is shorter by its tokens
+        plain = await client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=1,
+                                                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert 0 < r.usage.prompt_tokens - plain.usage.prompt_tokens <= 4
