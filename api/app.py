@@ -16,11 +16,13 @@ from api.drain import DrainMiddleware
 from api.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from api.openapi import docs_routes, openapi_document
 from api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
+from api.protocol_anthropic import CountTokensRequest, MessagesRequest
 from api.protocol_responses import ResponsesRequest
 from api.serving import ServerSettings, ServingContext
 from api.serving_chat import create_chat_completion
 from api.serving_completions import create_completion
 from api.serving_embeddings import create_embedding
+from api.serving_messages import count_message_tokens, create_message
 from api.serving_responses import create_response
 from api.serving_router import get_load, get_server_info, render_chat_completion, render_completion
 from api.serving_tokenize import detokenize, tokenize
@@ -71,6 +73,8 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/embeddings", create_embedding, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/messages", create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
@@ -86,6 +90,7 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
         routes += dashboard_routes()
     bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
               "/v1/embeddings": EmbeddingRequest, "/v1/responses": ResponsesRequest,
+              "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
               "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
     routes += docs_routes(openapi_document(routes, bodies, "minivllm OpenAI-compatible API", __version__))
     middleware = [Middleware(DrainMiddleware, drain=ctx.drain),

@@ -44,7 +44,8 @@ class Drain:
 
 class DrainMiddleware:
     """Plain ASGI middleware (streams pass through untouched): counts each HTTP request until its
-    response is sent; while draining, new requests get 503 with Retry-After and the OpenAI error body."""
+    response is sent; while draining, new requests get 503 with Retry-After and the OpenAI (on Anthropic's
+    routes, Anthropic's) error body."""
 
     def __init__(self, app: ASGIApp, drain: Drain, retry_after: int = 5):
         self.app = app
@@ -57,7 +58,7 @@ class DrainMiddleware:
         if self.drain.draining and scope["path"] not in _SERVED_WHILE_DRAINING:
             error = APIError(503, "the server is shutting down; retry on another replica or later",
                              code="shutting_down", headers={"Retry-After": self.retry_after})
-            return await error.response()(scope, receive, send)
+            return await error.response(scope["path"])(scope, receive, send)
         self.drain.enter()
         try:
             await self.app(scope, receive, send)

@@ -2,6 +2,8 @@
 
 Every failure the server reports goes through `APIError`, so a client always gets the same JSON shape
 and never a traceback; unexpected exceptions are logged here with theirs and answered with a plain 500.
+Anthropic's routes (`/v1/messages...`) answer the same errors in Anthropic's shape,
+`{"type": "error", "error": {"type", "message"}}`, which the anthropic SDK reads.
 """
 import orjson
 from pydantic import ValidationError
@@ -13,6 +15,17 @@ from starlette.responses import Response
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
                 500: "server_error", 503: "server_error"}
+# Anthropic's `type` for each status we send (its API's error types; "invalid_request_error" also covers the
+# other 4xx). 503 (busy, shutting down) is what Anthropic's 529 "overloaded_error" says.
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                          405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error",
+                          500: "api_error", 503: "overloaded_error"}
+_ANTHROPIC_PATH = "/v1/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether `path` is one of Anthropic's routes (/v1/messages and the paths under it)."""
+    return path == _ANTHROPIC_PATH or path.startswith(_ANTHROPIC_PATH + "/")
 
 
 class JSONResponse(Response):
@@ -25,7 +38,7 @@ class JSONResponse(Response):
 
 
 class APIError(Exception):
-    """A request failure to report to the client as an OpenAI error body with HTTP `status`.
+    """A request failure to report to the client as an OpenAI (or Anthropic) error body with HTTP `status`.
 
     param: the request field at fault (None when no single field is); code: OpenAI's machine-readable code.
     headers: extra response headers, e.g. Retry-After for 503.
@@ -45,8 +58,16 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        """The body in Anthropic's shape (no param or code: Anthropic's has none), also used as the `error`
+        event when a Messages stream fails after it started."""
+        return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(self.status, "api_error"),
+                                           "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error response to a request for `path`: in Anthropic's shape on its routes, OpenAI's elsewhere."""
+        body = self.anthropic_body() if is_anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
@@ -59,21 +80,21 @@ def from_validation_error(exc: ValidationError) -> APIError:
 
 
 async def handle_api_error(request: Request, exc: APIError) -> Response:
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def handle_http_exception(request: Request, exc: HTTPException) -> Response:
-    """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
+    """Starlette's own errors (unknown route, wrong method) in OpenAI's (or Anthropic's) shape."""
     if exc.status_code == 404:
         message = f"Invalid URL ({request.method} {request.url.path})"
     elif exc.status_code == 405:
         message = f"Method {request.method} not allowed on {request.url.path}"
     else:
         message = str(exc.detail)
-    return APIError(exc.status_code, message, headers=exc.headers).response()
+    return APIError(exc.status_code, message, headers=exc.headers).response(request.url.path)
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
     """Last resort: answer without the traceback (Starlette re-raises the exception afterwards, and
     uvicorn logs it with its traceback)."""
-    return APIError(500, "internal server error; the server log has the details").response()
+    return APIError(500, "internal server error; the server log has the details").response(request.url.path)

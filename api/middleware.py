@@ -13,20 +13,24 @@ OPEN_PREFIXES = ("/docs/static/", "/dashboard/static/")
 
 
 class APIKeyMiddleware:
-    """Answers 401 unless the request carries `Authorization: Bearer <api_key>`; OPEN_PATHS and
-    paths under OPEN_PREFIXES are exempt."""
+    """Answers 401 unless the request carries `Authorization: Bearer <api_key>` (OpenAI's clients) or
+    `x-api-key: <api_key>` (Anthropic's); OPEN_PATHS and paths under OPEN_PREFIXES are exempt."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._bearer = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self._expected):
-                response = APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
-                                    code="invalid_api_key").response()
+            headers = dict(scope["headers"])
+            # both compared, so the time taken does not tell which header was close
+            bearer_ok = secrets.compare_digest(headers.get(b"authorization", b""), self._bearer)
+            key_ok = secrets.compare_digest(headers.get(b"x-api-key", b""), self._key)
+            if not (bearer_ok or key_ok):
+                response = APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>` or "
+                                         "`x-api-key: <key>`.", code="invalid_api_key").response(path)
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -47,7 +51,7 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await self._too_large().response()(scope, receive, send)
+            return await self._too_large().response(scope["path"])(scope, receive, send)
         total = 0
 
         async def limited_receive() -> Message:

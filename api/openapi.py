@@ -3,6 +3,7 @@ and GET /docs, Swagger UI rendering it from the assets the `swagger-ui-py` packa
 fetches nothing from a CDN, so it works offline)."""
 import importlib.util
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
@@ -10,10 +11,10 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, Response
 from starlette.routing import Route
 
-from api.errors import APIError, JSONResponse
+from api.errors import APIError, JSONResponse, is_anthropic_path
 
-# Status codes any route may answer with the OpenAI error body (413 body limit, 415 content type and
-# 401 with --api-key come from middleware and parsing; 503 from admission and shutdown).
+# Status codes any route may answer with the OpenAI error body, Anthropic's on its routes (413 body limit,
+# 415 content type and 401 with --api-key come from middleware and parsing; 503 from admission and shutdown).
 _ERROR_STATUSES = {"400": "Invalid request", "401": "Missing or wrong API key (with --api-key)",
                    "404": "Unknown model", "413": "Request body too large",
                    "415": "Body not sent as `Content-Type: application/json`",
@@ -31,9 +32,21 @@ class ErrorInfo(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    """OpenAI's error body, which every 4xx and 5xx of this server carries."""
+    """OpenAI's error body, which every 4xx and 5xx of this server carries (but Anthropic's routes')."""
 
     error: ErrorInfo
+
+
+class AnthropicErrorInfo(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error body, which every 4xx and 5xx of its routes (/v1/messages...) carries."""
+
+    type: Literal["error"]
+    error: AnthropicErrorInfo
 
 
 def openapi_document(routes: list[Route], request_bodies: dict[str, type[BaseModel]], title: str,
@@ -41,11 +54,11 @@ def openapi_document(routes: list[Route], request_bodies: dict[str, type[BaseMod
     """An OpenAPI 3.1 document for `routes` (their methods, and the first docstring line of their
     endpoint as summary); `request_bodies` maps a path to the model its JSON body is validated with.
     """
-    models = [*request_bodies.values(), ErrorResponse]
+    models = [*request_bodies.values(), ErrorResponse, AnthropicErrorResponse]
     names, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
-    error_ref = names[(ErrorResponse, "validation")]
-    errors = {code: {"description": text, "content": {"application/json": {"schema": error_ref}}}
-              for code, text in _ERROR_STATUSES.items()}
+    errors = {body: {code: {"description": text, "content": {"application/json": {
+                  "schema": names[(body, "validation")]}}} for code, text in _ERROR_STATUSES.items()}
+              for body in (ErrorResponse, AnthropicErrorResponse)}
     paths: dict[str, dict] = {}
     for route in routes:
         if not isinstance(route, Route) or not route.include_in_schema:
@@ -58,7 +71,7 @@ def openapi_document(routes: list[Route], request_bodies: dict[str, type[BaseMod
                 op["requestBody"] = {"required": True, "content": {"application/json": {
                     "schema": names[(model, "validation")]}}}
                 op["responses"] = {"200": {"description": "Success; `stream: true` answers text/event-stream"}} \
-                    | errors
+                    | errors[AnthropicErrorResponse if is_anthropic_path(route.path) else ErrorResponse]
             else:
                 op["responses"] = {"200": {"description": "Success"}}
             paths.setdefault(route.path, {})[method.lower()] = op

@@ -36,16 +36,23 @@ async def create_chat_completion(request: Request) -> Response:
 def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolCalls]:
     """The conversation as token ids (through the chat template, with the tools), the sampling parameters
     (output constraints aside) and the request's tool calling. Raises APIError 400."""
-    s = ctx.settings
-    tools = ToolCalls(req, s.tool_call_parser if s.enable_auto_tool_choice else None)
-    prompt = ctx.encode_chat(req.messages, req.add_generation_prompt, tools=tools.template_tools,
-                             template_kwargs=req.chat_template_kwargs)
+    prompt, tools = render_chat(ctx, req)
     max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     max_tokens = ctx.max_tokens_for(len(prompt), req.requested_max_tokens, "messages", max_param)
     params = ctx.sampling_params(req, max_tokens, req.engine_logprobs)
     if tools.skip_special_tokens is not None:
         params.skip_special_tokens = tools.skip_special_tokens
     return prompt, params, tools
+
+
+def render_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[list[int], ToolCalls]:
+    """The conversation as token ids (through the chat template, with the tools it renders) and the request's
+    tool calling. Raises APIError 400 for bad tools or tool_choice, or a conversation the template rejects."""
+    s = ctx.settings
+    tools = ToolCalls(req, s.tool_call_parser if s.enable_auto_tool_choice else None)
+    prompt = ctx.encode_chat(req.messages, req.add_generation_prompt, tools=tools.template_tools,
+                             template_kwargs=req.chat_template_kwargs)
+    return prompt, tools
 
 
 def output_constraint(tools: ToolCalls, spec: StructuredOutputsParams | None,

@@ -9,9 +9,6 @@ import time
 import uuid
 from typing import AsyncIterator
 
-import orjson
-from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -20,6 +17,7 @@ from api.generation import Generation, final_response
 from api.protocol_responses import ResponsesRequest
 from api.serving import ServingContext
 from api.serving_chat import output_constraint, prepare_chat
+from api.streaming import typed_event_response
 from api.tool_calls import ToolCalls
 from engine import RequestOutput
 
@@ -44,7 +42,7 @@ async def create_response(request: Request) -> Response:
     view = _Response(ctx, req, len(prompt), tools)
     generation = ctx.start([prompt], params, view.id)
     if req.stream:
-        return _event_stream(view.stream(generation), generation)
+        return typed_event_response(view.stream(generation), generation)
     return await final_response(request, generation, lambda outputs: view.response(outputs[0]))
 
 
@@ -205,16 +203,3 @@ class _OutputEvents:
             events = [self.event("response.function_call_arguments.done", **self._ids(), arguments=item["arguments"])]
         return events + [self.event("response.output_item.done", output_index=len(self.items) - 1,
                                     item=copy.deepcopy(item))]
-
-
-def _event_stream(events: AsyncIterator[dict], generation: Generation) -> EventSourceResponse:
-    """Streams `events` as OpenAI (and vLLM) send Responses events: `event: <type>` and `data: <json>` per
-    event, no [DONE]. Otherwise as `api.streaming.sse_response`: no keep-alive comments, the engine request
-    aborted when the client leaves, `generation` closed after the response in any case."""
-
-    async def encoded():
-        async for event in events:
-            yield ServerSentEvent(orjson.dumps(event).decode(), event=event["type"], sep="\n")
-
-    return EventSourceResponse(encoded(), sep="\n", ping=0, background=BackgroundTask(generation.aclose),
-                               shutdown_grace_period=5, send_timeout=30)

@@ -1,9 +1,11 @@
-"""Server-Sent Events as OpenAI sends them: `data: {json}\\n\\n` per chunk, then `data: [DONE]`."""
+"""Server-Sent Events as OpenAI sends them: `data: {json}\\n\\n` per chunk, then `data: [DONE]`; and typed
+events (`event: <type>` before each `data:` line), as Anthropic's Messages API (and OpenAI's Responses API)
+send them."""
 import logging
 from typing import AsyncIterator
 
 import orjson
-from sse_starlette import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 
 from api.errors import APIError
@@ -34,4 +36,19 @@ def sse_response(chunks: AsyncIterator[dict], generation: Generation) -> EventSo
     # and [DONE]; the grace period lets that reach the client before sse-starlette cancels the stream.
     # A client that stops reading for `send_timeout` seconds is dropped, which aborts its request.
     return EventSourceResponse(events(), sep="\n", ping=0, background=BackgroundTask(generation.aclose),
+                               shutdown_grace_period=5, send_timeout=30)
+
+
+def typed_event_response(events: AsyncIterator[dict], generation: Generation) -> EventSourceResponse:
+    """Streams `events` (dicts with a `type`) as SSE messages of an `event: <type>` line and a `data: <json>`
+    line, with no [DONE], as Anthropic's Messages and OpenAI's Responses streams are sent (the anthropic SDK
+    skips messages without an event line).
+    `events` reports its own failures as events. Otherwise as `sse_response`: no keep-alive comments, the
+    engine requests aborted when the client leaves, `generation` closed after the response in any case."""
+
+    async def encoded():
+        async for event in events:
+            yield ServerSentEvent(orjson.dumps(event).decode(), event=event["type"], sep="\n")
+
+    return EventSourceResponse(encoded(), sep="\n", ping=0, background=BackgroundTask(generation.aclose),
                                shutdown_grace_period=5, send_timeout=30)

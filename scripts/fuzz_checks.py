@@ -1,18 +1,21 @@
 """Schemathesis hooks for scripts/fuzz.py (loaded through SCHEMATHESIS_HOOKS): every error response
-must carry OpenAI's error body."""
+must carry OpenAI's error body (Anthropic's on Anthropic's routes)."""
 import schemathesis
 
 
 @schemathesis.check
 def openai_error_body(ctx, response, case):
-    """A 4xx/5xx answer is JSON {"error": {"message": str, "type": str, "param", "code"}}."""
+    """A 4xx/5xx answer is JSON {"error": {"message": str, "type": str, "param", "code"}}; on Anthropic's
+    routes (/v1/messages...) it is {"type": "error", "error": {"type": str, "message": str}}."""
     if response.status_code < 400:
         return None
+    anthropic = case is not None and case.path.startswith("/v1/messages")
     try:
-        error = response.json()["error"]
+        body = response.json()
+        error = body["error"]
     except Exception:
-        raise AssertionError(f"{response.status_code} without OpenAI's error body: {response.text[:200]!r}")
+        raise AssertionError(f"{response.status_code} without an error body: {response.text[:200]!r}")
     if not (isinstance(error, dict) and isinstance(error.get("message"), str) and isinstance(error.get("type"), str)
-            and {"param", "code"} <= error.keys()):
-        raise AssertionError(f"{response.status_code} with a malformed error body: {error!r}")
+            and (body.get("type") == "error" if anthropic else {"param", "code"} <= error.keys())):
+        raise AssertionError(f"{response.status_code} with a malformed error body: {body!r}")
     return None
