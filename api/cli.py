@@ -104,8 +104,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide on tool calls (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                   help="how tool calls are read from the output with --enable-auto-tool-choice: hermes = "
-                        "<tool_call>{...}</tool_call> blocks (Hermes, Qwen)")
+                   help="how tool calls are read from the output with --enable-auto-tool-choice (vLLM's "
+                        "parsers): hermes = <tool_call>{...}</tool_call> blocks (Hermes, Qwen); llama3_json = "
+                        "[<|python_tag|>]{\"name\", \"parameters\"} objects separated by ; (Llama 3.1/3.2); "
+                        "pythonic = [f(a=1), g(b='x')] (Llama 3.2 1B/3B, Llama 4); mistral = [TOOL_CALLS] then a "
+                        "JSON array of {\"name\", \"arguments\"}")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split <think>...</think> out of chat replies into reasoning_content (and reasoning): "
                         "deepseek_r1 (the template opens the block) or qwen3 (only when the reply starts with <think>)")

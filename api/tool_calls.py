@@ -7,10 +7,11 @@ tool_choice, as in vLLM:
   arguments; finish_reason stays "stop" (OpenAI's behaviour).
 - "required": the output is constrained to vLLM's schema, a JSON array of {"name", "parameters"} with
   each tool's own parameters (one item at most without parallel_tool_calls); finish_reason "tool_calls".
-- "auto" (the default when tools are given; needs --enable-auto-tool-choice --tool-call-parser hermes):
-  the model decides; `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes / Qwen
-  format) are extracted, the text before the first one is the content.
+- "auto" (the default when tools are given; needs --enable-auto-tool-choice --tool-call-parser NAME):
+  the model decides; the calls are read out of its text by one of vLLM's tool parsers, by the same names
+  (`TOOL_CALL_PARSERS`): hermes, llama3_json, pythonic, mistral (see their classes for the formats).
 """
+import ast
 import json
 import re
 import uuid
@@ -18,11 +19,6 @@ import uuid
 from api.errors import APIError
 from api.protocol import ChatCompletionRequest
 from engine import StructuredOutputsParams
-
-TOOL_CALL_PARSERS = ("hermes",)
-_HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
-
 
 def _tool_call(name: str, arguments: str) -> dict:
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
@@ -43,6 +39,7 @@ class ToolCalls:
 
     def __init__(self, req: ChatCompletionRequest, auto_parser: str | None):
         self.mode, self.named = None, None
+        self.parser: ToolParser | None = None  # the auto parser, in mode "auto"
         self.template_tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         self.constraint: StructuredOutputsParams | None = None
         if req.tools is not None and not req.tools:
@@ -58,7 +55,7 @@ class ToolCalls:
                 raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                     'to be set (or give tool_choice "none", "required" or a named function)',
                                param="tool_choice")
-            self.mode = "auto"
+            self.mode, self.parser = "auto", _PARSERS[auto_parser]
         elif choice == "required":
             self.mode = "required"
             items = [{"properties": {"name": {"type": "string", "enum": [name]},
@@ -79,7 +76,8 @@ class ToolCalls:
 
     @property
     def skip_special_tokens(self) -> bool | None:
-        """False with the hermes parser (models may have <tool_call> as a special token), as vLLM does."""
+        """False with an auto parser, as vLLM does: the markers of the calls (<tool_call>, <|python_tag|>,
+        [TOOL_CALLS]) may be special tokens of the model."""
         return False if self.mode == "auto" else None
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
@@ -93,13 +91,9 @@ class ToolCalls:
                 return None, [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
             except (ValueError, TypeError, KeyError):
                 return text, []
-        if self.mode == "auto" and _HERMES_START in text:
-            try:
-                calls = [json.loads(a or b) for a, b in _HERMES.findall(text)]
-                calls = [_tool_call(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in calls]
-            except (ValueError, TypeError, KeyError):
-                return text, []
-            return text[:text.index(_HERMES_START)] or None, calls
+        if self.mode == "auto":
+            content, calls = self.parser.extract(text)
+            return content, [_tool_call(name, arguments) for name, arguments in calls]
         return text, []
 
     def streamer(self) -> "ToolCallStream":
@@ -118,13 +112,15 @@ class ToolCallStream:
     A call's first item carries `index`, `id`, `type` and `function.name` (and `arguments` so far), later
     ones only `index` and more `function.arguments`. Named calls stream their arguments as they are
     generated; "required" calls are sent when the output is complete (the JSON array must parse);
-    "auto" sends text before `<tool_call>` as content and each call once its `</tool_call>` arrives.
+    "auto" sends content as soon as the parser knows it cannot be part of a call, and each call whole once
+    its text has arrived (`ToolParser.scan`). Once a call is sent, no more content is: a malformed call after
+    it is dropped, where the whole-text parse would turn the whole output into content.
     """
 
     def __init__(self, tools: ToolCalls):
         self.tools = tools
         self.text = ""  # all text received
-        self.done = 0  # characters of `text` already turned into deltas
+        self.done = 0  # characters of content already sent ("auto")
         self.calls: list[dict] = []  # calls sent, in OpenAI's shape
 
     def feed(self, new_text: str, finished: bool) -> tuple[str, list[dict]]:
@@ -145,37 +141,236 @@ class ToolCallStream:
             content, self.calls = self.tools.parse(self.text)
             return content or "", [{"index": i, **c} for i, c in enumerate(self.calls)]
         if mode == "auto":
-            return self._feed_hermes(finished)
+            return self._feed_auto(finished)
         return new_text, []
 
-    def _feed_hermes(self, finished: bool) -> tuple[str, list[dict]]:
-        content, items = "", []
+    def _feed_auto(self, finished: bool) -> tuple[str, list[dict]]:
+        # the parser re-reads all the text each time (outputs are short); what it returns only grows
+        content, calls = self.tools.parser.scan(self.text, finished)
+        delta = "" if self.calls else content[self.done:]
+        self.done += len(delta)
+        items = []
+        for name, arguments in calls[len(self.calls):]:
+            self.calls.append(_tool_call(name, arguments))
+            items.append({"index": len(self.calls) - 1, **self.calls[-1]})
+        return delta, items
+
+
+Call = tuple[str, str]  # (function name, arguments as JSON text)
+
+
+class ToolParser:
+    """Reads the tool calls of tool_choice "auto" out of a model's text; one per `--tool-call-parser` name.
+
+    `extract` parses a whole output; `scan` reads one that is still being generated. A text that does not
+    parse as the format's calls is content, whole, with no calls.
+    """
+
+    def extract(self, text: str) -> tuple[str | None, list[Call]]:
+        """(content, calls) of a finished output; content None when the output is only calls."""
+        raise NotImplementedError
+
+    def scan(self, text: str, finished: bool) -> tuple[str, list[Call]]:
+        """(content, calls) that the text so far settles: content that cannot become part of a call and the
+        calls whose text has fully arrived; with `finished`, `extract`'s answer. What is returned is never
+        taken back by a longer text (the content only grows; a call, once returned, keeps its place, though a
+        half-written one after it may hide it for a while: `ToolCallStream` sends only calls past those sent)."""
+        if finished:
+            content, calls = self.extract(text)
+            return content or "", calls
+        return self.partial(text)
+
+    def partial(self, text: str) -> tuple[str, list[Call]]:
+        """`scan` of an unfinished text."""
+        raise NotImplementedError
+
+
+def _held_tail(text: str, marker: str) -> int:
+    """How many characters at the end of `text` may be the start of `marker` (held back from content)."""
+    return next((k for k in range(min(len(text), len(marker) - 1), 0, -1) if marker.startswith(text[-k:])), 0)
+
+
+def _skip_space(text: str, pos: int) -> int:
+    return len(text) - len(text[pos:].lstrip())
+
+
+def _json_objects(text: str, pos: int, sep: str, close: str | None) -> tuple[list, bool]:
+    """The JSON values in `text` from `pos`, separated by `sep` and, with `close`, ending with it (whitespace
+    allowed around them); and whether that is all the text (else it stops at the first thing that is not)."""
+    values, decoder = [], json.JSONDecoder()
+    while True:
+        try:
+            value, pos = decoder.raw_decode(text, _skip_space(text, pos))
+        except ValueError:
+            return values, False
+        values.append(value)
+        pos = _skip_space(text, pos)
+        if text.startswith(sep, pos):
+            pos += len(sep)
+        elif close is None:
+            return values, pos == len(text)
+        else:
+            return values, text.startswith(close, pos) and _skip_space(text, pos + len(close)) == len(text)
+
+
+def _json_calls(values: list, argument_keys: tuple[str, ...]) -> list[Call]:
+    """The leading values that are calls, {"name": str, KEY: {...}} with KEY the first of `argument_keys` present."""
+    calls = []
+    for v in values:
+        key = next((k for k in argument_keys if k in v), None) if isinstance(v, dict) else None
+        if key is None or not isinstance(v.get("name"), str) or not isinstance(v[key], dict):
+            break
+        calls.append((v["name"], json.dumps(v[key], ensure_ascii=False)))
+    return calls
+
+
+class HermesParser(ToolParser):
+    """vLLM's `hermes` (Hermes 2 Pro, Qwen 2.5 / 3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+    blocks; the text before the first one is the content. An unclosed last block is read to the end."""
+
+    START, END = "<tool_call>", "</tool_call>"
+    BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+    def extract(self, text: str) -> tuple[str | None, list[Call]]:
+        if self.START not in text:
+            return text, []
+        try:
+            calls = [json.loads(a or b) for a, b in self.BLOCKS.findall(text)]
+            calls = [(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in calls]
+        except (ValueError, TypeError, KeyError):
+            return text, []
+        return text[:text.index(self.START)] or None, calls
+
+    def scan(self, text: str, finished: bool) -> tuple[str, list[Call]]:
+        # block by block, so that (as before this parser had siblings) a malformed block before the first call
+        # streams as content and one after it is dropped, rather than the whole output turning into content
+        content, calls, pos = "", [], 0
         while True:
-            rest = self.text[self.done:]
-            start = rest.find(_HERMES_START)
+            start = text.find(self.START, pos)
             if start < 0:
-                # hold back a tail that may be the start of "<tool_call>"; after the first call, text
-                # outside calls is not content (as in the non-streamed parse)
-                keep = 0 if finished else next((k for k in range(min(len(rest), len(_HERMES_START) - 1), 0, -1)
-                                                if _HERMES_START.startswith(rest[-k:])), 0)
-                if not self.calls:
-                    content += rest[:len(rest) - keep]
-                self.done += len(rest) - keep
-                return content, items
-            if not self.calls:
-                content += rest[:start]
-            self.done += start  # the text from `done` on starts with "<tool_call>"
-            end = self.text.find(_HERMES_END, self.done)
+                # after the first call, text outside calls is not content (as in `extract`)
+                if not calls:
+                    content += text[pos:len(text) - (0 if finished else _held_tail(text[pos:], self.START))]
+                return content, calls
+            if not calls:
+                content += text[pos:start]
+            end = text.find(self.END, start)
             if end < 0 and not finished:
-                return content, items
-            body_end = end if end >= 0 else len(self.text)
-            block_end = body_end + len(_HERMES_END) if end >= 0 else body_end
+                return content, calls
+            body_end = end if end >= 0 else len(text)
+            pos = body_end + len(self.END) if end >= 0 else body_end
             try:
-                call = json.loads(self.text[self.done + len(_HERMES_START):body_end])
-                call = _tool_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False))
-                items.append({"index": len(self.calls), **call})
-                self.calls.append(call)
+                call = json.loads(text[start + len(self.START):body_end])
+                calls.append((call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
             except (ValueError, TypeError, KeyError):
-                if not self.calls:
-                    content += self.text[self.done:block_end]
-            self.done = block_end
+                if not calls:
+                    content += text[start:pos]
+
+
+class Llama3JsonParser(ToolParser):
+    """vLLM's `llama3_json` (Llama 3.1 / 3.2 JSON tool calling): the output is `{"name": ..., "parameters":
+    {...}}` (or "arguments"), several separated by `;`, optionally after `<|python_tag|>`; an output that
+    does not start with `{` (after whitespace and the tag) is content."""
+
+    TAG = "<|python_tag|>"
+
+    def _body(self, text: str) -> int:
+        """Where the JSON starts: after leading whitespace and the tag."""
+        pos = _skip_space(text, 0)
+        return _skip_space(text, pos + len(self.TAG)) if text.startswith(self.TAG, pos) else pos
+
+    def extract(self, text: str) -> tuple[str | None, list[Call]]:
+        pos = self._body(text)
+        if not text.startswith("{", pos):
+            return text, []
+        values, complete = _json_objects(text, pos, ";", None)
+        calls = _json_calls(values, ("parameters", "arguments"))
+        return (None, calls) if complete and len(calls) == len(values) else (text, [])
+
+    def partial(self, text: str) -> tuple[str, list[Call]]:
+        pos = self._body(text)
+        if text.startswith("{", pos):
+            return "", _json_calls(_json_objects(text, pos, ";", None)[0], ("parameters", "arguments"))
+        # whitespace or the start of the tag may still lead to a call
+        return ("", []) if self.TAG.startswith(text[pos:]) else (text, [])
+
+
+class PythonicParser(ToolParser):
+    """vLLM's `pythonic` (Llama 3.2 1B / 3B, Llama 4): the output is a Python list of calls with keyword
+    arguments, `[get_weather(city="Paris", unit="celsius"), get_time(timezone="CET")]`. It is read with
+    `ast` (nothing is evaluated); the arguments are Python literals (strings, numbers, True / False / None,
+    lists, dicts), sent as JSON. An output that is not such a list is content."""
+
+    def _calls(self, source: str) -> tuple[list[Call], bool] | None:
+        """The leading well-formed calls of the list `source` and whether all its items are; None when it is
+        not a list."""
+        try:
+            tree = ast.parse(source, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError):
+            return None
+        if not isinstance(tree, ast.List):
+            return None
+        calls = []
+        for item in tree.elts:
+            if not (isinstance(item, ast.Call) and isinstance(item.func, ast.Name) and not item.args
+                    and all(k.arg is not None for k in item.keywords)):
+                return calls, False
+            try:
+                arguments = {k.arg: ast.literal_eval(k.value) for k in item.keywords}
+                calls.append((item.func.id, json.dumps(arguments, ensure_ascii=False)))
+            except (ValueError, TypeError, SyntaxError, RecursionError):  # not a literal, or not JSON (a set)
+                return calls, False
+        return calls, True
+
+    def extract(self, text: str) -> tuple[str | None, list[Call]]:
+        source = text.strip()
+        if not source.startswith("["):
+            return text, []
+        read = self._calls(source)
+        return (None, read[0]) if read and read[1] and read[0] else (text, [])
+
+    def partial(self, text: str) -> tuple[str, list[Call]]:
+        source = text.strip()
+        if not source:
+            return "", []
+        if not source.startswith("["):
+            return text, []
+        # a call is complete once its ")" is there: the text, closed by "]" if it is not yet, is a list; while
+        # the next call is half-written, the list up to the last ")" is
+        read = (self._calls(source) or self._calls(source + "]")
+                or self._calls(source[:source.rfind(")") + 1] + "]"))
+        return "", read[0] if read else []
+
+
+class MistralParser(ToolParser):
+    """vLLM's `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`; the text
+    before it is the content. (Newer Mistral tokenizers' `[TOOL_CALLS]name[ARGS]{...}` is not read.)"""
+
+    TAG = "[TOOL_CALLS]"
+
+    def _calls(self, text: str, start: int) -> tuple[list[Call], bool]:
+        """The leading calls of the array after the tag at `start` and whether the array is all calls."""
+        pos = _skip_space(text, start + len(self.TAG))
+        if not text.startswith("[", pos):
+            return [], False
+        values, complete = _json_objects(text, pos + 1, ",", "]")
+        calls = _json_calls(values, ("arguments",))
+        return calls, complete and bool(calls) and len(calls) == len(values)
+
+    def extract(self, text: str) -> tuple[str | None, list[Call]]:
+        start = text.find(self.TAG)
+        if start < 0:
+            return text, []
+        calls, complete = self._calls(text, start)
+        return (text[:start] or None, calls) if complete else (text, [])
+
+    def partial(self, text: str) -> tuple[str, list[Call]]:
+        start = text.find(self.TAG)
+        if start < 0:
+            return text[:len(text) - _held_tail(text, self.TAG)], []
+        return text[:start], self._calls(text, start)[0]
+
+
+_PARSERS: dict[str, ToolParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser(),
+                                   "pythonic": PythonicParser(), "mistral": MistralParser()}
+TOOL_CALL_PARSERS = tuple(_PARSERS)

@@ -191,3 +191,37 @@ async def test_bad_constraint_on_a_stream_gets_400_before_streaming(http):
     r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2,
                                                  "structured_outputs": {"regex": "(ab"}, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
+
+
+PYTHONIC_TEMPLATE = ("{% if tools %}<|im_start|>system\nAnswer or call tools as [name(arg=value)]: "
+                     "{% for t in tools %}{{ t['function']['name'] }}{% endfor %}<|im_end|>\n{% endif %}"
+                     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}<|im_end|>\n"
+                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.slow
+async def test_auto_tool_choice_with_the_pythonic_parser(server_factory, tmp_path):
+    """--tool-call-parser pythonic starts, answers tool_choice "auto" and reads a `[f(k=v)]` reply (forced by
+    a regex, as the 135M model does not write one by itself) into tool_calls, whole and streamed."""
+    from openai import AsyncOpenAI
+    from tests.server_harness import cli_args
+    template = tmp_path / "pythonic.jinja"
+    template.write_text(PYTHONIC_TEMPLATE)
+    server = server_factory("--enable-auto-tool-choice", "--tool-call-parser", "pythonic", "--no-dashboard",
+                            "--chat-template", str(template),
+                            *cli_args(dtype="float32", kv_cache_memory=64 << 20, max_model_len=512))
+    text = '[get_weather(city="Paris", unit="celsius")]'
+    async with AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+        plain = await client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto",
+                                                     max_tokens=5, temperature=0)
+        assert plain.choices[0].finish_reason == "length" and not plain.choices[0].message.tool_calls
+        kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=40, temperature=0,
+                      extra_body={"structured_outputs": {"regex": re.escape(text)}})
+        choice = (await client.chat.completions.create(**kwargs)).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        check_calls(choice.message.tool_calls, ["get_weather"])
+        assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris", "unit": "celsius"}
+        content, calls, reasons = await reassemble(await client.chat.completions.create(**kwargs, stream=True))
+    assert content == "" and reasons == ["tool_calls"]
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
