@@ -25,6 +25,7 @@ def cosine(a, b) -> float:
     return float(torch.nn.functional.cosine_similarity(torch.as_tensor(a), torch.as_tensor(b), dim=0))
 
 
+@pytest.mark.slow
 def test_last_token_pooling_matches_transformers_through_chunks_and_cache_hits(hf_hidden):
     llm = make_llm(max_num_batched_tokens=32)  # the long text's prompt takes several steps
     first = llm.embed(TEXTS, use_tqdm=False)
@@ -37,6 +38,7 @@ def test_last_token_pooling_matches_transformers_through_chunks_and_cache_hits(h
     assert all(cosine(a.embedding, b.embedding) >= 0.9999 for a, b in zip(first, again))
 
 
+@pytest.mark.slow
 def test_mean_pooling_computes_every_position(hf_hidden):
     llm = make_llm(pooler_config={"pooling_type": "MEAN"}, max_num_batched_tokens=32)
     for _ in range(2):  # the second round would hit the prefix cache, which mean pooling must not read

@@ -35,6 +35,7 @@ def test_batched_with_chunked_prefill_matches_hf(prompts, hf_reference, backend)
     assert any(1 in s and max(s) > 1 for s in steps), "no step mixed decodes with prefill chunks"
 
 
+@pytest.mark.slow
 def test_shared_prefix_is_cached_and_matches(llm, prompts, hf_reference):
     tok = llm.tokenizer
     prefix = prompts[7][:64]

@@ -44,6 +44,7 @@ def assert_matches(entries, ids, ref, k):
             assert logprob == pytest.approx(expected, abs=2e-4) and row[token].item() == pytest.approx(logprob, abs=2e-4)
 
 
+@pytest.mark.slow
 def test_cold_then_cached_prompt(small_chunks, reference):
     ids, ref = reference["long"]
     llm = small_chunks
@@ -92,6 +93,7 @@ def test_survives_preemption(reference):
         assert_matches(out.prompt_logprobs, ids, ref, 1)
 
 
+@pytest.mark.slow
 def test_logits_are_reduced_in_slices(small_chunks, reference, monkeypatch):
     """A long prompt in one step: logits never exist for more than SLICE_ROWS positions at once."""
     ids, ref = reference["long"]

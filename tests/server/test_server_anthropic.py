@@ -75,6 +75,7 @@ async def test_message_is_the_chat_completion(client, openai_client):
         assert count.input_tokens == r.usage.input_tokens
 
 
+@pytest.mark.slow
 async def test_system_and_stop_sequences(client):
     system = "You are a travel guide. Answer in two sentences."
     ask = [{"role": "user", "content": "Describe Paris."}]
@@ -90,6 +91,7 @@ async def test_system_and_stop_sequences(client):
     assert counts[0] == counts[1] < counts[2]
 
 
+@pytest.mark.slow
 async def test_stream_events_and_accumulated_message(client, metrics):
     whole = await client.messages.create(model=MODEL, max_tokens=30, messages=ASK, **GREEDY)
     events = [e async for e in await client.messages.create(model=MODEL, max_tokens=30, messages=ASK, stream=True,

@@ -60,6 +60,7 @@ async def test_create_equals_chat_with_usage(openai_client):
                                                                                                    True)
 
 
+@pytest.mark.slow
 async def test_message_items_and_instructions_render_as_chat(openai_client):
     """instructions come first as a system message; input_text parts are joined as chat joins text parts; a
     developer message is a system message; an assistant output_text message is an assistant turn."""
@@ -112,6 +113,7 @@ async def test_stream_is_named_sse_events_without_done(http):
     assert names[0] == "response.created" and names[-1] == "response.incomplete"
 
 
+@pytest.mark.slow
 async def test_text_format_json_schema(openai_client):
     fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
     r = await openai_client.responses.create(model=MODEL, input="Tell me about a person.", text={"format": fmt},
