@@ -122,6 +122,7 @@ class CountTokensRequest(_Body):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] = []
     tool_choice: ToolChoice | None = None
+    chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template
 
     def chat_request(self, auto_tool_choice: bool) -> ChatCompletionRequest:
         """This request as the chat completion it runs as: `system` first as a system message, then each
@@ -143,7 +144,8 @@ class CountTokensRequest(_Body):
                            "tool": {"type": "function", "function": {"name": choice.name}}}[choice.type]
         return ChatCompletionRequest.model_validate({
             "messages": messages, "tools": tools or None, "tool_choice": chat_choice,
-            "parallel_tool_calls": not choice.disable_parallel_tool_use} | self._output_fields())
+            "parallel_tool_calls": not choice.disable_parallel_tool_use,
+            "chat_template_kwargs": self.chat_template_kwargs} | self._output_fields())
 
     def _output_fields(self) -> dict:
         """The chat request's output settings (sampling, limits), in chat's names: none for counting tokens."""

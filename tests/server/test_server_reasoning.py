@@ -47,3 +47,20 @@ async def test_reasoning_is_split_whole_and_streamed(reasoning_server):
         plain = await client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=1,
                                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert 0 < r.usage.prompt_tokens - plain.usage.prompt_tokens <= 4
+
+
+@pytest.mark.slow
+async def test_chat_template_kwargs_on_messages_and_responses(reasoning_server):
+    import httpx
+
+    async with httpx.AsyncClient(base_url=reasoning_server.url, timeout=60) as http:
+        counts = []
+        for kwargs in (None, {"enable_thinking": False}):
+            body = {"model": "SmolLM2-135M-Instruct", "messages": MESSAGES} | (
+                {"chat_template_kwargs": kwargs} if kwargs else {})
+            counts.append((await http.post("/v1/messages/count_tokens", json=body)).json()["input_tokens"])
+            r = await http.post("/v1/responses", json={"model": "SmolLM2-135M-Instruct", "input": "What is 2 + 2?",
+                                                       "max_output_tokens": 1} | (
+                {"chat_template_kwargs": kwargs} if kwargs else {}))
+            counts.append(r.json()["usage"]["input_tokens"])
+        assert counts[0] == counts[1] and counts[2] == counts[3] and 0 < counts[0] - counts[2] <= 4
