@@ -94,7 +94,10 @@ async def test_openapi_document_and_docs_page(http):
     doc = (await http.get("/openapi.json")).json()
     assert doc["openapi"].startswith("3.1")
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
-            "/metrics", "/version"} <= doc["paths"].keys()
+            "/metrics", "/version", "/v1/embeddings", "/v1/responses", "/v1/messages",
+            "/v1/messages/count_tokens"} <= doc["paths"].keys()
+    assert all("requestBody" in doc["paths"][path]["post"] for path in
+               ("/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"))
     ref = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     schema = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
     expected = CompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
