@@ -109,19 +109,23 @@ def finish_reason(reason: str | None, calls: list, mode: str | None) -> str | No
 class ToolCallStream:
     """Splits one choice's streamed text into content deltas and OpenAI `delta.tool_calls` items.
 
-    A call's first item carries `index`, `id`, `type` and `function.name` (and `arguments` so far), later
-    ones only `index` and more `function.arguments`. Named calls stream their arguments as they are
-    generated; "required" calls are sent when the output is complete (the JSON array must parse);
-    "auto" sends content as soon as the parser knows it cannot be part of a call, and each call whole once
-    its text has arrived (`ToolParser.scan`). Once a call is sent, no more content is: a malformed call after
-    it is dropped, where the whole-text parse would turn the whole output into content.
+    A call's first item carries `index`, `id`, `type` and `function.name` (and `arguments` so far, "" when
+    the name comes before them), later ones only `index` and more `function.arguments`, as vLLM streams them.
+    Named calls stream their arguments as they are generated; "required" calls and those of the JSON auto
+    parsers go out as soon as their `"name"` is complete, then the raw text of their arguments object as it
+    grows (so the concatenation parses to the arguments, though its spacing is the model's, not that of the
+    whole-output `json.dumps`); pythonic calls go out whole once their text has arrived. "auto" sends content
+    as soon as the parser knows it cannot be part of a call (`ToolParser.scan`). A call once started is never
+    taken back, so from then on no more content is sent: a malformed call after it is dropped, and a call cut
+    short (max_tokens) or malformed after its name ends as sent, where the whole-text parse would turn the
+    whole output into content.
     """
 
     def __init__(self, tools: ToolCalls):
         self.tools = tools
         self.text = ""  # all text received
         self.done = 0  # characters of content already sent ("auto")
-        self.calls: list[dict] = []  # calls sent, in OpenAI's shape
+        self.calls: list[dict] = []  # calls started, in OpenAI's shape, with the arguments sent so far
 
     def feed(self, new_text: str, finished: bool) -> tuple[str, list[dict]]:
         """Takes the next piece of text; returns (content delta, tool-call delta items)."""
@@ -136,27 +140,35 @@ class ToolCallStream:
                                                                        "arguments": new_text}}]
             return "", [{"index": 0, "function": {"arguments": new_text}}]
         if mode == "required":
-            if not finished:
-                return "", []
-            content, self.calls = self.tools.parse(self.text)
-            return content or "", [{"index": i, **c} for i, c in enumerate(self.calls)]
+            # the grammar forces the array, so nothing is content until the end shows it does not parse
+            pos = _skip_space(self.text, 0)
+            start = _skip_space(self.text, pos + 1) if self.text.startswith("[", pos) else len(self.text)
+            return self._feed_calls("", _partial_calls(self.text, start, ",", ("parameters",)), finished)
         if mode == "auto":
-            return self._feed_auto(finished)
+            return self._feed_calls(*self.tools.parser.scan(self.text, finished), finished)
         return new_text, []
 
-    def _feed_auto(self, finished: bool) -> tuple[str, list[dict]]:
-        # the parser re-reads all the text each time (outputs are short); what it returns only grows
-        content, calls = self.tools.parser.scan(self.text, finished)
+    def _feed_calls(self, content: str, calls: list["Call"], finished: bool) -> tuple[str, list[dict]]:
+        # the calls are re-read from all the text each time (outputs are short); each one's arguments only grow
+        if finished and not self.calls:
+            whole_content, whole_calls = self.tools.parse(self.text)
+            if not whole_calls:  # not calls after all: the whole parse's content
+                content, calls = whole_content or "", []
         delta = "" if self.calls else content[self.done:]
         self.done += len(delta)
         items = []
-        for name, arguments in calls[len(self.calls):]:
-            self.calls.append(_tool_call(name, arguments))
-            items.append({"index": len(self.calls) - 1, **self.calls[-1]})
+        for index, (name, arguments) in enumerate(calls):
+            if index == len(self.calls):
+                self.calls.append(_tool_call(name, arguments))
+                items.append({"index": index, "id": self.calls[-1]["id"], "type": "function",
+                              "function": {"name": name, "arguments": arguments}})
+            elif len(arguments) > len(sent := self.calls[index]["function"]["arguments"]):
+                self.calls[index]["function"]["arguments"] = arguments
+                items.append({"index": index, "function": {"arguments": arguments[len(sent):]}})
         return delta, items
 
 
-Call = tuple[str, str]  # (function name, arguments as JSON text)
+Call = tuple[str, str]  # (function name, arguments as JSON text: whole, or so far while streaming)
 
 
 class ToolParser:
@@ -172,9 +184,11 @@ class ToolParser:
 
     def scan(self, text: str, finished: bool) -> tuple[str, list[Call]]:
         """(content, calls) that the text so far settles: content that cannot become part of a call and the
-        calls whose text has fully arrived; with `finished`, `extract`'s answer. What is returned is never
-        taken back by a longer text (the content only grows; a call, once returned, keeps its place, though a
-        half-written one after it may hide it for a while: `ToolCallStream` sends only calls past those sent)."""
+        calls begun, each with its arguments so far (the JSON parsers: from when the name is complete, the raw
+        text of the arguments; pythonic: a call whole once its text has arrived). What is returned is never
+        taken back by a longer text (the content only grows; a call, once returned, keeps its place and its
+        arguments only grow, though a half-written one after it may hide it for a while: `ToolCallStream`
+        sends only what is past what it sent). Whether a finished text is calls at all is `extract`'s say."""
         if finished:
             content, calls = self.extract(text)
             return content or "", calls
@@ -224,6 +238,78 @@ def _json_calls(values: list, argument_keys: tuple[str, ...]) -> list[Call]:
     return calls
 
 
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_SCALAR = re.compile(r"[^\s,}\]]*[\s,}\]]")  # a number, true, ...: it ends at a delimiter
+_BRACKETS = re.compile(r'"(?:[^"\\]|\\.)*"|[{\[}\]]', re.DOTALL)  # strings whole, so their brackets do not count
+
+
+def _value_end(text: str, pos: int) -> int | None:
+    """Where the JSON value starting at `pos` ends; None while it may still go on. Only its extent is found
+    (strings and brackets matched): `extract` is the judge of whether the whole is valid."""
+    if text.startswith('"', pos):
+        match = _STRING.match(text, pos)
+        return match.end() if match else None
+    if not text.startswith(("{", "["), pos):
+        scalar = _SCALAR.match(text, pos)
+        return scalar.end() - 1 if scalar else None
+    depth = 0
+    for match in _BRACKETS.finditer(text, pos):
+        if match.group() in "{[":
+            depth += 1
+        elif match.group() in "}]":
+            depth -= 1
+            if depth == 0:
+                return match.end()
+    return None
+
+
+def _partial_call(text: str, pos: int, argument_keys: tuple[str, ...]) -> tuple[str | None, str | None, int | None]:
+    """Reads the call object `{"name": ..., KEY: {...}}` starting at `pos` as far as it has arrived: (its name
+    once that string is complete, the raw text so far of the value of the first of `argument_keys` met (None
+    before it), where the object ends (None while it is unfinished or where it stops being a JSON object))."""
+    name, arguments, decoder = None, None, json.JSONDecoder()
+    pos = _skip_space(text, pos + 1)
+    while not text.startswith("}", pos):
+        try:
+            key, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return name, arguments, None
+        pos = _skip_space(text, pos)
+        if not text.startswith(":", pos):
+            return name, arguments, None
+        pos = _skip_space(text, pos + 1)
+        end = _value_end(text, pos)
+        if key == "name" and end is not None and name is None:
+            try:
+                name = json.loads(text[pos:end]) if text.startswith('"', pos) else None
+            except ValueError:  # a bad escape: not a call's name
+                pass
+        elif key in argument_keys and arguments is None and pos < len(text):
+            arguments = text[pos:end]
+        if end is None:
+            return name, arguments, None
+        pos = _skip_space(text, end)
+        if text.startswith(",", pos):
+            pos = _skip_space(text, pos + 1)
+        elif not text.startswith("}", pos):
+            return name, arguments, None
+    return name, arguments, pos + 1
+
+
+def _partial_calls(text: str, pos: int, sep: str, argument_keys: tuple[str, ...]) -> list[Call]:
+    """The calls begun in `text` from `pos`, objects separated by `sep` (whitespace around them), each as (name,
+    raw arguments so far) from when its name is complete; it stops at the first that has no name yet."""
+    calls = []
+    while text.startswith("{", pos):
+        name, arguments, end = _partial_call(text, pos, argument_keys)
+        if name is None:
+            break
+        calls.append((name, arguments or ""))
+        if end is None or not text.startswith(sep, pos := _skip_space(text, end)):
+            break
+        pos = _skip_space(text, pos + len(sep))
+    return calls
+
 class HermesParser(ToolParser):
     """vLLM's `hermes` (Hermes 2 Pro, Qwen 2.5 / 3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
     blocks; the text before the first one is the content. An unclosed last block is read to the end."""
@@ -242,8 +328,8 @@ class HermesParser(ToolParser):
         return text[:text.index(self.START)] or None, calls
 
     def scan(self, text: str, finished: bool) -> tuple[str, list[Call]]:
-        # block by block, so that (as before this parser had siblings) a malformed block before the first call
-        # streams as content and one after it is dropped, rather than the whole output turning into content
+        # block by block, so that (as before this parser had siblings) a block with no name before the first
+        # call streams as content and one after it is dropped, rather than the whole output turning into content
         content, calls, pos = "", [], 0
         while True:
             start = text.find(self.START, pos)
@@ -255,16 +341,18 @@ class HermesParser(ToolParser):
             if not calls:
                 content += text[pos:start]
             end = text.find(self.END, start)
-            if end < 0 and not finished:
+            # an unclosed block ends where the text does, less what may be the start of its closing tag
+            body_end = end if end >= 0 else len(text) - (0 if finished else _held_tail(text, self.END))
+            body = _skip_space(text, start + len(self.START))
+            name, arguments, object_end = (_partial_call(text[:body_end], body, ("arguments",))
+                                           if text.startswith("{", body) else (None, None, None))
+            if name is not None:  # no "arguments" is {} (as in `extract`), once the object shows there are none
+                calls.append((name, arguments if arguments is not None else "" if object_end is None else "{}"))
+            if end < 0:
                 return content, calls
-            body_end = end if end >= 0 else len(text)
-            pos = body_end + len(self.END) if end >= 0 else body_end
-            try:
-                call = json.loads(text[start + len(self.START):body_end])
-                calls.append((call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
-            except (ValueError, TypeError, KeyError):
-                if not calls:
-                    content += text[start:pos]
+            pos = end + len(self.END)
+            if name is None and not calls:
+                content += text[start:pos]
 
 
 class Llama3JsonParser(ToolParser):
@@ -287,10 +375,10 @@ class Llama3JsonParser(ToolParser):
         calls = _json_calls(values, ("parameters", "arguments"))
         return (None, calls) if complete and len(calls) == len(values) else (text, [])
 
-    def partial(self, text: str) -> tuple[str, list[Call]]:
+    def scan(self, text: str, finished: bool) -> tuple[str, list[Call]]:
         pos = self._body(text)
         if text.startswith("{", pos):
-            return "", _json_calls(_json_objects(text, pos, ";", None)[0], ("parameters", "arguments"))
+            return "", _partial_calls(text, pos, ";", ("parameters", "arguments"))
         # whitespace or the start of the tag may still lead to a call
         return ("", []) if self.TAG.startswith(text[pos:]) else (text, [])
 
@@ -364,11 +452,14 @@ class MistralParser(ToolParser):
         calls, complete = self._calls(text, start)
         return (text[:start] or None, calls) if complete else (text, [])
 
-    def partial(self, text: str) -> tuple[str, list[Call]]:
+    def scan(self, text: str, finished: bool) -> tuple[str, list[Call]]:
         start = text.find(self.TAG)
         if start < 0:
-            return text[:len(text) - _held_tail(text, self.TAG)], []
-        return text[:start], self._calls(text, start)[0]
+            return text[:len(text) - (0 if finished else _held_tail(text, self.TAG))], []
+        pos = _skip_space(text, start + len(self.TAG))
+        if not text.startswith("[", pos):
+            return text[:start], []
+        return text[:start], _partial_calls(text, _skip_space(text, pos + 1), ",", ("arguments",))
 
 
 _PARSERS: dict[str, ToolParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser(),

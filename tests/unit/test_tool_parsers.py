@@ -30,9 +30,12 @@ CASES = [  # (parser, output, content, calls)
                 '"celsius"}}, {"name": "get_time", "arguments": {"timezone": "Asia/Tokyo", "utc_offset": 9, '
                 '"dst": false, "aliases": ["JST", null]}}]', "Checking both. ", [PARIS, TOKYO]),
 ]
+CUT = [  # (parser, output, arguments streamed) cut by max_tokens: content whole, but streamed the call had started
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"', '{"city": "Paris"'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}', '{"city": "Paris"}'),
+]
 MALFORMED = [  # (parser, output): each is content, whole
     ("llama3_json", "The weather in Paris is sunny; 18 degrees."),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"'),  # cut by max_tokens
     ("llama3_json", '{"city": "Paris"}'),  # JSON, not a call
     ("pythonic", "Paris is sunny [citation needed]."),
     ("pythonic", '[get_weather(city="Paris"'),  # cut by max_tokens
@@ -41,7 +44,6 @@ MALFORMED = [  # (parser, output): each is content, whole
     ("pythonic", "[1, 2, 3]"),
     ("pythonic", "[]"),
     ("mistral", "No tools needed: [TOOL_CALLS is a marker]."),
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}'),  # cut by max_tokens
     ("mistral", '[TOOL_CALLS]{"name": "get_weather", "arguments": {}}'),  # not an array
     ("hermes", "<tool_call>not json</tool_call>"),
 ]
@@ -96,8 +98,7 @@ def test_whole_and_streamed_token_by_token(tokenizer, parser, output, content, c
     assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in whole)
     streamed_content, streamed = stream(tools, token_deltas(tokenizer, output))
     assert streamed_content == (content or "")
-    assert [(c["name"], c["arguments"]) for c in streamed] == [
-        (c["function"]["name"], c["function"]["arguments"]) for c in whole]
+    assert names_and_arguments(streamed) == names_and_arguments([c["function"] for c in whole])
     assert len({c["id"] for c in streamed}) == len(streamed)
 
 
@@ -106,6 +107,54 @@ def test_malformed_output_is_content(tokenizer, parser, output):
     tools = tool_calls(parser)
     assert tools.parse(output) == (output, [])
     assert stream(tools, token_deltas(tokenizer, output)) == (output, [])
+
+
+@pytest.mark.parametrize("parser, output, arguments", CUT)
+def test_a_call_cut_short_stays_as_sent(tokenizer, parser, output, arguments):
+    """Its name went out before the output ended, so the stream keeps the call with the arguments it got
+    (as vLLM does), where the whole-text parse is content."""
+    tools = tool_calls(parser)
+    assert tools.parse(output) == (output, [])
+    content, calls = stream(tools, token_deltas(tokenizer, output))
+    assert content == "" and [(c["name"], c["arguments"]) for c in calls] == [("get_weather", arguments)]
+
+
+def required_tool_calls() -> ToolCalls:
+    return ToolCalls(ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "Weather in Paris, time in Tokyo?"}], "tools": TOOLS,
+         "tool_choice": "required"}), None)
+
+
+ARGUMENT_CASES = [(tool_calls, parser, output, calls) for parser, output, _, calls in CASES if parser != "pythonic"] + [
+    (required_tool_calls, "required", '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
+                                      '{"name": "get_time", "parameters": {"timezone": "Asia/Tokyo", "utc_offset": 9, '
+                                      '"dst": false, "aliases": ["JST", null]}}]', [PARIS, TOKYO]),
+    (required_tool_calls, "required", '[{"name":"get_weather","parameters":{"city":"Paris","unit":"celsius"}}]',
+     [PARIS]),
+]
+
+
+@pytest.mark.parametrize("make, parser, output, calls", ARGUMENT_CASES)
+def test_arguments_stream_as_they_arrive(tokenizer, make, parser, output, calls):
+    """Each call's first item (with its name) goes out before the call's text is complete, then its arguments
+    in several pieces, which concatenate to JSON text parsing to the arguments of the whole-text parse."""
+    tools = make(parser) if make is tool_calls else make()
+    streamer, deltas, seen, started, pieces = tools.streamer(), token_deltas(tokenizer, output), "", {}, {}
+    for i, delta in enumerate(deltas):
+        seen += delta
+        for item in streamer.feed(delta, i == len(deltas) - 1)[1]:
+            if "id" in item:
+                assert item["function"]["name"] == calls[item["index"]][0]
+                started[item["index"]] = seen
+            pieces.setdefault(item["index"], []).append(item["function"].get("arguments", ""))
+    for index, (name, arguments) in enumerate(calls):
+        # the first item came once the name was in, while the arguments were still to come, in pieces
+        assert f'"{name}"' in started[index] and pieces[index][0] != "".join(pieces[index])
+        assert sum(1 for p in pieces[index] if p) > 1
+        assert json.loads("".join(pieces[index])) == arguments
+    whole = tools.parse(output)[1]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamer.calls] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == calls
 
 
 @pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
