@@ -164,6 +164,14 @@ class MessagesRequest(CountTokensRequest):
     top_k: int = Field(0, ge=0)
     stream: bool = False
     metadata: dict | None = None
+    thinking: dict | None = None  # extended thinking: no thinking blocks are made, so only {"type": "disabled"}
+
+    @field_validator("thinking")
+    @classmethod
+    def _no_extended_thinking(cls, thinking: dict | None) -> dict | None:
+        if thinking is not None and thinking.get("type") != "disabled":
+            raise ValueError('extended thinking is not supported: leave thinking out or send {"type": "disabled"}')
+        return thinking
 
     def _output_fields(self) -> dict:
         return {"max_tokens": self.max_tokens, "stop": self.stop_sequences, "temperature": self.temperature,

@@ -201,6 +201,7 @@ async def test_bad_requests_get_anthropic_errors_and_the_server_serves_on(client
         (dict(tools=[{"name": "f", "input_schema": {"type": "string"}}]), "input_schema"),
         (dict(max_tokens=5000), "maximum context length"),
         (dict(extra_body={"temperature": -1}), "temperature"),
+        (dict(thinking={"type": "enabled", "budget_tokens": 1024}), "extended thinking is not supported"),
     ]
     for fields, says in bad:
         with pytest.raises(anthropic.BadRequestError) as e:
