@@ -8,6 +8,8 @@ field), the rest to `content`, whole or streamed delta by delta.
 - `qwen3`: reasoning only when the output starts with `<think>` (with `enable_thinking: false` the
   template closes an empty think block in the prompt and the output is all content).
 """
+from api.streaming import held_tail
+
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
@@ -51,7 +53,7 @@ class ReasoningParser:
             if end >= 0:
                 reasoning, text, self.state = reasoning + text[:end], text[end + len(END):], "content"
                 continue
-            keep = _partial_suffix(text, END)
+            keep = held_tail(text, END)
             self.pending = text[len(text) - keep:] if keep else ""
             return reasoning + text[:len(text) - keep], content
         return reasoning, content
@@ -69,11 +71,3 @@ def split_reasoning(name: str, text: str) -> tuple[str | None, str]:
     tail_reasoning, tail_content = parser.finish()
     reasoning += tail_reasoning
     return (reasoning if parser.state != "undecided" and (reasoning or END in text) else None), content + tail_content
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

@@ -52,3 +52,9 @@ def typed_event_response(events: AsyncIterator[dict], generation: Generation) ->
 
     return EventSourceResponse(encoded(), sep="\n", ping=0, background=BackgroundTask(generation.aclose),
                                shutdown_grace_period=5, send_timeout=30)
+
+
+def held_tail(text: str, marker: str) -> int:
+    """How many characters at the end of streamed `text` may be the start of `marker` (a tag still
+    arriving token by token), to hold back until the next delta tells."""
+    return next((k for k in range(min(len(text), len(marker) - 1), 0, -1) if marker.startswith(text[-k:])), 0)

@@ -18,6 +18,7 @@ import uuid
 
 from api.errors import APIError
 from api.protocol import ChatCompletionRequest
+from api.streaming import held_tail
 from engine import StructuredOutputsParams
 
 def _tool_call(name: str, arguments: str) -> dict:
@@ -199,11 +200,6 @@ class ToolParser:
         raise NotImplementedError
 
 
-def _held_tail(text: str, marker: str) -> int:
-    """How many characters at the end of `text` may be the start of `marker` (held back from content)."""
-    return next((k for k in range(min(len(text), len(marker) - 1), 0, -1) if marker.startswith(text[-k:])), 0)
-
-
 def _skip_space(text: str, pos: int) -> int:
     return len(text) - len(text[pos:].lstrip())
 
@@ -336,13 +332,13 @@ class HermesParser(ToolParser):
             if start < 0:
                 # after the first call, text outside calls is not content (as in `extract`)
                 if not calls:
-                    content += text[pos:len(text) - (0 if finished else _held_tail(text[pos:], self.START))]
+                    content += text[pos:len(text) - (0 if finished else held_tail(text[pos:], self.START))]
                 return content, calls
             if not calls:
                 content += text[pos:start]
             end = text.find(self.END, start)
             # an unclosed block ends where the text does, less what may be the start of its closing tag
-            body_end = end if end >= 0 else len(text) - (0 if finished else _held_tail(text, self.END))
+            body_end = end if end >= 0 else len(text) - (0 if finished else held_tail(text, self.END))
             body = _skip_space(text, start + len(self.START))
             name, arguments, object_end = (_partial_call(text[:body_end], body, ("arguments",))
                                            if text.startswith("{", body) else (None, None, None))
@@ -455,7 +451,7 @@ class MistralParser(ToolParser):
     def scan(self, text: str, finished: bool) -> tuple[str, list[Call]]:
         start = text.find(self.TAG)
         if start < 0:
-            return text[:len(text) - (0 if finished else _held_tail(text, self.TAG))], []
+            return text[:len(text) - (0 if finished else held_tail(text, self.TAG))], []
         pos = _skip_space(text, start + len(self.TAG))
         if not text.startswith("[", pos):
             return text[:start], []
