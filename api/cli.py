@@ -73,6 +73,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations (default: auto = bfloat16 on CUDA and on CPUs with "
                         "AVX512-BF16 or AMX, float32 on other CPUs)")
+    p.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
+                   help="gguf: compute with a .gguf model's quantized weights as the file has them (the default "
+                        "for a .gguf); none: dequantize them to --dtype at load")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="reuse KV blocks of prompt prefixes seen before (default: on)")
     p.add_argument("--enforce-eager", action="store_true", help="on CUDA, do not capture CUDA graphs")
@@ -188,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(2, f"{parser.prog}: error: --speculative-config: {e}\n")
     try:
         config = EngineConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+                              quantization=args.quantization,
                               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                               kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,

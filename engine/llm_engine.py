@@ -3,7 +3,7 @@ import itertools
 import logging
 import time
 
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
@@ -20,7 +20,8 @@ from engine.spec_decode.speculator import NoSpeculation, Speculator
 from engine.structured.manager import StructuredOutputManager
 from engine.structured.matcher import RequestGrammar
 from engine.worker import pooler
-from models.loader import resolve_model
+from models.gguf import is_gguf
+from models.loader import load_config, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,13 @@ class LLMEngine:
         self.config = config
         start = time.perf_counter()
         self.model_dir = resolve_model(config.model)
+        if config.quantization == "gguf" and config.tensor_parallel_size > 1:
+            raise ValueError("quantization gguf runs in one process: tensor_parallel_size > 1 needs the "
+                             "weights dequantized at load (quantization none, the default with tensor parallelism)")
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        hf_config = AutoConfig.from_pretrained(self.model_dir)
+        hf_config = load_config(self.model_dir)
         config_done = time.perf_counter()
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir, config.tokenizer)
         tokenizer_done = time.perf_counter()
         self.executor = build_executor(config, hf_config, self.model_dir)
         self.runner = self.executor.runner  # rank 0's: the KV cache, dtype, device and limits
@@ -93,7 +97,7 @@ class LLMEngine:
 
     def _eos_token_ids(self, hf_config) -> frozenset[int]:
         try:
-            gen = GenerationConfig.from_pretrained(self.model_dir)
+            gen = None if is_gguf(self.model_dir) else GenerationConfig.from_pretrained(self.model_dir)
         except OSError:  # no generation_config.json
             gen = None
         ids = set()

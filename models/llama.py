@@ -15,6 +15,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.kernels import ops
 from engine.distributed.group import TPGroup
 from engine.distributed.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from engine.quantization.gguf import GGUFConfig
 from models.config import ModelShape
 
 
@@ -89,14 +90,14 @@ class RotaryEmbedding(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, shape: ModelShape, backend: AttentionBackend, bias: bool, tp: TPGroup | None,
-                 qk_norm_eps: float | None = None):
+                 qk_norm_eps: float | None = None, quant_config: GGUFConfig | None = None):
         super().__init__()
         # this rank's heads (all of them without tensor parallelism)
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size = self.num_heads * self.head_dim
         # q, k and v projections fused into one matmul; the loader stacks the checkpoint's three.
-        self.qkv_proj = ColumnParallelLinear.qkv(shape, bias, tp)
-        self.o_proj = RowParallelLinear(shape.total_num_heads * self.head_dim, shape.hidden_size, tp)
+        self.qkv_proj = ColumnParallelLinear.qkv(shape, bias, tp, quant_config)
+        self.o_proj = RowParallelLinear(shape.total_num_heads * self.head_dim, shape.hidden_size, tp, quant_config)
         self.backend = backend
         # Qwen3 normalises each query and key head before the rotation
         self.q_norm = HeadRMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
@@ -124,22 +125,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, tp: TPGroup | None):
+    def __init__(self, config, tp: TPGroup | None, quant_config: GGUFConfig | None = None):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear.merged(config.hidden_size, [config.intermediate_size] * 2, False, tp)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
+        self.gate_up_proj = ColumnParallelLinear.merged(config.hidden_size, [config.intermediate_size] * 2, False, tp,
+                                                        quant_config)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp, quant_config)
 
     def forward(self, x):
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, shape: ModelShape, backend, bias, tp, qk_norm: bool):
+    def __init__(self, config, shape: ModelShape, backend, bias, tp, qk_norm: bool, quant_config):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(shape, backend, bias, tp, config.rms_norm_eps if qk_norm else None)
+        self.self_attn = LlamaAttention(shape, backend, bias, tp, config.rms_norm_eps if qk_norm else None, quant_config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = LlamaMLP(config, tp, quant_config)
 
     def forward(self, residual, x, rope, kv_cache, meta):
         """residual: the float32 stream [T, hidden], updated in place; x: the previous layer's MLP output
@@ -154,22 +156,25 @@ class LlamaForCausalLM(nn.Module):
     `forward` maps a flat step batch (input_ids, positions: int64 [T]) to hidden states
     [T, hidden_size]; `compute_logits` maps selected hidden states [N, hidden] to float32 logits
     [N, vocab] (on rank 0 only under tensor parallelism). `qkv_bias` is True for Qwen2 (and any config
-    with `attention_bias`); `qk_norm` for Qwen3 (per-head RMSNorm of queries and keys). `shape` is this rank's (models.config); with `tp`, this rank holds its shard
+    with `attention_bias`); `qk_norm` for Qwen3 (per-head RMSNorm of queries and keys); `quant_config` keeps a GGUF file's
+    quantized weights in the linear layers and the embedding (engine/quantization). `shape` is this rank's (models.config); with `tp`, this rank holds its shard
     of every layer (engine/distributed).
     """
 
     def __init__(self, config, shape: ModelShape, backend: AttentionBackend, max_model_len: int,
-                 qkv_bias: bool = False, qk_norm: bool = False, tp: TPGroup | None = None):
+                 qkv_bias: bool = False, qk_norm: bool = False, tp: TPGroup | None = None,
+                 quant_config: GGUFConfig | None = None):
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_model_len)
         bias = qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, shape, backend, bias, tp, qk_norm)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, quant_config)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, shape, backend, bias, tp, qk_norm, quant_config)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        self.lm_head = None if self.tie_word_embeddings else \
+            ParallelLMHead(config.vocab_size, config.hidden_size, tp, quant_config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -216,4 +221,7 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in params if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+        for module in self.modules():  # quantized layers stack their projections once all are in
+            if getattr(module, "quant_method", None) is not None:
+                module.quant_method.process_weights_after_loading(self.norm.weight.dtype)
         self.rotary.compute_table(self.embed_tokens.weight.device)

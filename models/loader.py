@@ -1,12 +1,8 @@
-"""Finding a model on disk: Hugging Face directories, the local HF hub cache, and GGUF files.
-
-A GGUF file is converted once to a Hugging Face directory (dequantized, float32) with transformers
-and cached under ~/.cache/minivllm/gguf/<sha256 of the file>, so later starts read safetensors.
-"""
+"""Finding a model on disk and reading it: Hugging Face directories, the local HF hub cache, and GGUF
+files (read directly by models/gguf.py)."""
 import glob
 import hashlib
 import importlib.util
-import logging
 import os
 import shutil
 import tempfile
@@ -14,7 +10,7 @@ from pathlib import Path
 
 from engine.config import CACHE_DIR
 
-logger = logging.getLogger(__name__)
+from models.gguf import is_gguf, iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -33,7 +29,8 @@ def default_model_path() -> str:
 
 
 def resolve_model(model: str | None) -> str:
-    """Returns a local Hugging Face model directory (config.json, *.safetensors, tokenizer) for `model`.
+    """Returns the local path of `model`: a .gguf file, or a Hugging Face model directory (config.json,
+    *.safetensors, tokenizer).
 
     model: None (the default model), a directory, a .gguf file, or a hub id in the local HF cache.
     Raises FileNotFoundError when nothing local matches (the hub is never contacted).
@@ -41,7 +38,7 @@ def resolve_model(model: str | None) -> str:
     model = model or default_model_path()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return str(convert_gguf(path))
+        return str(path)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
@@ -54,37 +51,57 @@ def resolve_model(model: str | None) -> str:
                                 f"local Hugging Face cache ({e.__class__.__name__})") from None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def load_config(model_path: str):
+    """The transformers config of a resolved model (a .gguf file's from its metadata)."""
+    if is_gguf(model_path):
+        return load_gguf_config(model_path)
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model_path)
 
 
-def convert_gguf(path: Path) -> Path:
-    """Converts a GGUF file to a cached Hugging Face directory (once per file content)."""
-    out = CACHE_DIR / "gguf" / _sha256(path)[:32]
+def load_tokenizer(model_path: str, tokenizer: str | None = None):
+    """The tokenizer: `tokenizer` (a directory or hub id) when given, else the model's own."""
+    if tokenizer is None and is_gguf(model_path):
+        return load_gguf_tokenizer(model_path)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tokenizer or model_path)
+
+
+def iter_weights(model_path: str, quantized: bool):
+    """(Hugging Face name, tensor) of every weight: safetensors, or a GGUF file's tensors (quantized ones
+    as `GGUFTensor`s when `quantized`, else dequantized to float32)."""
+    return iter_gguf_weights(model_path, quantized) if is_gguf(model_path) else iter_safetensors(model_path)
+
+
+def export_hf_directory(model_path: str) -> str:
+    """A Hugging Face directory of a resolved model: the directory itself, or for a .gguf file its weights
+    dequantized to float32 by transformers (config, safetensors, tokenizer), written once under
+    CACHE_DIR/gguf-hf/ (keyed by the file's path, size and mtime). The engine never reads it: it is the
+    reference for transformers and the peer engines that cannot read GGUF (vLLM on the CPU)."""
+    if not is_gguf(model_path):
+        return model_path
+    stat = os.stat(model_path)
+    key = hashlib.sha256(f"{os.path.realpath(model_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:32]
+    out = CACHE_DIR / "gguf-hf" / key
     if (out / "config.json").exists():
-        return out
+        return str(out)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("converting %s to a Hugging Face directory (once) ...", path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent))
-    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    # The weights are dequantized on load; drop the GGUF quantizer so a plain model is written.
-    model.hf_quantizer = None
+    folder, name = os.path.split(model_path)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None  # a plain float model is written, not a GGUF-quantized one
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(tmp)
     try:
-        tmp.rename(out)  # atomic: a concurrent converter either wins or finds `out` complete
+        tmp.rename(out)  # atomic: a concurrent exporter either wins or finds `out` complete
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return str(out)
 
 
 def iter_safetensors(model_dir: str):

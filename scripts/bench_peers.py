@@ -1,10 +1,12 @@
 """Our engine side by side with its peers on one workload, in one process run: Hugging Face
 transformers' static `generate` (length-sorted batches of --hf-batch-size, left padding) and its
-continuous batching (`generate_batch`: paged KV cache, a scheduler thread), and with --with-vllm,
-vLLM's CPU build through ../shared/peers/vllm_cpu.sh in a subprocess.
+continuous batching (`generate_batch`: paged KV cache, a scheduler thread), with --with-vllm vLLM's CPU
+build through ../shared/peers/vllm_cpu.sh in a subprocess, and with --llama-server llama.cpp's server
+on the GGUF with --llama-slots slots (continuous batching; every request sent at once).
 
-Every engine gets the same model directory (`llm.model_dir`), dtype, prompt token ids and number of
-output tokens (greedy, EOS ignored: every request produces exactly its max_tokens); transformers runs
+Every engine gets the same weights (a GGUF model: ours and llama.cpp read the file; transformers and
+vLLM, which cannot read GGUF on the CPU, get it dequantized to a Hugging Face directory, or
+--vllm-model), dtype, prompt token ids and number of output tokens (greedy, EOS ignored: every request produces exactly its max_tokens); transformers runs
 with the same torch threads as our engine and, for continuous batching, the same KV-cache bytes and
 per-step token and request limits; no engine reuses a previous round's KV blocks (ours starts
 each round with an empty prefix cache). The engines alternate within each of --repeats rounds, because
@@ -17,13 +19,15 @@ With --latency it measures batch-1 decode instead: each of --latency-prompts pro
 (truncated to 434 tokens) runs alone for 1 and for --output-len tokens (greedy, EOS ignored, prefix cache
 reset before each run), and ms per output token = (t(N) - t(1)) / (N - 1), so prefill and per-request
 overheads cancel; the table gives each engine's median over prompts and rounds. Peers: vLLM-CPU
-(--with-vllm, scripts/vllm_latency.py in its venv) and llama.cpp's llama-server on the model's GGUF
-(--llama-server PATH; scripts/build_llama_server.sh builds one), each with both cores.
+(--with-vllm, scripts/vllm_latency.py in its venv), llama.cpp's llama-bench (--llama-bench: `-p 0 -n N
+-d 434`, decode at a context depth of 434) and llama-server (--llama-server) on the model's GGUF, all with
+our thread count. scripts/build_llama_server.sh builds llama.cpp and prints its bin directory.
 
 Usage:
   python scripts/bench_peers.py --num-requests 16 --repeats 3         # a few minutes
-  python scripts/bench_peers.py --repeats 3 --with-vllm --output-json peers.json
-  python scripts/bench_peers.py --latency --repeats 3 --with-vllm --llama-server "$(scripts/build_llama_server.sh)"
+  B=$(scripts/build_llama_server.sh)
+  python scripts/bench_peers.py --repeats 3 --skip static continuous --with-vllm --llama-server $B/llama-server
+  python scripts/bench_peers.py --latency --repeats 3 --with-vllm --llama-bench $B/llama-bench
 """
 import argparse
 import json
@@ -45,7 +49,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from api.cli import byte_size  # noqa: E402
 from bench_common import DEFAULT_WORKLOAD, REPO, Request, load_jsonl, random_requests, run_info  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from models.loader import default_model_path  # noqa: E402
+from models.gguf import is_gguf  # noqa: E402
+from models.loader import export_hf_directory  # noqa: E402
 
 VLLM_SCRIPT = REPO.parent / "shared" / "peers" / "vllm_cpu.sh"
 MATCH_PREFIX = 16  # output tokens compared with ours
@@ -136,13 +141,23 @@ def vllm_latency(script: Path, model_dir: str, dtype: str, prompts: list[list[in
     return json.loads(lines[-1])["ms_per_token"]
 
 
-class LlamaServer:
-    """llama.cpp's llama-server on a GGUF (one slot, all cores, 127.0.0.1), for batch-1 latency."""
+def llama_bench(binary: str, gguf: str, n: int) -> list[float]:
+    """llama.cpp's llama-bench: decode ms per token at a context depth of LATENCY_PROMPT_LEN, our threads."""
+    proc = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", str(n), "-d", str(LATENCY_PROMPT_LEN),
+                           "-t", str(torch.get_num_threads()), "-r", "1", "-o", "json"],
+                          capture_output=True, text=True, check=True)
+    return [1e3 / json.loads(proc.stdout)[0]["avg_ts"]]
 
-    def __init__(self, binary: str, gguf: str, port: int = 8091):
+
+class LlamaServer:
+    """llama.cpp's llama-server on a GGUF (127.0.0.1, our threads): `slots` sequences at once, each with a
+    context of `ctx` tokens (continuous batching is on by default)."""
+
+    def __init__(self, binary: str, gguf: str, slots: int = 1, ctx: int = 4096, port: int = 8091):
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", "1",
-                                      "-c", "4096", "-t", str(os.cpu_count())],
+        self.proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+                                      "-np", str(slots), "-c", str(slots * ctx), "--no-webui",
+                                      "-t", str(torch.get_num_threads())],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while True:
@@ -157,14 +172,25 @@ class LlamaServer:
                 raise RuntimeError(f"llama-server did not start (exit {self.proc.poll()})")
             time.sleep(0.5)
 
-    def run(self, prompt: list[int], k: int) -> float:
+    def complete(self, prompt: list[int], k: int) -> list[int]:
+        """Greedy completion of `k` tokens (EOS ignored, no prompt cache); returns the token ids."""
         body = json.dumps({"prompt": prompt, "n_predict": k, "temperature": 0, "cache_prompt": False,
-                           "ignore_eos": True}).encode()
+                           "ignore_eos": True, "return_tokens": True}).encode()
         request = urllib.request.Request(f"{self.url}/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as r:
+            return json.loads(r.read())["tokens"]
+
+    def run(self, prompt: list[int], k: int) -> float:
         start = time.perf_counter()
-        with urllib.request.urlopen(request, timeout=300) as r:
-            r.read()
+        self.complete(prompt, k)
         return time.perf_counter() - start
+
+    def run_all(self, reqs: list[Request]) -> list[list[int]]:
+        """Every request at once, one thread each: the server batches what its slots hold."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            return list(pool.map(lambda r: self.complete(r.prompt_token_ids, r.max_tokens), reqs))
 
     def close(self) -> None:
         self.proc.terminate()
@@ -179,10 +205,15 @@ def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
     engines = {"ours": lambda: ours_latency(llm, prompts, n)}
     server = None
     if args.with_vllm:
-        engines["vllm-cpu (subprocess)"] = lambda: vllm_latency(args.vllm_script, llm.model_dir, args.dtype, prompts, n)
+        vllm_model = args.vllm_model or export_hf_directory(llm.model_dir)
+        engines["vllm-cpu (subprocess, bf16 directory)"] = lambda: vllm_latency(args.vllm_script, vllm_model,
+                                                                               args.dtype, prompts, n)
+    gguf = gguf_of(args, llm)
+    if args.llama_bench:
+        engines[f"llama.cpp llama-bench ({Path(gguf).name})"] = lambda: llama_bench(args.llama_bench, gguf, n)
     if args.llama_server:
-        server = LlamaServer(args.llama_server, default_model_path() if args.model is None else args.model)
-        engines["llama.cpp llama-server (GGUF Q4_1)"] = lambda: [ms_per_token(server.run, p, n) for p in prompts]
+        server = LlamaServer(args.llama_server, gguf)
+        engines[f"llama.cpp llama-server ({Path(gguf).name})"] = lambda: [ms_per_token(server.run, p, n) for p in prompts]
     ours_latency(llm, prompts[:1], 4)  # warm-up
     print(f"batch 1: {len(prompts)} prompts of {LATENCY_PROMPT_LEN} tokens, {n} output tokens, {args.dtype}, "
           f"{torch.get_num_threads()} torch threads")
@@ -206,6 +237,15 @@ def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
                               for name in engines}}
         Path(args.output_json).write_text(json.dumps(record, indent=1))
         print(f"wrote {args.output_json}")
+
+
+def gguf_of(args, llm: LLM) -> str:
+    """The GGUF llama.cpp runs: ours when it is one, else --gguf."""
+    if is_gguf(llm.model_dir):
+        return llm.model_dir
+    if args.gguf is None and (args.llama_bench or args.llama_server):
+        raise SystemExit("llama.cpp reads GGUF: give --gguf for a Hugging Face model")
+    return args.gguf
 
 
 def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
@@ -246,10 +286,15 @@ def main():
     ap.add_argument("--output-json", help="write the config and every measurement here")
     ap.add_argument("--latency", action="store_true", help="batch-1 decode ms per output token instead of throughput")
     ap.add_argument("--latency-prompts", type=int, default=3, help="--latency: prompts (each run alone)")
-    ap.add_argument("--llama-server", help="--latency: llama.cpp's llama-server binary, run on the model's GGUF")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary, run on the model's GGUF")
+    ap.add_argument("--llama-slots", type=int, default=64, help="llama-server's slots in throughput mode")
+    ap.add_argument("--llama-bench", help="--latency: llama.cpp's llama-bench binary, run on the model's GGUF")
+    ap.add_argument("--gguf", help="the GGUF llama.cpp runs when --model is a Hugging Face directory")
+    ap.add_argument("--vllm-model", help="the Hugging Face directory vLLM gets (default: ours, a GGUF dequantized)")
+    ap.add_argument("--quantization", choices=["gguf", "none"], help="ours, as the server's flag")
     args = ap.parse_args()
     if args.latency:
-        dtype_kwargs = dict(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+        dtype_kwargs = dict(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, quantization=args.quantization)
         latency_main(args, LLM(model=args.model, **dtype_kwargs), load_jsonl(args.dataset))
         return
 
@@ -265,42 +310,54 @@ def main():
     # Every round repeats the same prompts: ours keeps its default prefix caching (hashing cost
     # included) but empties the cache before each round; transformers' continuous batching, which
     # cannot, runs without block sharing.
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    model = AutoModelForCausalLM.from_pretrained(llm.model_dir, dtype=dtype).eval()
-    page_size = ContinuousBatchingConfig.page_size  # transformers' default page (block) size, in tokens
-    cb_config = ContinuousBatchingConfig(
-        num_blocks=args.kv_cache_memory // (page_size * kv_bytes_per_token(model.config, dtype)),
-        max_batch_tokens=args.max_num_batched_tokens, max_requests_per_batch=args.max_num_seqs,
-        allow_block_sharing=False)
-    # name -> fn(reqs) -> (output tok/s, outputs or None)
-    engines = {
-        "ours": lambda rs: timed(lambda r: run_ours(llm, r), rs),
-        f"transformers generate (static, batch {args.hf_batch_size})":
-            lambda rs: timed(lambda r: run_hf_static(model, llm.tokenizer, r, args.hf_batch_size), rs),
-        "transformers generate_batch (continuous)": lambda rs: timed(lambda r: run_hf_continuous(model, r, cb_config), rs),
-    }
-    for skipped in args.skip:
-        del engines[next(name for name in engines if skipped in name)]
+    # transformers and vLLM cannot read GGUF on the CPU: they get the same weights as a directory
+    hf_dir = lambda: args.vllm_model or export_hf_directory(llm.model_dir)  # noqa: E731
+    engines = {"ours": lambda rs: timed(lambda r: run_ours(llm, r), rs)}  # name -> fn(reqs) -> (tok/s, outputs)
+    if {"static", "continuous"} - set(args.skip):
+        model = AutoModelForCausalLM.from_pretrained(hf_dir(), dtype=dtype).eval()
+        page_size = ContinuousBatchingConfig.page_size  # transformers' default page (block) size, in tokens
+        cb_config = ContinuousBatchingConfig(
+            num_blocks=args.kv_cache_memory // (page_size * kv_bytes_per_token(model.config, dtype)),
+            max_batch_tokens=args.max_num_batched_tokens, max_requests_per_batch=args.max_num_seqs,
+            allow_block_sharing=False)
+        if "static" not in args.skip:
+            engines[f"transformers generate (static, batch {args.hf_batch_size})"] = \
+                lambda rs: timed(lambda r: run_hf_static(model, llm.tokenizer, r, args.hf_batch_size), rs)
+        if "continuous" not in args.skip:
+            engines["transformers generate_batch (continuous)"] = \
+                lambda rs: timed(lambda r: run_hf_continuous(model, r, cb_config), rs)
     # Warm-up on two short prompts outside the workload: first-call costs (allocations, the CB manager)
     # are not throughput. vLLM warms itself up.
     warm = random_requests(2, 32, 4, llm.tokenizer, seed=1)
     for fn in engines.values():
         fn(warm)
     if args.with_vllm:
-        engines["vllm-cpu (subprocess)"] = lambda rs: (run_vllm(args.vllm_script, llm.model_dir, args.dtype, rs), None)
+        vllm_model = hf_dir()
+        engines["vllm-cpu (subprocess)"] = lambda rs: (run_vllm(args.vllm_script, vllm_model, args.dtype, rs), None)
+    server = None
+    if args.llama_server:
+        ctx = -(-max(len(r.prompt_token_ids) + r.max_tokens for r in reqs) // 256) * 256
+        server = LlamaServer(args.llama_server, gguf_of(args, llm), slots=args.llama_slots, ctx=ctx)
+        server.run_all(warm)
+        engines[f"llama.cpp llama-server ({args.llama_slots} slots)"] = lambda rs: timed(server.run_all, rs)
 
     print(f"{len(reqs)} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
           f"{reqs[0].max_tokens} output tokens each, {args.dtype}, {torch.get_num_threads()} torch threads")
     rates: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[list[int]]] = {}
-    for rnd in range(args.repeats):
-        for name, fn in engines.items():
-            rate, outs = fn(reqs)
-            rates[name].append(rate)
-            if outs is not None:
-                outputs.setdefault(name, outs)
-            print(f"round {rnd + 1}/{args.repeats}  {name:<45} {rate:8.1f} output tok/s", flush=True)
+    try:
+        for rnd in range(args.repeats):
+            for name, fn in engines.items():
+                rate, outs = fn(reqs)
+                rates[name].append(rate)
+                if outs is not None:
+                    outputs.setdefault(name, outs)
+                print(f"round {rnd + 1}/{args.repeats}  {name:<45} {rate:8.1f} output tok/s", flush=True)
+    finally:
+        if server is not None:
+            server.close()
 
     medians = {name: statistics.median(r) for name, r in rates.items()}
     ours = outputs["ours"]

@@ -10,7 +10,7 @@ the server's modules, flags), the engine's own line "engine built in ...: model 
 and KV cache", "app + uvicorn" (to the "ready" line) and "first /health". `--breakdown` times the engine's
 steps one by one in this process (imports, model config, tokenizer, attention backend including the C
 kernel's build check, model build, weights, KV-cache allocation); run it after a server start so the
-caches (converted weights, compiled kernel) are warm. Warm starts only: for a first start, run once on
+compiled kernel and the page cache are warm. Warm starts only: for a first start, run once on
 a fresh machine or venv and read the first number.
 """
 import argparse
@@ -72,32 +72,30 @@ def breakdown() -> dict[str, float]:
     import torch
     lap("import torch")
     import transformers  # noqa: F401
-    from transformers import AutoConfig, AutoTokenizer
     lap("import transformers")
     import api.cli  # noqa: F401
     from engine.worker import host_memory
     from engine.attention import make_backend
-    from models.loader import resolve_model
+    from engine.quantization.gguf import GGUFConfig
     from models.config import ModelShape
-    from models.loader import iter_safetensors
+    from models.loader import iter_weights, load_config, load_tokenizer, resolve_model
     from models import get_model_class
     lap("import the server")
-    model_dir = resolve_model(None)
-    lap("find the converted model (hashes the GGUF)")
-    cfg = AutoConfig.from_pretrained(model_dir)
-    lap("model config (transformers' config classes)")
-    AutoTokenizer.from_pretrained(model_dir)
-    lap("tokenizer")
+    model_path = resolve_model(None)
+    cfg = load_config(model_path)
+    lap("model config (GGUF metadata, transformers' config class)")
+    load_tokenizer(model_path)
+    lap("tokenizer (from the GGUF's metadata)")
     shape = ModelShape.from_hf(cfg)
-    backend = make_backend(None, torch.device("cpu"), torch.float32, shape, 16)
+    backend = make_backend(None, torch.device("cpu"), torch.bfloat16, shape, 16)
     lap(f"attention backend ({type(backend).__name__}, C kernel build check)")
     cls, kwargs = get_model_class(cfg)
     with torch.device("meta"):
-        model = cls(cfg, shape, backend, cfg.max_position_embeddings, **kwargs)
-    model = model.to_empty(device="cpu")
+        model = cls(cfg, shape, backend, cfg.max_position_embeddings, quant_config=GGUFConfig(), **kwargs)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
     lap("model build (meta, to_empty)")
-    model.load_weights(iter_safetensors(model_dir))
-    lap("weights")
+    model.load_weights(iter_weights(model_path, quantized=True))
+    lap("weights (quantized blocks copied from the file, repacked for VNNI)")
     host_memory.zeros(((2 << 30) // 4,), torch.float32)
     lap("KV cache, 2 GiB (host_memory.zeros)")
     torch.zeros((2 << 30) // 4, dtype=torch.float32)
@@ -111,7 +109,7 @@ def main() -> int:
     ap.add_argument("--breakdown", action="store_true", help="also time each step in this process")
     ap.add_argument("server_args", nargs="*", help="server.py flags after --")
     args = ap.parse_args()
-    one_start(args.server_args)  # warms the caches: converted weights, compiled kernel, page cache
+    one_start(args.server_args)  # warms the compiled kernel and the page cache
     runs = [one_start(args.server_args) for _ in range(args.runs)]
     print(f"{'phase':<28}" + "".join(f"{f'run {i + 1}':>9}" for i in range(len(runs))) + f"{'median':>9}")
     for phase in runs[0]:

@@ -10,7 +10,6 @@ Usage:
 """
 import argparse
 import os
-import shutil
 import sys
 
 import torch
@@ -28,9 +27,9 @@ CONFIGS = {
 }
 
 
-def save_tiny_model(arch: str, path, tokenizer_dir: str, **overrides):
-    """Saves a random tiny `arch` model (CONFIGS, with `overrides` of config fields; seed 0) with the
-    tokenizer of `tokenizer_dir` at `path`; returns the transformers model (float32, eval mode)."""
+def save_tiny_model(arch: str, path, tokenizer, **overrides):
+    """Saves a random tiny `arch` model (CONFIGS, with `overrides` of config fields; seed 0) with
+    `tokenizer` (a transformers tokenizer) at `path`; returns the transformers model (float32, eval mode)."""
     torch.manual_seed(0)
     config = CONFIGS[arch]()
     for key, value in overrides.items():
@@ -46,8 +45,7 @@ def save_tiny_model(arch: str, path, tokenizer_dir: str, **overrides):
             torch.nn.init.normal_(layer.self_attn.q_norm.weight, mean=1.0, std=0.5)
             torch.nn.init.normal_(layer.self_attn.k_norm.weight, mean=1.0, std=0.5)
     model.save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(tokenizer_dir, f), path)
+    tokenizer.save_pretrained(path)
     return model
 
 
@@ -58,9 +56,9 @@ def main():
     ap.add_argument("--num-key-value-heads", type=int, default=COMMON["num_key_value_heads"])
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-    from models.loader import default_model_path, resolve_model
+    from models.loader import load_tokenizer, resolve_model
 
-    save_tiny_model(args.arch, args.path, resolve_model(default_model_path()),
+    save_tiny_model(args.arch, args.path, load_tokenizer(resolve_model(None)),
                     num_key_value_heads=args.num_key_value_heads)
     print(f"wrote {args.path}")
 

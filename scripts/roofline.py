@@ -2,10 +2,13 @@
 
 1. Measures the machine: GEMM throughput through torch on the model's own linear shapes (qkv, o, gate_up,
    down, LM head; FLOP-weighted) at 64, 256 and 2048 rows, and the DRAM read bandwidth (summing a
-   tensor far larger than the caches).
-2. Counts, for the loaded model, the bytes and FLOPs of a step: the weights of every linear (the
-   embedding lookup is negligible), the K/V read for the batch's context lengths, the FLOPs of the
-   linears (2 per weight per row) and of attention (4 * context * head_dim per query head per row).
+   tensor far larger than the caches). For a GGUF model whose weights stay quantized, the compute roof
+   is the rate of the kernel that runs them (the model's own quantized layers, timed the same way;
+   int16 activations on AVX512-VNNI), printed beside torch's bfloat16 GEMM.
+2. Counts, for the loaded model, the bytes and FLOPs of a step: the weights of every linear as they are
+   held (quantized bytes for a GGUF model; the embedding lookup is negligible), the K/V read for the
+   batch's context lengths, the FLOPs of the linears (2 per weight per row) and of attention
+   (4 * context * head_dim per query head per row).
    The floor of a step is max(bytes / bandwidth, FLOPs / compute roof), the compute roof being the
    GEMM rate measured at the step's row count (64 for fewer rows: there the memory term dominates).
 3. Times real engine steps of each kind (`LLMEngine.step`, scheduling and sampling included): a prefill
@@ -14,6 +17,7 @@
    (arithmetic intensity vs attained FLOP/s, one point per step kind) with --plot.
 
     python scripts/roofline.py --plot docs/roofline.png
+    python scripts/roofline.py --quantization none --plot docs/roofline-bf16.png   # the GGUF dequantized
     python scripts/roofline.py --device h100     # floors only, from the H100's published peaks
 
 With --device h100 / h200 the floors use the published peaks (bf16 dense tensor-core FLOP/s, HBM
@@ -30,10 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from transformers import AutoConfig  # noqa: E402
-
 from engine import LLM, SamplingParams  # noqa: E402
-from models.loader import resolve_model  # noqa: E402
+from models.loader import load_config, resolve_model  # noqa: E402
 
 # Published peaks: bf16 dense tensor-core FLOP/s and HBM bytes/s (NVIDIA H100 SXM5 / H200 SXM datasheets).
 GPU_PEAKS = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12)}
@@ -71,6 +73,27 @@ def measure_gemm(m: int, shapes: list[tuple[int, int]], dtype: torch.dtype, repe
     return flops / seconds
 
 
+def measure_quantized(model, m: int, dtype: torch.dtype, repeats: int = 10) -> float | None:
+    """FLOP/s of the model's own quantized linears (layer 0's qkv, o, gate_up and down, and the LM head) at
+    `m` rows, FLOP-weighted as measure_gemm; None when the model's weights are not quantized."""
+    layer = model.layers[0]
+    methods = [mod.quant_method for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    head = (model.lm_head or model.embed_tokens).quant_method
+    if any(method is None for method in methods) or head is None:
+        return None
+    flops = seconds = 0.0
+    for method in methods + [head.linear]:
+        x = torch.randn(m, method.input_size, dtype=dtype)
+        best = float("inf")
+        for _ in range(repeats + 3):
+            t = time.perf_counter()
+            method.apply(x)
+            best = min(best, time.perf_counter() - t)
+        flops, seconds = flops + 2 * m * method.input_size * sum(method.output_sizes), seconds + best
+    return flops / seconds
+
+
 def linear_shapes(cfg) -> list[tuple[int, int]]:
     """(in, out) of each distinct linear of the model: qkv, o, gate_up, down, LM head."""
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -97,22 +120,22 @@ class ModelShape:
     lm_head_params: int
     kv_bytes_per_token: int
     attn_flops_per_key: int  # per query row and context token: QK^T and PV over all query heads
-    dtype_bytes: int
+    weight_bytes: int  # of the linears and the LM head as held: dtype bytes per parameter, or quantized bytes
 
     @classmethod
-    def of(cls, cfg, dtype_bytes: int) -> "ModelShape":
+    def of(cls, cfg, dtype_bytes: int, weight_bytes: int | None = None) -> "ModelShape":
         d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         h, kvh, hid, inter, layers = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size,
                                       cfg.intermediate_size, cfg.num_hidden_layers)
         per_layer = hid * (h + 2 * kvh) * d + h * d * hid + 3 * hid * inter
-        return cls(linear_params=layers * per_layer, lm_head_params=cfg.vocab_size * hid,
-                   kv_bytes_per_token=2 * layers * kvh * d * dtype_bytes,
-                   attn_flops_per_key=4 * h * d * layers, dtype_bytes=dtype_bytes)
+        linear, head = layers * per_layer, cfg.vocab_size * hid
+        return cls(linear_params=linear, lm_head_params=head, kv_bytes_per_token=2 * layers * kvh * d * dtype_bytes,
+                   attn_flops_per_key=4 * h * d * layers, weight_bytes=weight_bytes or (linear + head) * dtype_bytes)
 
     def step(self, rows: int, sampled: int, keys_read: int, attn_pairs: int) -> tuple[float, float]:
         """(bytes, FLOPs) of a step computing `rows` tokens, sampling `sampled` of them, reading the
         K/V of `keys_read` cached tokens, with `attn_pairs` (query row, key) pairs in attention."""
-        nbytes = (self.linear_params + self.lm_head_params) * self.dtype_bytes + keys_read * self.kv_bytes_per_token
+        nbytes = self.weight_bytes + keys_read * self.kv_bytes_per_token
         flops = 2 * self.linear_params * rows + 2 * self.lm_head_params * sampled + self.attn_flops_per_key * attn_pairs
         return nbytes, flops
 
@@ -164,6 +187,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", *GPU_PEAKS], help="whose roofline (default: this CPU)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--quantization", default=None, choices=["gguf", "none"], help="as the server's flag")
     ap.add_argument("--context-len", type=int, default=352, help="tokens per sequence in decode steps (default: "
                     "W64's mean prompt + half its output)")
     ap.add_argument("--prefill-tokens", type=int, default=2048, help="tokens of the prefill step (default: one "
@@ -175,17 +199,25 @@ def main():
     measure = args.device == "cpu" or torch.cuda.is_available()
 
     # 256 sequences of ~400 tokens need ~2.4 GB of bfloat16 K/V for SmolLM2-135M
-    llm = LLM(dtype=args.dtype, max_num_seqs=max(DECODE_BATCHES), kv_cache_memory=4 << 30,
-              max_num_batched_tokens=max(args.prefill_tokens, 2048)) if measure else None
-    cfg = llm.engine.runner.model.config if llm else AutoConfig.from_pretrained(resolve_model(None))
-    shape = ModelShape.of(cfg, dtype.itemsize)
+    llm = LLM(dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(DECODE_BATCHES),
+              kv_cache_memory=4 << 30, max_num_batched_tokens=max(args.prefill_tokens, 2048)) if measure else None
+    cfg = llm.engine.runner.model.config if llm else load_config(resolve_model(None))
+    weights = llm.engine.runner.weight_bytes if llm else None
+    quantized = bool(weights) and any(not k.startswith(("float", "bfloat")) for k in weights)
+    # the linears' and LM head's bytes as held (norms are a rounding error)
+    shape = ModelShape.of(cfg, dtype.itemsize, sum(weights.values()) if quantized else None)
     if args.device == "cpu":
         shapes = linear_shapes(cfg)
-        machine = Machine("this CPU", {m: measure_gemm(m, shapes, dtype) for m in GEMM_ROWS}, measure_bandwidth())
+        gemm = {m: measure_gemm(m, shapes, dtype) for m in GEMM_ROWS}
+        kernel = {m: measure_quantized(llm.engine.runner.model, m, dtype) for m in GEMM_ROWS} if quantized else None
+        machine = Machine("this CPU", kernel or gemm, measure_bandwidth())
         print(f"this CPU, {torch.get_num_threads()} threads: {args.dtype} GEMM on the model's linears "
-              + ", ".join(f"{machine.gemm[m] / 1e9:.0f} GFLOP/s at {m} rows" for m in GEMM_ROWS)
+              + ", ".join(f"{gemm[m] / 1e9:.0f} GFLOP/s at {m} rows" for m in GEMM_ROWS)
               + f"; float32 {measure_gemm(2048, shapes[:4], torch.float32) / 1e9:.0f} at 2048; "
               f"DRAM read {machine.bandwidth / 1e9:.1f} GB/s")
+        if kernel:
+            print(f"weights {', '.join(f'{k} {v / 1e6:.1f} MB' for k, v in weights.items())}; their kernel: "
+                  + ", ".join(f"{kernel[m] / 1e9:.0f} GOP/s at {m} rows" for m in GEMM_ROWS))
     else:
         flops, bw = GPU_PEAKS[args.device]
         machine = Machine(args.device.upper(), {GEMM_ROWS[0]: flops}, bw)
@@ -209,7 +241,8 @@ def main():
         m = f"{measured * 1e3:13.1f}{measured / floor:9.2f}" if measured else f"{'-':>13}{'-':>9}"
         print(f"{name:<12}{nbytes / 1e6:10.0f}{flops / 1e9:9.2f}{floor * 1e3:10.2f}{bound:>9}{m}")
     if args.plot and points:
-        plot(machine, points, args.plot, f"{cfg.model_type}, {args.dtype}, context {args.context_len}")
+        kind = "GGUF " + "/".join(k for k in weights if not k.startswith(("float", "bfloat"))) if quantized else args.dtype
+        plot(machine, points, args.plot, f"{cfg.model_type}, {kind}, context {args.context_len}")
 
 
 def plot(machine: Machine, points, path: str, title: str) -> None:
@@ -223,7 +256,7 @@ def plot(machine: Machine, points, path: str, title: str) -> None:
     ai = np.logspace(-1, 4, 200)
     for m, peak in sorted(machine.gemm.items()):
         ax.plot(ai, np.minimum(ai * machine.bandwidth, peak) / 1e9, lw=1.5,
-                label=f"roof: {machine.bandwidth / 1e9:.0f} GB/s, GEMM {peak / 1e9:.0f} GFLOP/s at {m} rows")
+                label=f"roof: {machine.bandwidth / 1e9:.0f} GB/s, linears {peak / 1e9:.0f} GFLOP/s at {m} rows")
     for name, x, y in points:
         ax.scatter([x], [y / 1e9], zorder=3)
         ax.annotate(name, (x, y / 1e9), textcoords="offset points", xytext=(5, -10), fontsize=8)

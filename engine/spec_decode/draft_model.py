@@ -4,14 +4,13 @@ import dataclasses
 import logging
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.step_io import SchedulerOutput
 from engine.sample.rejection_sampler import RejectionSampler, WithDrafts
 from engine.worker.model_runner import ModelRunner
-from models.loader import resolve_model
+from models.loader import load_config, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +64,8 @@ class DraftModelProposer:
             model_dir = resolve_model(model)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"speculative draft model: {e}") from None
-        hf_config = AutoConfig.from_pretrained(model_dir)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        hf_config = load_config(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         if hf_config.vocab_size != target_runner.model.config.vocab_size or tokenizer.get_vocab() != target_tokenizer.get_vocab():
             raise ValueError(f"speculative draft model {model!r} does not share the target's tokenizer and "
                              f"vocabulary ({hf_config.vocab_size} vs {target_runner.model.config.vocab_size} "

@@ -16,7 +16,10 @@ from engine.worker.cuda_graph import CUDAGraphRunner
 from engine.worker.input_batch import InputBatch, ModelInputs, prepare_inputs
 from models import get_model_class
 from models.config import ModelShape
-from models.loader import iter_safetensors
+from engine.kernels import cpu_kernels
+from engine.quantization.gguf import GGUFConfig, weight_summary
+from models.gguf import is_gguf
+from models.loader import iter_weights
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +55,40 @@ class ModelRunner:
                                  self.shape.max_position_embeddings)
         self.backend = make_backend(config.attention_backend, self.device, self.dtype, self.shape, self.block_size)
         cls, kwargs = get_model_class(hf_config)
+        quant_config = self._quant_config(model_dir, tp)
         with torch.device("meta"):  # no random init (0.8 s for 135M parameters): the checkpoint fills all
-            model = cls(hf_config, self.shape, self.backend, self.max_model_len, tp=tp, **kwargs)
+            model = cls(hf_config, self.shape, self.backend, self.max_model_len, tp=tp, quant_config=quant_config,
+                        **kwargs)
         self.model = model.to_empty(device=self.device).to(self.dtype)
-        self.model.load_weights(iter_safetensors(model_dir))
+        self.model.load_weights(iter_weights(model_dir, quantized=quant_config is not None))
         self.model.eval()
+        self.weight_bytes, summary = weight_summary(self.model)
+        logger.info("weights: %s", summary)
         self.sampler = RejectionSampler()  # without drafts it draws what plain sampling draws
         self.num_blocks = 0
         self.kv_cache = self.kv_caches = self.graphs = None
+
+    def _quant_config(self, model_path: str, tp: TPGroup | None) -> GGUFConfig | None:
+        """GGUFConfig when a .gguf model's quantized weights stay in their blocks (the default on the CPU in
+        one process), None for float weights (other checkpoints; GGUF files on CUDA, with float16 or under
+        tensor parallelism, dequantized at load, unless quantization "gguf" asks otherwise: ValueError)."""
+        wanted = self.config.quantization
+        if not is_gguf(model_path):
+            if wanted == "gguf":
+                raise ValueError(f"quantization gguf needs a .gguf model, got {model_path}")
+            return None
+        if wanted == "none":
+            return None
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16) or tp is not None:
+            if wanted is None:  # the default: dequantize where the kernels do not run
+                return None
+            raise ValueError(f"quantization gguf computes in one process on the CPU with float32 or bfloat16 "
+                             f"activations, not {self.device.type} {self.dtype}; use --quantization none to "
+                             f"dequantize at load")
+        if cpu_kernels.load() is None:
+            logger.warning("no C compiler for the GGUF kernels: dequantizing the weights to %s at load", self.dtype)
+            return None
+        return GGUFConfig()
 
     def init_kv_cache(self, num_blocks: int, cuda_graphs: bool) -> None:
         """Allocates `num_blocks` KV blocks and caps max_model_len to what they hold; with

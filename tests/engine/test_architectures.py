@@ -18,7 +18,7 @@ def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
     if name == "llama3":  # the scaling really changes the frequencies we use
         plain = type("Plain", (), {"rope_theta": 500000.0})()
         assert not torch.allclose(rope_inv_freq(CONFIGS[name](), 16), rope_inv_freq(plain, 16))
-    ref_model = save_tiny_model(name, tmp_path, llm.model_dir)
+    ref_model = save_tiny_model(name, tmp_path, llm.tokenizer)
     ours = make_llm(model=str(tmp_path))
     prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)  # > 64 positions
     out = ours.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]

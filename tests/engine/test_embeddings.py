@@ -11,11 +11,11 @@ TEXTS = ["The capital of France is Paris.", "def fibonacci(n):\n    return n if 
 
 
 @pytest.fixture(scope="module")
-def hf_hidden(llm):
+def hf_hidden(llm, hf_model_dir):
     """transformers' final hidden states (after the last norm), float32 [len, hidden], per text."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(llm.model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         return [model(torch.tensor([llm.tokenizer.encode(t)]), output_hidden_states=True).hidden_states[-1][0]
                 for t in TEXTS]

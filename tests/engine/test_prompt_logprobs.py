@@ -18,11 +18,11 @@ def small_chunks():
 
 
 @pytest.fixture(scope="module")
-def reference(small_chunks):
+def reference(small_chunks, hf_model_dir):
     """HF log-softmax over the vocabulary at every position of the prompts used here, by token ids."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(small_chunks.model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32).eval()
     tok = small_chunks.tokenizer
     prompts = {"short": tok.encode("Hello world"), "long": tok.encode(TEXT * 3)}
     with torch.inference_mode():

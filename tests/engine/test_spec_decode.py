@@ -180,9 +180,9 @@ def test_draft_model_target_as_its_own_draft(llm, prompts):
     assert draft_kv.pool.num_free_blocks == draft_kv.num_blocks and not draft_kv.req_blocks
 
 
-def test_draft_model_with_another_vocabulary_is_refused(tmp_path, llm):
+def test_draft_model_with_another_vocabulary_is_refused(tmp_path, llm, hf_model_dir):
     draft = tmp_path / "draft"
-    shutil.copytree(llm.model_dir, draft, ignore=shutil.ignore_patterns("*.safetensors"))  # refused before loading
+    shutil.copytree(hf_model_dir, draft, ignore=shutil.ignore_patterns("*.safetensors"))  # refused before loading
     config = json.loads((draft / "config.json").read_text())
     config["vocab_size"] += 1
     (draft / "config.json").write_text(json.dumps(config))

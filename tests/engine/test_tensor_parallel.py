@@ -92,7 +92,7 @@ def test_killed_rank_fails_the_engine_with_a_clear_error(tp3):
 def test_tp2_tiny_models_match_tp1(name, kv_heads, llm, tmp_path):
     """llama3: 4 query / 2 KV heads, one KV head per rank; qwen2 (q/k/v biases): one KV head,
     replicated on both ranks."""
-    save_tiny_model(name, tmp_path, llm.model_dir, num_key_value_heads=kv_heads)
+    save_tiny_model(name, tmp_path, llm.tokenizer, num_key_value_heads=kv_heads)
     prompts = [llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12), [1, 2, 3]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     refs = tp1_reference(make_llm(model=str(tmp_path)), prompts, params)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from models.loader import resolve_model
+from models.loader import export_hf_directory, resolve_model
 
 pytest_plugins = ["server_harness"]
 
@@ -33,7 +33,7 @@ def lm_eval(tmp_path, name: str, model: str, model_args: str) -> dict:
 
 @pytest.mark.slow
 def test_lm_eval_local_completions_matches_hf(server, tmp_path):
-    model_dir = resolve_model(None)
+    model_dir = export_hf_directory(resolve_model(None))  # transformers' float32 reference reads it
     ours = lm_eval(tmp_path, "server", "local-completions",
                    f"model=SmolLM2-135M-Instruct,base_url={server.url}/v1/completions,tokenizer={model_dir},"
                    f"tokenizer_backend=huggingface,num_concurrent=4,max_retries=1")

@@ -1,10 +1,9 @@
 """The reasoning parsers on real token streams: a reasoning model's output as the default model's
 tokenizer cuts it, fed token by token (and cut at every character), equals the whole-text split."""
 import pytest
-from transformers import AutoTokenizer
 
 from api.reasoning import ReasoningParser, split_reasoning
-from models.loader import resolve_model
+from models.loader import load_tokenizer, resolve_model
 
 THINKING = "<think>\nThe user asks for 2 + 2. That is 4; no tools needed.\n</think>\n\nThe answer is **4**."
 CASES = [  # (parser, output, reasoning, content)
@@ -20,7 +19,7 @@ CASES = [  # (parser, output, reasoning, content)
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model(None))
+    return load_tokenizer(resolve_model(None))
 
 
 def stream(parser: ReasoningParser, deltas) -> tuple[str, str]:

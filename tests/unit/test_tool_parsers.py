@@ -4,11 +4,10 @@ reassembles to the whole-text parse and the expected calls; malformed outputs ar
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
 from api.protocol import ChatCompletionRequest
 from api.tool_calls import TOOL_CALL_PARSERS, ToolCalls
-from models.loader import resolve_model
+from models.loader import load_tokenizer, resolve_model
 
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
          for name in ("get_weather", "get_time")]
@@ -51,7 +50,7 @@ MALFORMED = [  # (parser, output): each is content, whole
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model(None))
+    return load_tokenizer(resolve_model(None))
 
 
 def tool_calls(parser: str) -> ToolCalls:

@@ -1,0 +1,643 @@
+/* y = x W^T with W in a GGUF file's quantized blocks (llama.cpp's ggml formats), never a float copy of W.
+ *
+ * One form for every type. A weight row of K values is unpacked, block by block, into unsigned 8-bit
+ * codes q[k] and one float scale and one float offset per 16 weights, with w[k] = scale[k/16] * q[k] +
+ * min[k/16] exactly as ggml's (and gguf-py's) dequantization gives it in float32: every product of a
+ * float16 scale and a code is exact in float32, so the two roundings agree. Per type (gguf-py quants.py):
+ *   Q4_0 (32 w, 18 B): fp16 d, 16 B of nibbles (w j low nibble of byte j, w j+16 high): w = d (q - 8)
+ *   Q4_1 (32 w, 20 B): fp16 d, fp16 m, nibbles as Q4_0:                                  w = d q + m
+ *   Q8_0 (32 w, 34 B): fp16 d, 32 int8:                      code q + 128, w = d (code - 128)
+ *   Q4_K (256 w, 144 B): fp16 d, fp16 dmin, 12 B of 6-bit scales and mins for 8 sub-blocks of 32,
+ *                        128 B of nibbles (32 B per 64 w: low nibbles, then high): w = d sc q - dmin m
+ *   Q5_K (256 w, 176 B): as Q4_K plus 32 B holding each weight's fifth bit (bit j for sub-block j)
+ *   Q6_K (256 w, 210 B): 128 B low 4 bits, 64 B high 2 bits, 16 int8 scales (one per 16), fp16 d last:
+ *                        w = d sc (q - 32)
+ *
+ * Two kernels:
+ *  - portable C on the file's blocks (float32 activations, CPUs without AVX512-VNNI/BF16, and the
+ *    reference): a row unpacked, then sum_g scale_g sum_{k in g} x q + min_g sum_{k in g} x in float32;
+ *  - AVX512-VNNI on "R16" weights (below): the blocks of 16 rows interleaved at load, so that one
+ *    instruction multiplies codes of 16 rows at once, with int16 activations.
+ * Threads split W's rows. x [M, K] float32 or bfloat16 (rows x_stride apart), y [M, N] float32 or
+ * bfloat16 (rows y_stride apart). Functions return -1 for a type they do not know (nothing written).
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "bf16.h"
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* GGMLQuantizationType values */
+
+static inline float fp16_to_f32(const uint8_t *p) { /* exact, without F16C */
+    const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    uint32_t u;
+    if (exp == 0) {
+        float f = (float)mant * (1.0f / 16777216.0f); /* subnormal: mant * 2^-24, exact */
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    } else if (exp == 31) {
+        u = sign | 0x7F800000u | mant << 13;
+    } else {
+        u = sign | (exp + 112) << 23 | mant << 13;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* weights per block and bytes per block of a type; 0 for an unknown type */
+static int block_weights(int type) {
+    return type == Q4_0 || type == Q4_1 || type == Q8_0 ? 32 : type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 0;
+}
+static int block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes */
+static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | (s[j - 4] >> 6) << 4;
+        *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
+/* One row of `nb` blocks -> codes q [nb * block], scale and min [nb * block / 16]. */
+static void unpack_row(int type, const uint8_t *row, int nb, uint8_t *q, float *scale, float *min) {
+    switch (type) {
+    case Q4_0:
+    case Q4_1:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (size_t)b * block_bytes(type);
+            const float d = fp16_to_f32(blk), m = type == Q4_0 ? -8.f * d : fp16_to_f32(blk + 2);
+            const uint8_t *qs = blk + (type == Q4_0 ? 2 : 4);
+            for (int j = 0; j < 16; j++) {
+                q[32 * b + j] = qs[j] & 0xF;
+                q[32 * b + j + 16] = qs[j] >> 4;
+            }
+            scale[2 * b] = scale[2 * b + 1] = d;
+            min[2 * b] = min[2 * b + 1] = m;
+        }
+        break;
+    case Q8_0:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (size_t)b * 34;
+            const float d = fp16_to_f32(blk);
+            for (int j = 0; j < 32; j++) q[32 * b + j] = blk[2 + j] ^ 0x80; /* int8 + 128 */
+            scale[2 * b] = scale[2 * b + 1] = d;
+            min[2 * b] = min[2 * b + 1] = -128.f * d;
+        }
+        break;
+    case Q4_K:
+    case Q5_K:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (size_t)b * block_bytes(type);
+            const float d = fp16_to_f32(blk), dmin = fp16_to_f32(blk + 2);
+            const uint8_t *sc6 = blk + 4, *qh = blk + 16, *qs = blk + (type == Q4_K ? 16 : 48);
+            uint8_t *qb = q + 256 * b;
+            for (int c = 0; c < 4; c++)
+                for (int i = 0; i < 32; i++) {
+                    qb[64 * c + i] = qs[32 * c + i] & 0xF;
+                    qb[64 * c + 32 + i] = qs[32 * c + i] >> 4;
+                }
+            if (type == Q5_K)
+                for (int j = 0; j < 8; j++)
+                    for (int i = 0; i < 32; i++) qb[32 * j + i] |= ((qh[i] >> j) & 1) << 4;
+            for (int j = 0; j < 8; j++) {
+                int sc, m;
+                k_scale_min(sc6, j, &sc, &m);
+                /* as gguf-py: (d * sc) * q - dmin * m, both products exact */
+                scale[16 * b + 2 * j] = scale[16 * b + 2 * j + 1] = d * (float)sc;
+                min[16 * b + 2 * j] = min[16 * b + 2 * j + 1] = -(dmin * (float)m);
+            }
+        }
+        break;
+    case Q6_K:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (size_t)b * 210, *ql = blk, *qh = blk + 128;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = fp16_to_f32(blk + 208);
+            uint8_t *qb = q + 256 * b;
+            for (int h = 0; h < 2; h++)
+                for (int t = 0; t < 4; t++)
+                    for (int p = 0; p < 32; p++)
+                        qb[128 * h + 32 * t + p] = ((ql[64 * h + 32 * (t & 1) + p] >> (4 * (t >> 1))) & 0xF) |
+                                                   ((qh[32 * h + p] >> (2 * t)) & 3) << 4;
+            for (int g = 0; g < 16; g++) {
+                scale[16 * b + g] = d * (float)sc[g];
+                min[16 * b + g] = -32.f * scale[16 * b + g];
+            }
+        }
+        break;
+    }
+}
+
+/* Dequantizes `rows` rows of `cols` weights to float32 (dst_bf16 0) or bfloat16 (1): the weights
+ * gguf-py's dequantize() gives, bit for bit in float32. Returns -1 for an unknown type or cols not a
+ * whole number of blocks. */
+int gguf_dequantize(int type, const uint8_t *src, int rows, int cols, void *dst, int dst_bf16, int num_threads) {
+    const int bw = block_weights(type);
+    if (bw == 0 || cols % bw) return -1;
+    const int nb = cols / bw;
+    const size_t row_bytes = (size_t)nb * block_bytes(type);
+    _Pragma("omp parallel num_threads(num_threads) if (rows > 1)") {
+        uint8_t *q = malloc((size_t)cols);
+        float *scale = malloc(sizeof(float) * (cols / 16)), *min = malloc(sizeof(float) * (cols / 16));
+        _Pragma("omp for schedule(static)")
+        for (int r = 0; r < rows; r++) {
+            unpack_row(type, src + r * row_bytes, nb, q, scale, min);
+            if (dst_bf16) {
+                bf16 *o = (bf16 *)dst + (size_t)r * cols;
+                for (int k = 0; k < cols; k++) o[k] = f32_to_bf16(scale[k / 16] * (float)q[k] + min[k / 16]);
+            } else {
+                float *o = (float *)dst + (size_t)r * cols;
+                for (int k = 0; k < cols; k++) o[k] = scale[k / 16] * (float)q[k] + min[k / 16];
+            }
+        }
+        free(q), free(scale), free(min);
+    }
+    return 0;
+}
+
+/* ---- the portable path: float activations against an unpacked row ---- */
+static inline float load_x(const void *x, int x_bf16, size_t i) {
+    return x_bf16 ? bf16_to_f32(((const bf16 *)x)[i]) : ((const float *)x)[i];
+}
+
+/* y[m][n] = sum_g scale_g (sum_{k in g} x q) + min_g (sum_{k in g} x), in float32 */
+static float row_dot_portable(const float *x, const float *xsum, const uint8_t *q, const float *scale,
+                              const float *min, int K) {
+    float acc = 0.f;
+    for (int g = 0; g < K / 16; g++) {
+        float s = 0.f;
+        for (int i = 0; i < 16; i++) s += x[16 * g + i] * (float)q[16 * g + i];
+        acc += scale[g] * s + min[g] * xsum[g];
+    }
+    return acc;
+}
+
+/* y = x W^T with W in ggml blocks, portable C in float32. Returns -1 for an unknown type or K not whole blocks. */
+int gguf_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                int y_stride, int M, int N, int K, int num_threads) {
+    const int bw = block_weights(type);
+    if (bw == 0 || K % bw) return -1;
+    const int nb = K / bw;
+    const size_t row_bytes = (size_t)nb * block_bytes(type);
+    float *xf = malloc(sizeof(float) * (size_t)M * K), *xsum = malloc(sizeof(float) * (size_t)M * (K / 16));
+    _Pragma("omp parallel num_threads(num_threads)") {
+        _Pragma("omp for schedule(static)")
+        for (int m = 0; m < M; m++)
+            for (int g = 0; g < K / 16; g++) {
+                float s = 0.f;
+                for (int i = 0; i < 16; i++) {
+                    const float v = load_x(x, x_bf16, (size_t)m * x_stride + 16 * g + i);
+                    xf[(size_t)m * K + 16 * g + i] = v, s += v;
+                }
+                xsum[(size_t)m * (K / 16) + g] = s;
+            }
+        uint8_t *q = malloc((size_t)K);
+        float *scale = malloc(sizeof(float) * (K / 16)), *min = malloc(sizeof(float) * (K / 16));
+        _Pragma("omp for schedule(static)")
+        for (int n = 0; n < N; n++) {
+            unpack_row(type, w + n * row_bytes, nb, q, scale, min);
+            for (int m = 0; m < M; m++) {
+                const float v = row_dot_portable(xf + (size_t)m * K, xsum + (size_t)m * (K / 16), q, scale, min, K);
+                const size_t at = (size_t)m * y_stride + n;
+                if (y_bf16)
+                    ((bf16 *)y)[at] = f32_to_bf16(v);
+                else
+                    ((float *)y)[at] = v;
+            }
+        }
+        free(q), free(scale), free(min);
+    }
+    free(xf), free(xsum);
+    return 0;
+}
+
+/* ---- R16: the 32-weight types repacked 16 rows at a time for the VNNI kernel (lossless) ----
+ *
+ * Rows are padded to a multiple of 16 (zero rows) and stored group by group; within a group, block b
+ * of all 16 rows is one record: the codes laid out so that one 64-byte load holds 4 codes of each of
+ * the 16 rows (one int32 lane per row, what _mm512_dpbusd_epi32 multiplies by 4 broadcast activation
+ * codes), then the 16 rows' float16 scales d, then (Q4_1) their float16 offsets m. 4-bit records: load
+ * p (0..3) holds codes 4p..4p+3 in its low nibbles and 16+4p..16+4p+3 in its high nibbles. Q8_0: load
+ * g (0..7) holds codes 4g..4g+3 as int8 + 128. A record has exactly the bytes of the 16 blocks it came
+ * from (Q4_0 288, Q4_1 320, Q8_0 544), so repacking costs no memory beyond the padding rows; the
+ * layout is that of llama.cpp's repacked CPU weights (ggml-cpu repack.cpp), re-derived for VNNI. */
+static int r16_code_bytes(int type) { return type == Q8_0 ? 512 : 256; }
+
+/* code k (0..31) of lane r in a record */
+static inline uint8_t r16_code(int type, const uint8_t *rec, int r, int k) {
+    if (type == Q8_0) return rec[64 * (k / 4) + 4 * r + k % 4];
+    const int hi = k >= 16, kk = k - 16 * hi;
+    const uint8_t byte = rec[64 * (kk / 4) + 4 * r + kk % 4];
+    return hi ? byte >> 4 : byte & 0xF;
+}
+
+/* R16 of the super-block types: a record is 16 rows x one 256-weight super-block. Codes first, 8
+ * sub-blocks of 32 (256 B each, the 4-bit layout above); for Q5_K then each code's fifth bit and for
+ * Q6_K its fifth and sixth bits as 64-bit masks, one per 64-byte code register (bit 4r + i of register
+ * z of sub-block j: lane r, byte i); then the scales: Q4_K/Q5_K the 16 rows' float16 d and dmin and
+ * the 6-bit sub-block scales and mins as bytes [8][16]; Q6_K the float16 d and the int8 scales per 16
+ * as [16][16]. Records are 16 x (148, 180, 210) bytes against 16 x (144, 176, 210) in the file. */
+static int r16_codes_end(int type) { return type == Q4_K ? 2048 : type == Q5_K ? 2560 : type == Q6_K ? 3072 : 0; }
+static int r16_record_bytes(int type) {
+    return type == Q4_K ? 2368 : type == Q5_K ? 2880 : type == Q6_K ? 3360 : 16 * block_bytes(type);
+}
+static int r16_type(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q5_K || type == Q6_K; }
+
+/* bytes of a repacked weight of N rows and K columns */
+long gguf_r16_bytes(int type, int N, int K) {
+    const int bw = block_weights(type);
+    if (!r16_type(type) || K % bw) return -1;
+    return (long)((N + 15) / 16) * (K / bw) * r16_record_bytes(type);
+}
+
+/* code k of super-block record lane r (super-block types) */
+static inline uint8_t r16k_code(int type, const uint8_t *rec, int r, int k) {
+    const int j = k / 32, kk = k % 32, hi = kk >= 16, q = kk % 16, p = q / 4, i = q % 4, z = 4 * hi + p;
+    const uint8_t byte = rec[256 * j + 64 * p + 4 * r + i];
+    uint8_t code = hi ? byte >> 4 : byte & 0xF;
+    uint64_t mask;
+    if (type == Q5_K) {
+        memcpy(&mask, rec + 2048 + 64 * j + 8 * z, 8);
+        code |= ((mask >> (4 * r + i)) & 1) << 4;
+    } else if (type == Q6_K) {
+        memcpy(&mask, rec + 2048 + 128 * j + 8 * z, 8);
+        code |= ((mask >> (4 * r + i)) & 1) << 4;
+        memcpy(&mask, rec + 2048 + 128 * j + 64 + 8 * z, 8);
+        code |= ((mask >> (4 * r + i)) & 1) << 5;
+    }
+    return code;
+}
+
+/* Repacks N rows of K weights into R16 (dst: gguf_r16_bytes). Returns -1 for a type without R16. */
+int gguf_repack_r16(int type, const uint8_t *src, int N, int K, uint8_t *dst) {
+    const long total = gguf_r16_bytes(type, N, K);
+    if (total < 0) return -1;
+    const int bw = block_weights(type), nb = K / bw, bb = block_bytes(type), rec_bytes = r16_record_bytes(type);
+    const int groups = (N + 15) / 16;
+    memset(dst, 0, (size_t)total);
+    uint8_t *q = malloc((size_t)K);
+    float *scale = malloc(sizeof(float) * (K / 16)), *min = malloc(sizeof(float) * (K / 16));
+    for (int n = 0; n < N; n++) {
+        const int g = n / 16, r = n % 16;
+        const uint8_t *row = src + (size_t)n * nb * bb;
+        unpack_row(type, row, nb, q, scale, min); /* the codes; the scales are copied as stored */
+        for (int b = 0; b < nb; b++) {
+            uint8_t *rec = dst + ((size_t)g * nb + b) * rec_bytes;
+            const uint8_t *blk = row + (size_t)b * bb, *qb = q + (size_t)b * bw;
+            if (bw == 32) {
+                const int cb = r16_code_bytes(type);
+                memcpy(rec + cb + 2 * r, blk, 2); /* d */
+                if (type == Q4_1) memcpy(rec + cb + 32 + 2 * r, blk + 2, 2); /* m */
+                for (int k = 0; k < 32; k++) {
+                    if (type == Q8_0) {
+                        rec[64 * (k / 4) + 4 * r + k % 4] = qb[k];
+                        continue;
+                    }
+                    const int kk = k % 16;
+                    rec[64 * (kk / 4) + 4 * r + kk % 4] |= (uint8_t)(k < 16 ? qb[k] : qb[k] << 4);
+                }
+                continue;
+            }
+            for (int k = 0; k < 256; k++) {
+                const int j = k / 32, kk = k % 32, hi = kk >= 16, qq = kk % 16, p = qq / 4, i = qq % 4, z = 4 * hi + p;
+                rec[256 * j + 64 * p + 4 * r + i] |= (uint8_t)(hi ? (qb[k] & 0xF) << 4 : qb[k] & 0xF);
+                uint64_t mask;
+                const int bit = 4 * r + i;
+                if (type == Q5_K && (qb[k] & 0x10)) {
+                    memcpy(&mask, rec + 2048 + 64 * j + 8 * z, 8), mask |= 1ull << bit;
+                    memcpy(rec + 2048 + 64 * j + 8 * z, &mask, 8);
+                }
+                if (type == Q6_K)
+                    for (int h = 0; h < 2; h++)
+                        if (qb[k] & (0x10 << h)) {
+                            memcpy(&mask, rec + 2048 + 128 * j + 64 * h + 8 * z, 8), mask |= 1ull << bit;
+                            memcpy(rec + 2048 + 128 * j + 64 * h + 8 * z, &mask, 8);
+                        }
+            }
+            const int cb = r16_codes_end(type);
+            if (type == Q6_K) {
+                memcpy(rec + cb + 2 * r, blk + 208, 2);
+                for (int g16 = 0; g16 < 16; g16++) rec[cb + 32 + 16 * g16 + r] = blk[192 + g16];
+            } else {
+                memcpy(rec + cb + 2 * r, blk, 2), memcpy(rec + cb + 32 + 2 * r, blk + 2, 2);
+                for (int j = 0; j < 8; j++) {
+                    int sc, m;
+                    k_scale_min(blk + 4, j, &sc, &m);
+                    rec[cb + 64 + 16 * j + r] = (uint8_t)sc, rec[cb + 192 + 16 * j + r] = (uint8_t)m;
+                }
+            }
+        }
+    }
+    free(q), free(scale), free(min);
+    (void)groups;
+    return 0;
+}
+
+/* Rows `ids` [n] of an R16 weight dequantized to float32 or bfloat16 [n, K], exact as gguf_dequantize. */
+int gguf_r16_dequantize_rows(int type, const uint8_t *w, int K, const int64_t *ids, int n, void *dst, int dst_bf16,
+                             int num_threads) {
+    if (gguf_r16_bytes(type, 1, K) < 0) return -1;
+    const int bw = block_weights(type), nb = K / bw, rec_bytes = r16_record_bytes(type);
+    _Pragma("omp parallel for num_threads(num_threads) if (n > 8)")
+    for (int i = 0; i < n; i++) {
+        const int g = (int)(ids[i] / 16), r = (int)(ids[i] % 16);
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *rec = w + ((size_t)g * nb + b) * rec_bytes;
+            for (int k = 0; k < bw; k++) {
+                float v;
+                if (bw == 32) {
+                    const int cb = r16_code_bytes(type);
+                    const float d = fp16_to_f32(rec + cb + 2 * r);
+                    const float m = type == Q4_1 ? fp16_to_f32(rec + cb + 32 + 2 * r) : type == Q4_0 ? -8.f * d : -128.f * d;
+                    v = d * (float)r16_code(type, rec, r, k) + m;
+                } else {
+                    const int cb = r16_codes_end(type);
+                    const float d = fp16_to_f32(rec + cb + 2 * r), q = (float)r16k_code(type, rec, r, k);
+                    if (type == Q6_K) {
+                        const float sc = d * (float)(int8_t)rec[cb + 32 + 16 * (k / 16) + r];
+                        v = sc * q + -32.f * sc;
+                    } else {
+                        const float dmin = fp16_to_f32(rec + cb + 32 + 2 * r);
+                        const int j = k / 32;
+                        v = d * (float)rec[cb + 64 + 16 * j + r] * q + -(dmin * (float)rec[cb + 192 + 16 * j + r]);
+                    }
+                }
+                const size_t at = (size_t)i * K + (size_t)bw * b + k;
+                if (dst_bf16)
+                    ((bf16 *)dst)[at] = f32_to_bf16(v);
+                else
+                    ((float *)dst)[at] = v;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- the R16 kernels: int16 activations, AVX512-VNNI ----
+ *
+ * Each row of x is quantized per 32 values to int16 with a float scale (amax / 32767: a relative error
+ * near 1e-5, below bfloat16's own; int8 activations as llama.cpp uses them changed the greedy tokens
+ * of SmolLM2-135M on 2 of 3 prompts, int16 on as few as bfloat16 does). _mm512_dpwssd_epi32 multiplies
+ * pairs of int16: a 64-byte code register (4 codes c0..c3 of each of 16 rows) splits into the words
+ * (c0, c2) and (c1, c3), so the activations are stored as (x0, x2, x1, x3) per 4 and one broadcast
+ * int32 feeds each. Sums of 16 products stay in int32 (255 * 32767 * 16 < 2^31); each group of 32
+ * then takes its float scales. The offsets use exact float sums of x. */
+typedef struct {
+    int Kp;         /* K rounded up to 64 (zero padded) */
+    int16_t *xq;    /* [M, Kp] codes, (x0, x2, x1, x3) per 4 */
+    float *xd;      /* [M, Kp / 32] the scale of each block of 32 */
+    float *xsum;    /* [M, Kp / 16] float sums of x per 16 */
+} Acts;
+
+static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K, int m) {
+    const int Kp = a->Kp;
+    for (int k0 = 0; k0 < Kp; k0 += 32) {
+        float v[32], amax = 0.f;
+        for (int i = 0; i < 32; i++) {
+            v[i] = k0 + i < K ? load_x(x, x_bf16, (size_t)m * x_stride + k0 + i) : 0.f;
+            amax = v[i] > amax ? v[i] : (-v[i] > amax ? -v[i] : amax);
+        }
+        float *xsum = a->xsum + (size_t)m * (Kp / 16) + k0 / 16;
+        xsum[0] = xsum[1] = 0.f;
+        for (int i = 0; i < 32; i++) xsum[i / 16] += v[i];
+        const float id = amax > 0.f ? 32767.f / amax : 0.f;
+        a->xd[(size_t)m * (Kp / 32) + k0 / 32] = amax / 32767.f;
+        int16_t *q = a->xq + (size_t)m * Kp + k0;
+        static const int order[4] = {0, 2, 1, 3};
+        for (int i = 0; i < 32; i++) q[(i & ~3) + order[i & 3]] = (int16_t)__builtin_lrintf(v[i] * id);
+    }
+}
+
+#if defined(__x86_64__)
+#define VNNI_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,f16c")))
+
+/* acc += the 16 rows' dot products of codes k..k+3 (one lane per row, split into the words (c0, c2) in
+ * w02 and (c1, c3) in w13) with activations xq[k..k+3], stored (x0, x2, x1, x3) */
+#define DOT4(acc, w02, w13, xq)                                                                               \
+    do {                                                                                                  \
+        acc = _mm512_dpwssd_epi32(acc, w02, _mm512_set1_epi32(*(const int32_t *)(xq)));                   \
+        acc = _mm512_dpwssd_epi32(acc, w13, _mm512_set1_epi32(*(const int32_t *)((xq) + 2)));             \
+    } while (0)
+
+/* the code registers wq[0..7] as words: w02[z] = (c0, c2), w13[z] = (c1, c3) of each lane */
+#define SPLIT_WORDS(wq, w02, w13)                                                                             \
+    for (int z = 0; z < 8; z++) {                                                                         \
+        w02[z] = _mm512_and_si512(wq[z], _mm512_set1_epi32(0x00FF00FF));                                  \
+        w13[z] = _mm512_srli_epi16(wq[z], 8);                                                             \
+    }
+
+/* stores the 16 rows' results v (the first nr) at row m of y */
+#define STORE16(v, m)                                                                                         \
+    do {                                                                                                  \
+        const size_t at = (size_t)(m) * y_stride + n0;                                                    \
+        if (y_bf16)                                                                                       \
+            _mm256_mask_storeu_epi16((bf16 *)y + at, keep, (__m256i)_mm512_cvtneps_pbh(v));               \
+        else                                                                                              \
+            _mm512_mask_storeu_ps((float *)y + at, keep, v);                                              \
+    } while (0)
+
+/* One group of 16 rows of a 32-weight TYPE against MM rows of x: y[m0 + j][n0 + r] for r < nr */
+#define R16_GROUP(TYPE, MM)                                                                                 \
+    VNNI_BF16 static void r16_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nb, int m0, void *y, \
+                                                  int y_bf16, int y_stride, int n0, int nr) {            \
+        const int Kp = a->Kp, cb = TYPE == Q8_0 ? 512 : 256, rec_bytes = 16 * (TYPE == Q8_0 ? 34 : TYPE == Q4_1 ? 20 : 18); \
+        const __m512i nib = _mm512_set1_epi8(0x0F);                                                      \
+        __m512 acc[MM]; /* the scaled dot products and the offsets' terms, summed together */            \
+        for (int j = 0; j < MM; j++) acc[j] = _mm512_setzero_ps();                                       \
+        for (int b = 0; b < nb; b++) {                                                                   \
+            const uint8_t *rec = grp + (size_t)b * rec_bytes;                                            \
+            for (int l = 0; l < rec_bytes; l += 64) _mm_prefetch((const char *)(rec + 4 * rec_bytes + l), _MM_HINT_T0); \
+            __m512i wq[8]; /* wq[p]: codes 4p..4p+3, wq[p + 4]: codes 16 + 4p.. */                       \
+            for (int p = 0; p < 4; p++) {                                                                \
+                if (TYPE == Q8_0) {                                                                      \
+                    wq[p] = _mm512_loadu_si512(rec + 64 * p);                                            \
+                    wq[p + 4] = _mm512_loadu_si512(rec + 64 * (p + 4));                                  \
+                } else {                                                                                 \
+                    const __m512i v = _mm512_loadu_si512(rec + 64 * p);                                  \
+                    wq[p] = _mm512_and_si512(v, nib);                                                    \
+                    wq[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);                          \
+                }                                                                                        \
+            }                                                                                            \
+            __m512i w02[8], w13[8];                                                                      \
+            SPLIT_WORDS(wq, w02, w13)                                                                    \
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb)));           \
+            const __m512 m = TYPE == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb + 32))) \
+                                          : _mm512_mul_ps(d, _mm512_set1_ps(TYPE == Q4_0 ? -8.f : -128.f)); \
+            for (int j = 0; j < MM; j++) {                                                               \
+                const size_t row = (size_t)(m0 + j);                                                     \
+                const int16_t *xq = a->xq + row * Kp + 32 * b;                                           \
+                __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();                        \
+                for (int p = 0; p < 4; p++) {                                                            \
+                    DOT4(i0, w02[p], w13[p], xq + 4 * p);                                                \
+                    DOT4(i1, w02[p + 4], w13[p + 4], xq + 16 + 4 * p);                                   \
+                }                                                                                        \
+                const float *xs = a->xsum + row * (Kp / 16) + 2 * b;                                     \
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)),                   \
+                                         _mm512_mul_ps(d, _mm512_set1_ps(a->xd[row * (Kp / 32) + b])), acc[j]); \
+                acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[0] + xs[1]), acc[j]);                      \
+            }                                                                                            \
+        }                                                                                                \
+        const __mmask16 keep = (__mmask16)((1u << nr) - 1);                                              \
+        for (int j = 0; j < MM; j++) STORE16(acc[j], m0 + j);                                            \
+    }
+
+/* One group of 16 rows of a super-block TYPE against MM rows of x */
+#define R16K_GROUP(TYPE, MM)                                                                                \
+    VNNI_BF16 static void r16_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y, \
+                                                  int y_bf16, int y_stride, int n0, int nr) {            \
+        const int Kp = a->Kp, cb = TYPE == Q4_K ? 2048 : TYPE == Q5_K ? 2560 : 3072;                     \
+        const int rec_bytes = TYPE == Q4_K ? 2368 : TYPE == Q5_K ? 2880 : 3360;                          \
+        const __m512i nib = _mm512_set1_epi8(0x0F);                                                      \
+        __m512 acc[MM];                                                                                  \
+        for (int j = 0; j < MM; j++) acc[j] = _mm512_setzero_ps();                                       \
+        for (int sb = 0; sb < nsb; sb++) {                                                               \
+            const uint8_t *rec = grp + (size_t)sb * rec_bytes, *sc = rec + cb;                           \
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));                   \
+            const __m512 dmin = TYPE == Q6_K ? d : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32))); \
+            for (int jb = 0; jb < 8; jb++) {                                                             \
+                const uint8_t *codes = rec + 256 * jb;                                                   \
+                for (int l = 0; l < 256; l += 64) _mm_prefetch((const char *)(codes + 2 * rec_bytes + l), _MM_HINT_T0); \
+                __m512i wq[8];                                                                           \
+                for (int p = 0; p < 4; p++) {                                                            \
+                    const __m512i v = _mm512_loadu_si512(codes + 64 * p);                                \
+                    wq[p] = _mm512_and_si512(v, nib);                                                    \
+                    wq[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);                          \
+                }                                                                                        \
+                for (int z = 0; z < 8 && TYPE != Q4_K; z++) { /* the fifth (and sixth) bits */           \
+                    const uint8_t *bits = rec + 2048 + (TYPE == Q5_K ? 64 : 128) * jb + 8 * z;           \
+                    wq[z] = _mm512_or_si512(wq[z], _mm512_maskz_mov_epi8(                                \
+                        _load_mask64((const __mmask64 *)bits), _mm512_set1_epi8(0x10)));                 \
+                    if (TYPE == Q6_K)                                                                    \
+                        wq[z] = _mm512_or_si512(wq[z], _mm512_maskz_mov_epi8(                            \
+                            _load_mask64((const __mmask64 *)(bits + 64)), _mm512_set1_epi8(0x20)));      \
+                }                                                                                        \
+                __m512i w02[8], w13[8];                                                                  \
+                SPLIT_WORDS(wq, w02, w13)                                                                \
+                __m512 s0, s1, mn;                                                                       \
+                if (TYPE == Q6_K) {                                                                      \
+                    s0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                       \
+                                              _mm_loadu_si128((const __m128i *)(sc + 32 + 32 * jb)))));  \
+                    s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                       \
+                                              _mm_loadu_si128((const __m128i *)(sc + 48 + 32 * jb)))));  \
+                    mn = dmin;                                                                           \
+                } else {                                                                                 \
+                    s0 = s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                  \
+                                                   _mm_loadu_si128((const __m128i *)(sc + 64 + 16 * jb))))); \
+                    mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                    \
+                                                 _mm_loadu_si128((const __m128i *)(sc + 192 + 16 * jb))))); \
+                }                                                                                        \
+                const int k0 = 256 * sb + 32 * jb;                                                       \
+                for (int j = 0; j < MM; j++) {                                                           \
+                    const size_t row = (size_t)(m0 + j);                                                 \
+                    const int16_t *xq = a->xq + row * Kp + k0;                                           \
+                    __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();                    \
+                    for (int p = 0; p < 4; p++) {                                                        \
+                        DOT4(i0, w02[p], w13[p], xq + 4 * p);                                            \
+                        DOT4(i1, w02[p + 4], w13[p + 4], xq + 16 + 4 * p);                               \
+                    }                                                                                    \
+                    const __m512 xd = _mm512_set1_ps(a->xd[row * (Kp / 32) + k0 / 32]);                  \
+                    const float *xs = a->xsum + row * (Kp / 16) + k0 / 16;                               \
+                    if (TYPE == Q6_K) { /* w = s (q - 32) per 16 */                                      \
+                        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(s0, xd), acc[j]); \
+                        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(s1, xd), acc[j]); \
+                        acc[j] = _mm512_fmadd_ps(s0, _mm512_set1_ps(-32.f * xs[0]), acc[j]);             \
+                        acc[j] = _mm512_fmadd_ps(s1, _mm512_set1_ps(-32.f * xs[1]), acc[j]);             \
+                    } else { /* w = s q - mn per 32 */                                                    \
+                        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)),           \
+                                                 _mm512_mul_ps(s0, xd), acc[j]);                         \
+                        acc[j] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(xs[0] + xs[1]), acc[j]);            \
+                    }                                                                                    \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        const __mmask16 keep = (__mmask16)((1u << nr) - 1);                                              \
+        for (int j = 0; j < MM; j++) STORE16(acc[j], m0 + j);                                            \
+    }
+
+#define R16_MM 8 /* rows of x per pass over a group's codes */
+#define INSTANCES(G, TYPE) G(TYPE, 1) G(TYPE, 2) G(TYPE, 3) G(TYPE, 4) G(TYPE, 5) G(TYPE, 6) G(TYPE, 7) G(TYPE, 8)
+INSTANCES(R16_GROUP, Q4_0)
+INSTANCES(R16_GROUP, Q4_1)
+INSTANCES(R16_GROUP, Q8_0)
+INSTANCES(R16K_GROUP, Q4_K)
+INSTANCES(R16K_GROUP, Q5_K)
+INSTANCES(R16K_GROUP, Q6_K)
+
+typedef void (*r16_group_fn)(const Acts *, const uint8_t *, int, int, void *, int, int, int, int);
+static r16_group_fn r16_group(int type, int mm) {
+#define FNS(T) {r16_group_##T##_1, r16_group_##T##_2, r16_group_##T##_3, r16_group_##T##_4, \
+                r16_group_##T##_5, r16_group_##T##_6, r16_group_##T##_7, r16_group_##T##_8}
+    static const r16_group_fn fns[6][R16_MM] = {FNS(Q4_0), FNS(Q4_1), FNS(Q8_0), FNS(Q4_K), FNS(Q5_K), FNS(Q6_K)};
+#undef FNS
+    const int t = type == Q4_0 ? 0 : type == Q4_1 ? 1 : type == Q8_0 ? 2 : type == Q4_K ? 3 : type == Q5_K ? 4 : 5;
+    return fns[t][mm - 1];
+}
+
+static int has_vnni_bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512bf16");
+}
+#endif
+
+/* 1 when this CPU runs gguf_r16_linear (AVX512-VNNI and AVX512-BF16), else 0 */
+int gguf_r16_isa(void) {
+#if defined(__x86_64__)
+    return has_vnni_bf16();
+#else
+    return 0;
+#endif
+}
+
+/* y = x W^T for W in R16 (N real rows). Needs AVX512-VNNI (and BF16 for bfloat16 y): returns -1
+ * without them (the caller dequantizes instead), or for a type without R16. */
+int gguf_r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                    int y_stride, int M, int N, int K, int num_threads) {
+#if defined(__x86_64__)
+    if (gguf_r16_bytes(type, 1, K) < 0 || !has_vnni_bf16()) return -1;
+    const int nb = K / block_weights(type), groups = (N + 15) / 16;
+    const size_t group_bytes = (size_t)nb * r16_record_bytes(type);
+    Acts a = {.Kp = (K + 63) / 64 * 64};
+    a.xq = malloc(sizeof(int16_t) * (size_t)M * a.Kp);
+    a.xd = malloc(sizeof(float) * (size_t)M * (a.Kp / 32));
+    a.xsum = malloc(sizeof(float) * (size_t)M * (a.Kp / 16));
+    _Pragma("omp parallel num_threads(num_threads)") {
+        _Pragma("omp for schedule(static)")
+        for (int m = 0; m < M; m++) prepare_row(&a, x, x_bf16, x_stride, K, m);
+        _Pragma("omp for schedule(static)")
+        for (int g = 0; g < groups; g++) {
+            const int nr = N - 16 * g < 16 ? N - 16 * g : 16;
+            for (int m0 = 0; m0 < M; m0 += R16_MM) {
+                const int mm = M - m0 < R16_MM ? M - m0 : R16_MM;
+                r16_group(type, mm)(&a, w + g * group_bytes, nb, m0, y, y_bf16, y_stride, 16 * g, nr);
+            }
+        }
+    }
+    free(a.xq), free(a.xd), free(a.xsum);
+    return 0;
+#else
+    (void)x, (void)x_bf16, (void)x_stride, (void)w, (void)type, (void)y, (void)y_bf16, (void)y_stride, (void)M;
+    (void)N, (void)K, (void)num_threads;
+    return -1;
+#endif
+}

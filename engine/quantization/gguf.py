@@ -1,0 +1,222 @@
+"""GGUF's quantized weights kept as the file holds them (llama.cpp's ggml block formats).
+
+A `GGUFTensor` is one 2-D weight of a GGUF file: its rows are whole ggml blocks (32 or 256 weights
+each), so a row range is a byte range and rows can be permuted or stacked without touching a block.
+Layers (engine/distributed/layers.py) built with a `GGUFConfig` hold such weights and compute with the
+kernels of engine/kernels/csrc/gguf_linear.c; vLLM's GGUF support (vllm/model_executor/layers/
+quantization/gguf.py) has the same shape: a config that hands each layer its method.
+"""
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engine.kernels import ops
+
+# ggml types whose blocks the C kernels (engine/kernels/csrc/gguf_linear.c) compute with
+QUANTIZED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+                   GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+# floating-point types, converted to the model dtype at load
+FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+# rows of x up to which the portable kernel beats dequantize-then-GEMM on weights kept as blocks
+PORTABLE_MAX_ROWS = 8
+
+
+@dataclass
+class GGUFTensor:
+    """A quantized 2-D weight standing for a float [rows, cols] matrix (torch order: out, in).
+
+    qtype: its GGMLQuantizationType. data: uint8 [rows, row_bytes] of ggml blocks as in the file, or
+    after `repack()` the R16 layout of the VNNI kernel (`r16` True; uint8 [ceil(rows / 16), 16 * row_bytes],
+    engine/kernels/csrc/gguf_linear.c), lossless either way.
+    """
+
+    qtype: GGMLQuantizationType
+    data: torch.Tensor
+    cols: int
+    rows: int = -1
+    r16: bool = False
+
+    def __post_init__(self):
+        if self.rows < 0:
+            self.rows = self.data.shape[0]
+
+    @staticmethod
+    def row_bytes(qtype: GGMLQuantizationType, cols: int) -> int:
+        """Bytes of one row of `cols` weights. Raises ValueError when cols is not a whole number of blocks."""
+        block, nbytes = GGML_QUANT_SIZES[qtype]
+        if cols % block:
+            raise ValueError(f"{qtype.name} rows of {cols} weights are not whole blocks of {block}")
+        return cols // block * nbytes
+
+    def repack(self) -> None:
+        """Repacks to R16 where the CPU and the type allow it (else keeps the blocks)."""
+        packed = None if self.r16 else ops.gguf_repack_r16(self.data, self.qtype, self.cols)
+        if packed is not None:
+            self.data, self.r16 = packed, True
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, cols] @ W^T -> [M, rows] in x's dtype (into `out` if given). Blocks (float32 activations, or
+        a CPU without VNNI) take the portable kernel for few rows; for more, dequantizing the weight once
+        and torch's GEMM is faster."""
+        if self.r16 or x.shape[0] <= PORTABLE_MAX_ROWS:
+            return ops.gguf_linear(x, self.data, self.qtype, self.rows, self.cols, self.r16, out=out)
+        y = ops.linear(x, ops.gguf_dequantize(self.data, self.qtype, self.cols, x.dtype))
+        return y if out is None else out.copy_(y)
+
+    def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` (int64 [n]) as floats [n, cols] in `dtype`."""
+        return ops.gguf_dequantize_rows(self.data, self.qtype, self.cols, ids, self.r16, dtype)
+
+
+class GGUFLinearMethod:
+    """One linear layer's weights as GGUF blocks: the layer's stacked projections (q | k | v, gate | up,
+    or one), each loaded whole from its own GGUF tensor (quantized, or float for F32/F16/BF16 tensors).
+
+    After loading, consecutive projections of one type are stacked into one segment, so a Q4_K_M layer
+    whose v is Q6_K runs two kernel calls and a uniform layer one. apply: x [M, input_size] (float32 or
+    bfloat16) -> y [M, sum(output_sizes)] in x's dtype. vLLM's counterpart: GGUFLinearMethod.
+    """
+
+    def __init__(self, output_sizes: list[int], input_size: int):
+        self.output_sizes, self.input_size = output_sizes, input_size
+        self.shards: dict[int, GGUFTensor | torch.Tensor] = {}
+        self.segments: list[tuple[int, GGUFTensor | torch.Tensor]] = []  # (first output column, weight)
+
+    def load(self, shard_id: int, loaded: "GGUFTensor | torch.Tensor") -> None:
+        """Takes projection `shard_id` whole. Raises ValueError when its shape is not the layer's."""
+        rows, cols = (loaded.rows, loaded.cols) if isinstance(loaded, GGUFTensor) else tuple(loaded.shape)
+        if (rows, cols) != (self.output_sizes[shard_id], self.input_size):
+            raise ValueError(f"weight of shape [{rows}, {cols}] for a projection of "
+                             f"[{self.output_sizes[shard_id]}, {self.input_size}]")
+        self.shards[shard_id] = loaded
+
+    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+        """Stacks the loaded projections into segments (float ones in `dtype`) and, for bfloat16
+        activations, repacks the quantized ones for the VNNI kernel (float32 activations keep the blocks
+        and the exact float path). Raises ValueError when a projection is missing."""
+        missing = [i for i in range(len(self.output_sizes)) if i not in self.shards]
+        if missing:
+            raise ValueError(f"projections {missing} of a stacked layer were not in the file")
+        start = 0
+        for i in range(len(self.output_sizes)):
+            w = self.shards.pop(i)
+            if not isinstance(w, GGUFTensor):
+                w = w.to(dtype)
+            last = self.segments[-1][1] if self.segments else None
+            if isinstance(w, GGUFTensor) and isinstance(last, GGUFTensor) and last.qtype == w.qtype:
+                last.data = torch.cat([last.data, w.data])
+            elif isinstance(w, torch.Tensor) and isinstance(last, torch.Tensor):
+                self.segments[-1] = (self.segments[-1][0], torch.cat([last, w]))
+            else:
+                self.segments.append((start, w))
+            start += self.output_sizes[i]
+        for _, w in self.segments:
+            if isinstance(w, GGUFTensor):
+                w.rows = w.data.shape[0]
+                if dtype == torch.bfloat16:
+                    w.repack()
+
+    @property
+    def nbytes(self) -> int:
+        return sum((w.data if isinstance(w, GGUFTensor) else w).nbytes for _, w in self.segments)
+
+    def formats(self) -> set[str]:
+        return {w.qtype.name if isinstance(w, GGUFTensor) else str(w.dtype).removeprefix("torch.")
+                for _, w in self.segments}
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.segments) == 1:
+            return _matmul(x, self.segments[0][1])
+        y = x.new_empty(x.shape[0], sum(self.output_sizes))
+        for start, w in self.segments:
+            rows = w.rows if isinstance(w, GGUFTensor) else w.shape[0]
+            _matmul(x, w, y[:, start:start + rows])
+        return y
+
+
+def _matmul(x: torch.Tensor, w: "GGUFTensor | torch.Tensor", out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T into `out` (or a new tensor)."""
+    if isinstance(w, GGUFTensor):
+        return w.matmul(x, out)
+    y = ops.linear(x, w)
+    return y if out is None else out.copy_(y)
+
+
+class GGUFEmbeddingMethod:
+    """A token embedding (and LM head, tied or not) as GGUF blocks: [vocab, hidden] rows.
+
+    embedding: ids int64 [T] -> [T, hidden] in `dtype`, the looked-up rows dequantized. logits:
+    hidden [N, hidden] -> float32 [N, vocab] through the quantized kernel, then each row's
+    REFINE_TOP best rescored exactly in float32 against their dequantized rows (as ops.logits does for
+    a bfloat16 head): int8 activations may reorder near ties, the exact rescoring keeps the greedy
+    choice and the reported logprobs those of the float weights.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        self.linear = GGUFLinearMethod([vocab_size], hidden_size)
+        self.dtype = torch.float32
+
+    def load(self, loaded: "GGUFTensor | torch.Tensor") -> None:
+        self.linear.load(0, loaded)
+
+    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+        self.linear.process_weights_after_loading(dtype)
+        self.dtype = dtype
+
+    @property
+    def weight(self) -> "GGUFTensor | torch.Tensor":
+        return self.linear.segments[0][1]
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized rows [len(ids), hidden] of token ids (int64 [T])."""
+        w = self.weight
+        return w[ids].to(dtype) if isinstance(w, torch.Tensor) else w.dequantize_rows(ids, dtype)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids, self.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.linear.apply(hidden).float()
+        if out.shape[0]:
+            top = out.topk(min(ops.REFINE_TOP, out.shape[1]), dim=-1).indices  # [N, k]
+            rows = self.rows(top.flatten(), torch.float32).view(*top.shape, -1)
+            out.scatter_(1, top, torch.einsum("nd,nkd->nk", hidden.float(), rows))
+        return out
+
+
+class GGUFConfig:
+    """Quantization "gguf": layers keep the file's blocks. Hands each layer its method."""
+
+    name = "gguf"
+
+    def linear_method(self, output_sizes: list[int], input_size: int) -> GGUFLinearMethod:
+        return GGUFLinearMethod(output_sizes, input_size)
+
+    def embedding_method(self, vocab_size: int, hidden_size: int) -> GGUFEmbeddingMethod:
+        return GGUFEmbeddingMethod(vocab_size, hidden_size)
+
+
+def weight_summary(model: torch.nn.Module) -> tuple[dict[str, int], str]:
+    """Resident weight bytes of a model by format ("Q4_1 (R16)", "Q8_0", "bfloat16", ...), and a line for
+    the start-up log naming which layers run in which format."""
+    formats: dict[str, int] = {}
+    where: dict[str, set[str]] = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        linear = getattr(method, "linear", method)
+        if linear is None:
+            continue
+        for _, w in linear.segments:
+            key = f"{w.qtype.name}{' (R16)' if w.r16 else ''}" if isinstance(w, GGUFTensor) else \
+                str(w.dtype).removeprefix("torch.")
+            formats[key] = formats.get(key, 0) + (w.data if isinstance(w, GGUFTensor) else w).nbytes
+            where.setdefault(key, set()).add(name.rpartition(".")[2])
+    for name, p in model.named_parameters():
+        if p.numel():  # norms, biases (quantized layers' placeholders are empty)
+            key = str(p.dtype).removeprefix("torch.")
+            formats[key] = formats.get(key, 0) + p.nbytes
+            where.setdefault(key, set()).add(name.rpartition(".")[0].rpartition(".")[2])
+    line = "; ".join(f"{k}: {v / 1e6:.1f} MB ({', '.join(sorted(where[k]))})" for k, v in
+                     sorted(formats.items(), key=lambda kv: -kv[1]))
+    return formats, line

@@ -1,0 +1,203 @@
+"""A GGUF file read directly: the model config and the tokenizer from its metadata, the weights from a
+memory map, quantized tensors kept as their ggml blocks (no Hugging Face directory is written).
+
+The header (metadata and tensor table) is parsed by transformers' GGUF reader, which skips the
+vocabulary strings it is not asked for: gguf-py's `GGUFReader` decodes all of them in Python (2.5 s
+for SmolLM2's 49k tokens and merges, on every start), transformers' reader takes 16 ms. The tokenizer
+is transformers' GGUF tokenizer conversion (0.5 s). Tensor names and the q/k row order follow llama.cpp's
+converter (convert_hf_to_gguf.py), which this module undoes.
+"""
+import functools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from engine.quantization.gguf import FLOAT_TYPES, QUANTIZED_TYPES, GGUFTensor
+
+# general.architecture -> transformers architecture (and its config class)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF tensor name (after blk.N.) -> Hugging Face name (after model.layers.N.)
+LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+                 "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+MODEL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).endswith(".gguf")
+
+
+@functools.lru_cache(maxsize=4)
+def read_header(path: str):
+    """The file's metadata and tensor table (transformers' `GgufHeader`, with `.metadata`), validated:
+    every tensor's bytes lie inside the file. Raises ValueError naming the file for anything malformed."""
+    from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
+
+    try:
+        header = GgufHeader.from_file(path)
+        metadata, _ = read_gguf_metadata(path)
+    except ValueError as e:
+        raise ValueError(_unsupported_tensor(path) or f"{path}: not a GGUF file this server can read: {e}") from None
+    except Exception as e:  # struct.error / IndexError on a cut header
+        raise ValueError(f"{path}: truncated or corrupt GGUF header ({e.__class__.__name__}: {e})") from None
+    size = Path(path).stat().st_size
+    for info in header.tensors:
+        if header.data_start + info.offset + info.nbytes > size:
+            raise ValueError(f"{path}: truncated: tensor {info.name} ends at byte "
+                             f"{header.data_start + info.offset + info.nbytes}, the file has {size}")
+    arch = metadata["general.architecture"]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    return header, metadata
+
+
+def _unsupported_tensor(path: str) -> str | None:
+    """The first tensor of a type we cannot load, named, for the error message (gguf-py's reader, slow but
+    only on this error path); None when the file has none or gguf-py cannot read it either."""
+    from gguf import GGUFReader
+
+    try:
+        tensors = GGUFReader(path).tensors
+    except Exception:  # noqa: BLE001 - the caller reports the original error
+        return None
+    for t in tensors:
+        if t.tensor_type not in QUANTIZED_TYPES + FLOAT_TYPES:
+            kinds = ", ".join(k.name for k in QUANTIZED_TYPES + FLOAT_TYPES)
+            return f"{path}: tensor {t.name} has ggml type {t.tensor_type.name}, not supported (supported: {kinds})"
+    return None
+
+
+def _key(path: str, metadata: dict, name: str, default=None):
+    """`{arch}.{name}` from the metadata; raises ValueError naming the file when missing and no default."""
+    key = f"{metadata['general.architecture']}.{name}"
+    if key in metadata:
+        return metadata[key]
+    if default is None:
+        raise ValueError(f"{path}: metadata key {key} is missing")
+    return default
+
+
+@dataclass
+class GGUFModelConfig:
+    """The config fields the engine reads, as a transformers config names them (a plain dataclass:
+    transformers' config classes take seconds to import, a third of a warm start)."""
+
+    architectures: list[str]
+    model_type: str
+    num_hidden_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    rope_parameters: dict = field(default_factory=dict)
+    attention_bias: bool = False
+
+
+def load_gguf_config(path: str) -> GGUFModelConfig:
+    """The model config from the file's metadata, as llama.cpp's converter wrote it from the model's
+    config.json. Raises ValueError naming the file and what is missing or unsupported."""
+    header, md = read_header(path)
+    arch = md["general.architecture"]
+    heads = _key(path, md, "attention.head_count")
+    hidden = _key(path, md, "embedding_length")
+    names = {info.name for info in header.tensors}
+    vocab = md.get(f"{arch}.vocab_size") or next(i.shape[0] for i in header.tensors if i.name == "token_embd.weight")
+    if md.get(f"{arch}.rope.scaling.type", "none") not in ("none", ""):
+        raise ValueError(f"{path}: rope scaling {md[f'{arch}.rope.scaling.type']!r} is not supported")
+    return GGUFModelConfig(
+        architectures=[ARCHITECTURES[arch]], model_type=arch, num_hidden_layers=_key(path, md, "block_count"),
+        hidden_size=hidden, intermediate_size=_key(path, md, "feed_forward_length"),
+        num_attention_heads=heads, num_key_value_heads=_key(path, md, "attention.head_count_kv", heads),
+        head_dim=_key(path, md, "attention.key_length", hidden // heads),
+        rms_norm_eps=_key(path, md, "attention.layer_norm_rms_epsilon"),
+        max_position_embeddings=_key(path, md, "context_length"), vocab_size=vocab,
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"), eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+        rope_parameters={"rope_type": "default", "rope_theta": _key(path, md, "rope.freq_base", 10000.0)},
+        attention_bias=arch == "qwen2")
+
+
+def load_gguf_tokenizer(path: str):
+    """The file's tokenizer (`tokenizer.ggml.*`, chat template included) as a transformers fast tokenizer,
+    through transformers' GGUF tokenizer conversion."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    read_header(path)  # a clear error for a bad file before transformers' own
+    arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(path)
+    backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=path, **tokenizer_config, **extra)
+
+
+def _hf_name(path: str, name: str) -> str:
+    if name in MODEL_TENSORS:
+        return MODEL_TENSORS[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m is None or m[2] not in LAYER_TENSORS:
+        raise ValueError(f"{path}: tensor {name} is not one this server knows how to load")
+    return f"model.layers.{m[1]}.{LAYER_TENSORS[m[2]]}.{m[3]}"
+
+
+def _unpermute(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's q/k permutation (`LlamaModel.permute`: each head's rotary
+    halves interleaved) for a [rows, ...] projection of `heads` heads: the Hugging Face rotate-half order."""
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """(Hugging Face parameter name, tensor) for every tensor of the file, in file order.
+
+    Float tensors (F32/F16/BF16) come as float32 [out, in] (torch order). Quantized ones come as
+    `GGUFTensor`s of their raw blocks when `quantized`, else dequantized to float32 (gguf-py's
+    dequantize). Data is copied out of the memory map, so nothing keeps the file mapped. q/k rows are
+    put back in the Hugging Face order for arch llama. Raises ValueError naming the file and tensor for
+    a type or name that cannot be loaded.
+    """
+    from gguf.quants import dequantize
+    from transformers.integrations.gguf.reader import load_gguf_state_dict
+
+    header, md = read_header(path)
+    heads = {"attn_q": _key(path, md, "attention.head_count")}
+    heads["attn_k"] = _key(path, md, "attention.head_count_kv", heads["attn_q"])
+    permute = md["general.architecture"] == "llama"
+    raw = load_gguf_state_dict(header)
+    for info in header.tensors:
+        name = _hf_name(path, info.name)
+        try:
+            qtype = GGMLQuantizationType(info.ggml_type)
+        except ValueError:
+            qtype = None
+        if qtype not in QUANTIZED_TYPES + FLOAT_TYPES:
+            kinds = ", ".join(t.name for t in QUANTIZED_TYPES + FLOAT_TYPES)
+            raise ValueError(f"{path}: tensor {info.name} has ggml type "
+                             f"{qtype.name if qtype else info.ggml_type}, not supported (supported: {kinds})")
+        data = raw[info.name].data  # uint8 view of the mapped file
+        rows = info.shape[0]
+        if qtype in FLOAT_TYPES:
+            w = torch.from_numpy(np.array(data)).view(
+                {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
+                 GGMLQuantizationType.BF16: torch.bfloat16}[qtype]).reshape(info.shape).float()
+        elif quantized:
+            w = GGUFTensor(qtype, torch.from_numpy(np.array(data).reshape(rows, -1)), info.shape[-1])
+        else:
+            w = torch.from_numpy(dequantize(np.asarray(data).reshape(rows, -1), qtype)).reshape(info.shape)
+        kind = info.name.split(".")[-2] if info.name.startswith("blk.") else ""
+        if permute and kind in heads:
+            order = _unpermute(rows, heads[kind])
+            w = GGUFTensor(w.qtype, w.data[order].contiguous(), w.cols) if isinstance(w, GGUFTensor) else \
+                w[order].contiguous()
+        yield name, w

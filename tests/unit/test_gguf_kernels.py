@@ -1,0 +1,128 @@
+"""The GGUF kernels (engine/kernels/csrc/gguf_linear.c) against gguf-py's numpy dequantize, for every
+supported type, on random blocks: exact dequantization (blocks and R16), the portable path to float
+rounding, and the R16 VNNI kernel within the bound its int16 activations allow."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
+
+from engine.kernels import cpu_kernels, ops
+from engine.quantization.gguf import QUANTIZED_TYPES, GGUFTensor
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
+
+
+def vnni() -> bool:
+    return bool(cpu_kernels.load().gguf_r16_isa())
+
+
+def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [rows, row_bytes] of random blocks whose float16 scales are sane (random bytes elsewhere)."""
+    rng = np.random.default_rng(seed)
+    bw, bb = GGML_QUANT_SIZES[qtype]
+    nb = rows * cols // bw
+    raw = rng.integers(0, 256, size=(nb, bb), dtype=np.uint8)
+
+    def put(offset, low, high):
+        raw[:, offset:offset + 2] = rng.uniform(low, high, (nb, 1)).astype(np.float16).view(np.uint8)
+
+    if qtype in (T.Q4_0, T.Q8_0):
+        put(0, -0.02, 0.02)
+    elif qtype == T.Q4_1:
+        put(0, 0, 0.02), put(2, -0.1, 0.1)
+    elif qtype in (T.Q4_K, T.Q5_K):
+        put(0, 0, 0.002), put(2, 0, 0.002)
+    elif qtype == T.Q6_K:
+        put(208, -0.002, 0.002)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def reference(raw: torch.Tensor, qtype: T, cols: int) -> np.ndarray:
+    return quants.dequantize(raw.numpy(), qtype).reshape(raw.shape[0], cols)
+
+
+def shape(qtype: T) -> tuple[int, int]:
+    """37 rows (not a multiple of R16's 16) and 3 blocks (not a multiple of the 64-value step)."""
+    return 37, 3 * GGML_QUANT_SIZES[qtype][0]
+
+
+def int16_bound(x: torch.Tensor, w: np.ndarray, y_ref: np.ndarray) -> np.ndarray:
+    """The most the int16 activations (per 32, scale amax / 32767, round to nearest) can move each output,
+    plus bfloat16 rounding of the output: [M, N]."""
+    xb = x.double().numpy().reshape(x.shape[0], -1, 32)
+    step = np.abs(xb).max(-1) / 32767  # [M, blocks]
+    absw = np.abs(w).reshape(w.shape[0], -1, 32).sum(-1)  # [N, blocks]
+    return 0.5 * step @ absw.T * 1.001 + np.abs(y_ref) * 2.0 ** -8 + 1e-6
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED_TYPES, ids=lambda t: t.name)
+def test_dequantize_is_exact(qtype):
+    rows, cols = shape(qtype)
+    raw = random_blocks(qtype, rows, cols)
+    ref = reference(raw, qtype, cols)
+    assert np.array_equal(ops.gguf_dequantize(raw, qtype, cols).numpy(), ref)
+    ids = torch.tensor([36, 0, 17, 16, 5], dtype=torch.int64)
+    assert np.array_equal(ops.gguf_dequantize_rows(raw, qtype, cols, ids, False, torch.float32).numpy(), ref[ids])
+    bf = ops.gguf_dequantize(raw, qtype, cols, torch.bfloat16)
+    assert torch.equal(bf, torch.from_numpy(ref).bfloat16())
+
+
+@pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI + BF16 (R16 kernels)")
+@pytest.mark.parametrize("qtype", QUANTIZED_TYPES, ids=lambda t: t.name)
+def test_r16_repack_is_lossless(qtype):
+    rows, cols = shape(qtype)
+    raw = random_blocks(qtype, rows, cols, seed=1)
+    r16 = ops.gguf_repack_r16(raw, qtype, cols)
+    assert r16 is not None and r16.shape[0] == 3  # ceil(37 / 16) groups
+    # the same bytes, up to 3% more for the K-quants' expanded scales, plus the padding rows
+    assert r16.numel() <= 1.03 * raw[0].numel() * 48
+    ids = torch.arange(rows - 1, -1, -1)
+    got = ops.gguf_dequantize_rows(r16, qtype, cols, ids, True, torch.float32).numpy()
+    assert np.array_equal(got, reference(raw, qtype, cols)[ids.numpy()])
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9, 64])
+def test_linear_float32_is_the_float_product(qtype, M):
+    rows, cols = shape(qtype)
+    raw = random_blocks(qtype, rows, cols, seed=M)
+    w = reference(raw, qtype, cols)
+    x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M))
+    y_ref = x.double().numpy() @ w.T.astype(np.float64)
+    y = ops.gguf_linear(x, raw, qtype, rows, cols, r16=False).double().numpy()
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-5 * np.abs(y_ref).max())
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("path", ["portable", "r16"])
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 64])
+def test_linear_bfloat16(qtype, path, M):
+    """bfloat16 activations: the portable path is the float product rounded to bfloat16; R16 stays within
+    what quantizing the activations to int16 per 32 can move, and rounding the output."""
+    if path != "portable" and not vnni():
+        pytest.skip("the CPU has no AVX512-VNNI + BF16")
+    rows, cols = shape(qtype)
+    raw = random_blocks(qtype, rows, cols, seed=100 + M)
+    w = reference(raw, qtype, cols)
+    x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M)).bfloat16()
+    y_ref = x.double().numpy() @ w.T.astype(np.float64)
+    if path == "r16":
+        y = ops.gguf_linear(x, ops.gguf_repack_r16(raw, qtype, cols), qtype, rows, cols, r16=True)
+    else:
+        y = ops.gguf_linear(x, raw, qtype, rows, cols, r16=False)
+    err = np.abs(y.double().numpy() - y_ref)
+    bound = np.abs(y_ref) * 2.0 ** -8 + 1e-5 if path == "portable" else int16_bound(x, w, y_ref)
+    assert (err <= bound).all(), f"max excess {(err - bound).max()}"
+    if path == "r16":  # the output may be a strided view: one projection's columns of a fused output
+        wide = torch.zeros(M, rows + 10, dtype=torch.bfloat16)
+        ops.gguf_linear(x, ops.gguf_repack_r16(raw, qtype, cols), qtype, rows, cols, r16=True, out=wide[:, 5:5 + rows])
+        assert torch.equal(wide[:, 5:5 + rows], y) and not wide[:, :5].any() and not wide[:, 5 + rows:].any()
+
+
+def test_gguf_tensor_repacks_for_bfloat16_only_where_the_cpu_can():
+    raw = random_blocks(T.Q4_1, 20, 64)
+    t = GGUFTensor(T.Q4_1, raw.clone(), 64)
+    t.repack()
+    assert t.r16 == vnni() and t.rows == 20
+    ids = torch.tensor([19, 3])
+    assert np.array_equal(t.dequantize_rows(ids, torch.float32).numpy(), reference(raw, T.Q4_1, 64)[ids])
