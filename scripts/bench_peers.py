@@ -2,46 +2,58 @@
 transformers' static `generate` (length-sorted batches of --hf-batch-size, left padding) and its
 continuous batching (`generate_batch`: paged KV cache, a scheduler thread), with --with-vllm vLLM's CPU
 build through ../shared/peers/vllm_cpu.sh in a subprocess, and with --llama-server llama.cpp's server
-on the GGUF with --llama-slots slots (continuous batching; every request sent at once).
+on the GGUF with --llama-slots slots (continuous batching; every request sent at once, one client
+thread per slot; each slot's context is the longest request rounded up to 256 tokens, its per-step
+token limit -b is our --max-num-batched-tokens; started once per run and stopped at the end).
 
 Every engine gets the same weights (a GGUF model: ours and llama.cpp read the file; transformers and
 vLLM, which cannot read GGUF on the CPU, get it dequantized to a Hugging Face directory, or
---vllm-model), dtype, prompt token ids and number of output tokens (greedy, EOS ignored: every request produces exactly its max_tokens); transformers runs
-with the same torch threads as our engine and, for continuous batching, the same KV-cache bytes and
-per-step token and request limits; no engine reuses a previous round's KV blocks (ours starts
-each round with an empty prefix cache). The engines alternate within each of --repeats rounds, because
-this machine's speed drifts; the table reports each engine's median output tokens/s (output tokens
-/ wall seconds of its generate call) and the ratio ours / engine. "same first 16" is the share of
-requests whose first 16 output tokens equal ours: a check that every engine ran the same model on
-the same tokens (bfloat16 rounding can legitimately flip a few).
+--vllm-model), dtype, prompt token ids and number of output tokens (greedy, EOS ignored: every request
+produces exactly its max_tokens); transformers and llama.cpp run with the same threads as our engine
+(torch's) and transformers' continuous batching with the same KV-cache bytes and per-step token and
+request limits; no engine reuses a previous round's KV blocks (ours starts each round with an empty
+prefix cache, llama-server gets cache_prompt false and no host-memory prompt cache). The engines
+alternate within each of --repeats rounds, because this machine's speed drifts; the table reports each
+engine's median output tokens/s (output tokens / wall seconds of its generate call, or of the round of
+requests for llama-server) and the ratio ours / engine. "same first 16" is the share of requests whose
+first 16 output tokens equal ours: a check that every engine ran the same model on the same tokens
+(bfloat16 rounding, or llama.cpp's own quantized arithmetic, can legitimately flip a few).
+
+The GGUF llama.cpp runs: --model when it is a .gguf, else --gguf (without --model: the default model's file).
 
 With --latency it measures batch-1 decode instead: each of --latency-prompts prompts of the workload
 (truncated to 434 tokens) runs alone for 1 and for --output-len tokens (greedy, EOS ignored, prefix cache
 reset before each run), and ms per output token = (t(N) - t(1)) / (N - 1), so prefill and per-request
 overheads cancel; the table gives each engine's median over prompts and rounds. Peers: vLLM-CPU
 (--with-vllm, scripts/vllm_latency.py in its venv), llama.cpp's llama-bench (--llama-bench: `-p 0 -n N
--d 434`, decode at a context depth of 434) and llama-server (--llama-server) on the model's GGUF, all with
-our thread count. scripts/build_llama_server.sh builds llama.cpp and prints its bin directory.
+-d 434 -r 1`, decode of N tokens at a context depth of 434; ms per token = 1000 / its avg_ts) and
+llama-server (--llama-server, one slot, the same two runs as ours) on the GGUF, all with our thread
+count. scripts/build_llama_server.sh builds llama.cpp and prints its bin directory.
 
 Usage:
   python scripts/bench_peers.py --num-requests 16 --repeats 3         # a few minutes
-  B=$(scripts/build_llama_server.sh)
-  python scripts/bench_peers.py --repeats 3 --skip static continuous --with-vllm --llama-server $B/llama-server
-  python scripts/bench_peers.py --latency --repeats 3 --with-vllm --llama-bench $B/llama-bench
+  B=$(scripts/build_llama_server.sh)  # builds llama.cpp once (~15 min), prints ~/.cache/minivllm/llama.cpp/build/bin
+  python scripts/bench_peers.py --repeats 3 --skip static continuous --llama-server $B/llama-server --with-vllm  # W64
+  python scripts/bench_peers.py --latency --repeats 3 --llama-bench $B/llama-bench --with-vllm
 """
 import argparse
+import contextlib
 import json
 import logging
 import os
+import re
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from gguf import LlamaFileType
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
@@ -49,8 +61,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from api.cli import byte_size  # noqa: E402
 from bench_common import DEFAULT_WORKLOAD, REPO, Request, load_jsonl, random_requests, run_info  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from models.gguf import is_gguf  # noqa: E402
-from models.loader import export_hf_directory  # noqa: E402
+from models.gguf import is_gguf, read_header  # noqa: E402
+from models.loader import default_model_path, export_hf_directory  # noqa: E402
 
 VLLM_SCRIPT = REPO.parent / "shared" / "peers" / "vllm_cpu.sh"
 MATCH_PREFIX = 16  # output tokens compared with ours
@@ -142,59 +154,110 @@ def vllm_latency(script: Path, model_dir: str, dtype: str, prompts: list[list[in
 
 
 def llama_bench(binary: str, gguf: str, n: int) -> list[float]:
-    """llama.cpp's llama-bench: decode ms per token at a context depth of LATENCY_PROMPT_LEN, our threads."""
+    """llama.cpp's llama-bench: decode ms per token at a context depth of LATENCY_PROMPT_LEN, our threads
+    (the depth is filled before the timed decode, so it adds no prefill to the time)."""
     proc = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", str(n), "-d", str(LATENCY_PROMPT_LEN),
                            "-t", str(torch.get_num_threads()), "-r", "1", "-o", "json"],
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{binary} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return [1e3 / json.loads(proc.stdout)[0]["avg_ts"]]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now: a fixed one could answer /health from another engineer's server."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class LlamaServer:
     """llama.cpp's llama-server on a GGUF (127.0.0.1, our threads): `slots` sequences at once, each with a
-    context of `ctx` tokens (continuous batching is on by default)."""
+    context of `ctx` tokens, at most `batch` tokens per step (continuous batching is on by default). A
+    context manager: leaving it stops the server."""
 
-    def __init__(self, binary: str, gguf: str, slots: int = 1, ctx: int = 4096, port: int = 8091):
+    def __init__(self, binary: str, gguf: str, slots: int = 1, ctx: int = 4096, batch: int = 2048):
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
+        self.slots = slots
+        self.log = tempfile.TemporaryFile()  # its output, shown if it fails to start
+        # -ub 512 is its default micro-batch; --cache-ram 0 turns off its host-memory prompt cache, which
+        # would copy every finished slot's KV for a reuse that cache_prompt false forbids anyway.
         self.proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-                                      "-np", str(slots), "-c", str(slots * ctx), "--no-webui",
-                                      "-t", str(torch.get_num_threads())],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      "-np", str(slots), "-c", str(slots * ctx), "-b", str(batch), "-ub", "512",
+                                      "--cache-ram", "0", "--no-webui", "-t", str(torch.get_num_threads())],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
+        while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.log.seek(0)
+                tail = self.log.read()[-3000:].decode(errors="replace")
                 self.close()
-                raise RuntimeError(f"llama-server did not start (exit {self.proc.poll()})")
+                raise RuntimeError(f"llama-server did not start (exit {self.proc.returncode}):\n{tail}")
             time.sleep(0.5)
 
+    def _healthy(self) -> bool:
+        """Whether /health answers 200 (it answers 503 while the model loads)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
     def complete(self, prompt: list[int], k: int) -> list[int]:
-        """Greedy completion of `k` tokens (EOS ignored, no prompt cache); returns the token ids."""
+        """Greedy completion of `k` tokens (temperature 0 keeps only the top logit; EOS ignored); returns
+        the token ids. cache_prompt false makes it compute the whole prompt even when a slot still holds
+        its KV from an earlier round, so no cache needs erasing between rounds."""
         body = json.dumps({"prompt": prompt, "n_predict": k, "temperature": 0, "cache_prompt": False,
                            "ignore_eos": True, "return_tokens": True}).encode()
         request = urllib.request.Request(f"{self.url}/completion", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=600) as r:
+        # the answer comes whole at the end, after every request ahead of it in a big round
+        with urllib.request.urlopen(request, timeout=3600) as r:
             return json.loads(r.read())["tokens"]
 
     def run(self, prompt: list[int], k: int) -> float:
+        """Seconds of one completion (the `run` of ms_per_token)."""
         start = time.perf_counter()
         self.complete(prompt, k)
         return time.perf_counter() - start
 
     def run_all(self, reqs: list[Request]) -> list[list[int]]:
-        """Every request at once, one thread each: the server batches what its slots hold."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(len(reqs)) as pool:
+        """Every request sent at once, one client thread per slot (more would only queue in the server);
+        returns the token ids in request order."""
+        with ThreadPoolExecutor(self.slots) as pool:
             return list(pool.map(lambda r: self.complete(r.prompt_token_ids, r.max_tokens), reqs))
 
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+        self.log.close()
+
+    def __enter__(self) -> "LlamaServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def gguf_of(args) -> str:
+    """The GGUF llama.cpp runs: --model when it is one, else --gguf, else (no --model) the default model's.
+    Read from the arguments, not from our engine, whose model_dir need not be the file."""
+    if args.model and is_gguf(args.model):
+        return str(Path(args.model).expanduser())
+    if args.gguf:
+        return str(Path(args.gguf).expanduser())
+    if args.model is None:
+        return default_model_path()
+    raise SystemExit("llama.cpp reads GGUF: give --gguf for a Hugging Face model")
+
+
+def gguf_type(path: str) -> str:
+    """The file's weight type, e.g. Q4_1 or Q4_K_M: its general.file_type, else the end of its name."""
+    try:
+        return LlamaFileType(read_header(path)[1]["general.file_type"]).name.removeprefix("MOSTLY_")
+    except (KeyError, ValueError):  # no file_type, a number gguf-py does not know, or a header we cannot read
+        match = re.search(r"[.-]((?:I?Q\d|BF16|F16|F32)\w*)$", Path(path).stem, re.IGNORECASE)
+        return match.group(1).upper() if match else Path(path).name
 
 
 def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
@@ -203,30 +266,29 @@ def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
     prompts = long[:args.latency_prompts]
     n = args.output_len or 64
     engines = {"ours": lambda: ours_latency(llm, prompts, n)}
-    server = None
     if args.with_vllm:
         vllm_model = args.vllm_model or export_hf_directory(llm.model_dir)
         engines["vllm-cpu (subprocess, bf16 directory)"] = lambda: vllm_latency(args.vllm_script, vllm_model,
                                                                                args.dtype, prompts, n)
-    gguf = gguf_of(args, llm)
-    if args.llama_bench:
-        engines[f"llama.cpp llama-bench ({Path(gguf).name})"] = lambda: llama_bench(args.llama_bench, gguf, n)
-    if args.llama_server:
-        server = LlamaServer(args.llama_server, gguf)
-        engines[f"llama.cpp llama-server ({Path(gguf).name})"] = lambda: [ms_per_token(server.run, p, n) for p in prompts]
-    ours_latency(llm, prompts[:1], 4)  # warm-up
-    print(f"batch 1: {len(prompts)} prompts of {LATENCY_PROMPT_LEN} tokens, {n} output tokens, {args.dtype}, "
-          f"{torch.get_num_threads()} torch threads")
-    results: dict[str, list[float]] = {name: [] for name in engines}
-    try:
+    results: dict[str, list[float]] = {}
+    with contextlib.ExitStack() as stack:  # stops llama-server at the end, on errors too
+        if args.llama_bench or args.llama_server:
+            gguf = gguf_of(args)
+            label = f"GGUF {gguf_type(gguf)}"
+        if args.llama_bench:
+            engines[f"llama.cpp llama-bench ({label})"] = lambda: llama_bench(args.llama_bench, gguf, n)
+        if args.llama_server:
+            server = stack.enter_context(LlamaServer(args.llama_server, gguf))
+            server.complete(prompts[0], 4)  # warm-up
+            engines[f"llama.cpp llama-server ({label})"] = lambda: [ms_per_token(server.run, p, n) for p in prompts]
+        ours_latency(llm, prompts[:1], 4)  # warm-up
+        print(f"batch 1: {len(prompts)} prompts of {LATENCY_PROMPT_LEN} tokens, {n} output tokens, {args.dtype}, "
+              f"{torch.get_num_threads()} threads")
         for rnd in range(args.repeats):
             for name, fn in engines.items():
                 ms = fn()
-                results[name] += ms
+                results.setdefault(name, []).extend(ms)
                 print(f"round {rnd + 1}/{args.repeats}  {name:<40} {statistics.median(ms):7.2f} ms/token", flush=True)
-    finally:
-        if server is not None:
-            server.close()
     medians = {name: statistics.median(v) for name, v in results.items()}
     print(f"\n{'engine':<40} {'ms per output token':>20} {'it / ours':>10}")
     for name, m in medians.items():
@@ -239,13 +301,9 @@ def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
         print(f"wrote {args.output_json}")
 
 
-def gguf_of(args, llm: LLM) -> str:
-    """The GGUF llama.cpp runs: ours when it is one, else --gguf."""
-    if is_gguf(llm.model_dir):
-        return llm.model_dir
-    if args.gguf is None and (args.llama_bench or args.llama_server):
-        raise SystemExit("llama.cpp reads GGUF: give --gguf for a Hugging Face model")
-    return args.gguf
+def slot_context(reqs: list[Request]) -> int:
+    """llama-server's context per slot: the longest request (prompt and output), rounded up to 256 tokens."""
+    return -(-max(len(r.prompt_token_ids) + r.max_tokens for r in reqs) // 256) * 256
 
 
 def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
@@ -289,8 +347,10 @@ def main():
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary, run on the model's GGUF")
     ap.add_argument("--llama-slots", type=int, default=64, help="llama-server's slots in throughput mode")
     ap.add_argument("--llama-bench", help="--latency: llama.cpp's llama-bench binary, run on the model's GGUF")
-    ap.add_argument("--gguf", help="the GGUF llama.cpp runs when --model is a Hugging Face directory")
-    ap.add_argument("--vllm-model", help="the Hugging Face directory vLLM gets (default: ours, a GGUF dequantized)")
+    ap.add_argument("--gguf", help="the GGUF llama.cpp runs when --model is not one (default without --model: "
+                                   "the default model's)")
+    ap.add_argument("--vllm-model", help="the bfloat16 Hugging Face directory of the same weights for vLLM (and "
+                                         "transformers) (default: ours, a GGUF dequantized)")
     ap.add_argument("--quantization", choices=["gguf", "none"], help="ours, as the server's flag")
     args = ap.parse_args()
     if args.latency:
@@ -336,28 +396,25 @@ def main():
     if args.with_vllm:
         vllm_model = hf_dir()
         engines["vllm-cpu (subprocess)"] = lambda rs: (run_vllm(args.vllm_script, vllm_model, args.dtype, rs), None)
-    server = None
-    if args.llama_server:
-        ctx = -(-max(len(r.prompt_token_ids) + r.max_tokens for r in reqs) // 256) * 256
-        server = LlamaServer(args.llama_server, gguf_of(args, llm), slots=args.llama_slots, ctx=ctx)
-        server.run_all(warm)
-        engines[f"llama.cpp llama-server ({args.llama_slots} slots)"] = lambda rs: timed(server.run_all, rs)
-
-    print(f"{len(reqs)} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
-          f"{reqs[0].max_tokens} output tokens each, {args.dtype}, {torch.get_num_threads()} torch threads")
-    rates: dict[str, list[float]] = {name: [] for name in engines}
+    rates: dict[str, list[float]] = {}
     outputs: dict[str, list[list[int]]] = {}
-    try:
+    with contextlib.ExitStack() as stack:  # stops llama-server at the end, on errors too
+        if args.llama_server:
+            gguf = gguf_of(args)
+            server = stack.enter_context(LlamaServer(args.llama_server, gguf, slots=args.llama_slots,
+                                                     ctx=slot_context(reqs), batch=args.max_num_batched_tokens))
+            server.run_all(warm)
+            engines[f"llama.cpp llama-server (GGUF {gguf_type(gguf)}, {args.llama_slots} slots)"] = \
+                lambda rs: timed(server.run_all, rs)
+        print(f"{len(reqs)} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
+              f"{reqs[0].max_tokens} output tokens each, {args.dtype}, {torch.get_num_threads()} threads")
         for rnd in range(args.repeats):
             for name, fn in engines.items():
                 rate, outs = fn(reqs)
-                rates[name].append(rate)
+                rates.setdefault(name, []).append(rate)
                 if outs is not None:
                     outputs.setdefault(name, outs)
-                print(f"round {rnd + 1}/{args.repeats}  {name:<45} {rate:8.1f} output tok/s", flush=True)
-    finally:
-        if server is not None:
-            server.close()
+                print(f"round {rnd + 1}/{args.repeats}  {name:<48} {rate:8.1f} output tok/s", flush=True)
 
     medians = {name: statistics.median(r) for name, r in rates.items()}
     ours = outputs["ours"]
@@ -367,10 +424,10 @@ def main():
             return None
         return sum(a[:MATCH_PREFIX] == b[:MATCH_PREFIX] for a, b in zip(outputs[name], ours)) / len(ours)
 
-    print(f"\n{'engine':<45} {'output tok/s':>12} {'ours / it':>10} {'same first 16':>14}   all runs")
+    print(f"\n{'engine':<48} {'output tok/s':>12} {'ours / it':>10} {'same first 16':>14}   all runs")
     for name, median in medians.items():
         match = same_prefix(name)
-        print(f"{name:<45} {median:12.1f} {medians['ours'] / median:9.2f}x "
+        print(f"{name:<48} {median:12.1f} {medians['ours'] / median:9.2f}x "
               f"{'-' if match is None else f'{100 * match:.0f}%':>14}   {' '.join(f'{r:.1f}' for r in rates[name])}")
     if args.output_json:
         record = {**run_info(), "args": {k: str(v) for k, v in vars(args).items()}, "model_dir": llm.model_dir,

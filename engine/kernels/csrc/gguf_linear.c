@@ -431,12 +431,13 @@ static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K,
 #if defined(__x86_64__)
 #define VNNI_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,f16c")))
 
-/* acc += the 16 rows' dot products of codes k..k+3 (one lane per row, split into the words (c0, c2) in
- * w02 and (c1, c3) in w13) with activations xq[k..k+3], stored (x0, x2, x1, x3) */
-#define DOT4(acc, w02, w13, xq)                                                                               \
+/* the 16 rows' dot products of codes k..k+3 (one lane per row, split into the words (c0, c2) in w02 and
+ * (c1, c3) in w13) with activations xq[k..k+3], stored (x0, x2, x1, x3): a += w02 . (x0, x2) and
+ * b += w13 . (x1, x3), two accumulators so that consecutive instructions do not wait on each other */
+#define DOT4(a, b, w02, w13, xq)                                                                              \
     do {                                                                                                  \
-        acc = _mm512_dpwssd_epi32(acc, w02, _mm512_set1_epi32(*(const int32_t *)(xq)));                   \
-        acc = _mm512_dpwssd_epi32(acc, w13, _mm512_set1_epi32(*(const int32_t *)((xq) + 2)));             \
+        a = _mm512_dpwssd_epi32(a, w02, _mm512_set1_epi32(*(const int32_t *)(xq)));                       \
+        b = _mm512_dpwssd_epi32(b, w13, _mm512_set1_epi32(*(const int32_t *)((xq) + 2)));                 \
     } while (0)
 
 /* the code registers wq[0..7] as words: w02[z] = (c0, c2), w13[z] = (c1, c3) of each lane */
@@ -486,11 +487,12 @@ static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K,
             for (int j = 0; j < MM; j++) {                                                               \
                 const size_t row = (size_t)(m0 + j);                                                     \
                 const int16_t *xq = a->xq + row * Kp + 32 * b;                                           \
-                __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();                        \
+                __m512i a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;                         \
                 for (int p = 0; p < 4; p++) {                                                            \
-                    DOT4(i0, w02[p], w13[p], xq + 4 * p);                                                \
-                    DOT4(i1, w02[p + 4], w13[p + 4], xq + 16 + 4 * p);                                   \
+                    DOT4(a0, b0, w02[p], w13[p], xq + 4 * p);                                            \
+                    DOT4(a1, b1, w02[p + 4], w13[p + 4], xq + 16 + 4 * p);                               \
                 }                                                                                        \
+                const __m512i i0 = _mm512_add_epi32(a0, b0), i1 = _mm512_add_epi32(a1, b1);              \
                 const float *xs = a->xsum + row * (Kp / 16) + 2 * b;                                     \
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)),                   \
                                          _mm512_mul_ps(d, _mm512_set1_ps(a->xd[row * (Kp / 32) + b])), acc[j]); \
@@ -550,11 +552,12 @@ static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K,
                 for (int j = 0; j < MM; j++) {                                                           \
                     const size_t row = (size_t)(m0 + j);                                                 \
                     const int16_t *xq = a->xq + row * Kp + k0;                                           \
-                    __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();                    \
+                    __m512i a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;                     \
                     for (int p = 0; p < 4; p++) {                                                        \
-                        DOT4(i0, w02[p], w13[p], xq + 4 * p);                                            \
-                        DOT4(i1, w02[p + 4], w13[p + 4], xq + 16 + 4 * p);                               \
+                        DOT4(a0, b0, w02[p], w13[p], xq + 4 * p);                                        \
+                        DOT4(a1, b1, w02[p + 4], w13[p + 4], xq + 16 + 4 * p);                           \
                     }                                                                                    \
+                    const __m512i i0 = _mm512_add_epi32(a0, b0), i1 = _mm512_add_epi32(a1, b1);          \
                     const __m512 xd = _mm512_set1_ps(a->xd[row * (Kp / 32) + k0 / 32]);                  \
                     const float *xs = a->xsum + row * (Kp / 16) + k0 / 16;                               \
                     if (TYPE == Q6_K) { /* w = s (q - 32) per 16 */                                      \
@@ -574,8 +577,8 @@ static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K,
         for (int j = 0; j < MM; j++) STORE16(acc[j], m0 + j);                                            \
     }
 
-#define R16_MM 8 /* rows of x per pass over a group's codes */
-#define INSTANCES(G, TYPE) G(TYPE, 1) G(TYPE, 2) G(TYPE, 3) G(TYPE, 4) G(TYPE, 5) G(TYPE, 6) G(TYPE, 7) G(TYPE, 8)
+#define R16_MM 4 /* rows of x per pass over a group's codes */
+#define INSTANCES(G, TYPE) G(TYPE, 1) G(TYPE, 2) G(TYPE, 3) G(TYPE, 4)
 INSTANCES(R16_GROUP, Q4_0)
 INSTANCES(R16_GROUP, Q4_1)
 INSTANCES(R16_GROUP, Q8_0)
@@ -585,8 +588,7 @@ INSTANCES(R16K_GROUP, Q6_K)
 
 typedef void (*r16_group_fn)(const Acts *, const uint8_t *, int, int, void *, int, int, int, int);
 static r16_group_fn r16_group(int type, int mm) {
-#define FNS(T) {r16_group_##T##_1, r16_group_##T##_2, r16_group_##T##_3, r16_group_##T##_4, \
-                r16_group_##T##_5, r16_group_##T##_6, r16_group_##T##_7, r16_group_##T##_8}
+#define FNS(T) {r16_group_##T##_1, r16_group_##T##_2, r16_group_##T##_3, r16_group_##T##_4}
     static const r16_group_fn fns[6][R16_MM] = {FNS(Q4_0), FNS(Q4_1), FNS(Q8_0), FNS(Q4_K), FNS(Q5_K), FNS(Q6_K)};
 #undef FNS
     const int t = type == Q4_0 ? 0 : type == Q4_1 ? 1 : type == Q8_0 ? 2 : type == Q4_K ? 3 : type == Q5_K ? 4 : 5;
