@@ -77,10 +77,13 @@ class ColumnParallelLinear(nn.Module):
         q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
         return cls(shape.hidden_size, [q, kv, kv], bias, [rank, kv_group, kv_group], quant_config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """y in `out_dtype` (default x's): a quantized layer writes it directly (a GGUF model's float32
+        activations into bfloat16 q, k, v), a float one converts."""
         if self.quant_method is None:
-            return ops.linear(x, self.weight, self.bias)
-        y = self.quant_method.apply(x)
+            y = ops.linear(x, self.weight, self.bias)
+            return y if out_dtype is None else y.to(out_dtype)
+        y = self.quant_method.apply(x, out_dtype)
         return y if self.bias is None else y.add_(self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
@@ -109,8 +112,13 @@ class RowParallelLinear(nn.Module):
         if self.quant_method is not None:
             self.weight = _placeholder()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.linear(x, self.weight) if self.quant_method is None else self.quant_method.apply(x)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """y in `out_dtype` (default x's), as ColumnParallelLinear.forward."""
+        if self.quant_method is None:
+            y = ops.linear(x, self.weight)
+            y = y if out_dtype is None else y.to(out_dtype)
+        else:
+            y = self.quant_method.apply(x, out_dtype)
         return y if self.tp is None else self.tp.all_reduce(y)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:

@@ -75,7 +75,7 @@ class GGUFLinearMethod:
 
     After loading, consecutive projections of one type are stacked into one segment, so a Q4_K_M layer
     whose v is Q6_K runs two kernel calls and a uniform layer one. apply: x [M, input_size] (float32 or
-    bfloat16) -> y [M, sum(output_sizes)] in x's dtype. vLLM's counterpart: GGUFLinearMethod.
+    bfloat16) -> y [M, sum(output_sizes)] in `out_dtype` (default x's). vLLM's counterpart: GGUFLinearMethod.
     """
 
     def __init__(self, output_sizes: list[int], input_size: int):
@@ -125,10 +125,10 @@ class GGUFLinearMethod:
         return {w.qtype.name if isinstance(w, GGUFTensor) else str(w.dtype).removeprefix("torch.")
                 for _, w in self.segments}
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        if len(self.segments) == 1:
+    def apply(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if len(self.segments) == 1 and out_dtype in (None, x.dtype):
             return _matmul(x, self.segments[0][1])
-        y = x.new_empty(x.shape[0], sum(self.output_sizes))
+        y = x.new_empty(x.shape[0], sum(self.output_sizes), dtype=out_dtype or x.dtype)
         for start, w in self.segments:
             rows = w.rows if isinstance(w, GGUFTensor) else w.shape[0]
             _matmul(x, w, y[:, start:start + rows])
@@ -139,8 +139,8 @@ def _matmul(x: torch.Tensor, w: "GGUFTensor | torch.Tensor", out: torch.Tensor |
     """x @ w^T into `out` (or a new tensor)."""
     if isinstance(w, GGUFTensor):
         return w.matmul(x, out)
-    y = ops.linear(x, w)
-    return y if out is None else out.copy_(y)
+    y = ops.linear(x.to(w.dtype), w)  # a float weight (F16/BF16/F32 in the file) in the model dtype
+    return y.to(x.dtype) if out is None else out.copy_(y)
 
 
 class GGUFEmbeddingMethod:

@@ -27,8 +27,11 @@ def test_float32_keeps_the_blocks(llm):
 @pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.load().gguf_r16_isa()),
                     reason="the CPU has no AVX512-VNNI + BF16 for the R16 kernels")
 def test_bfloat16_repacks_for_vnni_without_growing():
+    """Bfloat16 activations: the blocks repacked for the VNNI kernel, same bytes; the norms keep the file's
+    float32 (a quantized model's linears take float32 activations, models/llama.py)."""
     formats = make_llm(dtype="bfloat16").engine.runner.weight_bytes
-    assert set(formats) == {"Q4_1 (R16)", "Q8_0 (R16)", "bfloat16"}
+    assert set(formats) == {"Q4_1 (R16)", "Q8_0 (R16)", "float32"}
+    assert formats["Q4_1 (R16)"] == 66_355_200 and formats["Q8_0 (R16)"] == 30_081_024
     assert sum(formats.values()) <= 1.1 * file_tensor_bytes()
 
 
