@@ -78,7 +78,7 @@ class RotaryEmbedding(nn.Module):
     def compute_table(self, device: torch.device) -> None:
         """Fills the float32 tables on `device`: at construction, or after loading for a model built on
         the meta device (no checkpoint holds them). Plain attributes, not buffers, so that
-        `model.to(bfloat16)` leaves the angles in float32 and `to_empty` does not drop them."""
+        `model.to(bfloat16)` leaves the angles in float32 and materializing the meta model does not drop them."""
         positions = torch.arange(self.max_len, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, rope_inv_freq(self.config, self.head_dim).to(device))
         self.cos, self.sin = freqs.cos(), freqs.sin()
@@ -199,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         """Copies Hugging Face checkpoint tensors into this model, stacking q/k/v and gate/up; a
         parallel layer's `weight_loader` keeps this rank's part of each tensor. Also computes the rotary
         table (not in checkpoints), so the model may be built on the meta device and materialized with
-        `to_empty` (no random init of weights the checkpoint overwrites).
+        `engine.worker.model_runner.materialize` (no random init of weights the checkpoint overwrites).
 
         Raises KeyError for an unknown tensor name and ValueError when a parameter stays unset.
         """

@@ -62,7 +62,7 @@ def load_config(model_path: str):
 def load_tokenizer(model_path: str, tokenizer: str | None = None):
     """The tokenizer: `tokenizer` (a directory or hub id) when given, else the model's own."""
     if tokenizer is None and is_gguf(model_path):
-        return load_gguf_tokenizer(model_path)
+        return load_gguf_tokenizer(model_path, CACHE_DIR / "gguf-tokenizer" / file_key(model_path))
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(tokenizer or model_path)
 
@@ -73,6 +73,12 @@ def iter_weights(model_path: str, quantized: bool):
     return iter_gguf_weights(model_path, quantized) if is_gguf(model_path) else iter_safetensors(model_path)
 
 
+def file_key(path: str) -> str:
+    """A cache key for a file: its real path, size and modification time (no hashing of its bytes)."""
+    stat = os.stat(path)
+    return hashlib.sha256(f"{os.path.realpath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:32]
+
+
 def export_hf_directory(model_path: str) -> str:
     """A Hugging Face directory of a resolved model: the directory itself, or for a .gguf file its weights
     dequantized to float32 by transformers (config, safetensors, tokenizer), written once under
@@ -80,9 +86,7 @@ def export_hf_directory(model_path: str) -> str:
     reference for transformers and the peer engines that cannot read GGUF (vLLM on the CPU)."""
     if not is_gguf(model_path):
         return model_path
-    stat = os.stat(model_path)
-    key = hashlib.sha256(f"{os.path.realpath(model_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:32]
-    out = CACHE_DIR / "gguf-hf" / key
+    out = CACHE_DIR / "gguf-hf" / file_key(model_path)
     if (out / "config.json").exists():
         return str(out)
     import torch

@@ -75,6 +75,7 @@ def breakdown() -> dict[str, float]:
     lap("import transformers")
     import api.cli  # noqa: F401
     from engine.worker import host_memory
+    from engine.worker.model_runner import materialize
     from engine.attention import make_backend
     from engine.quantization.gguf import GGUFConfig
     from models.config import ModelShape
@@ -83,7 +84,7 @@ def breakdown() -> dict[str, float]:
     lap("import the server")
     model_path = resolve_model(None)
     cfg = load_config(model_path)
-    lap("model config (GGUF metadata, transformers' config class)")
+    lap("model config (GGUF metadata)")
     load_tokenizer(model_path)
     lap("tokenizer (from the GGUF's metadata)")
     shape = ModelShape.from_hf(cfg)
@@ -92,8 +93,8 @@ def breakdown() -> dict[str, float]:
     cls, kwargs = get_model_class(cfg)
     with torch.device("meta"):
         model = cls(cfg, shape, backend, cfg.max_position_embeddings, quant_config=GGUFConfig(), **kwargs)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
-    lap("model build (meta, to_empty)")
+    model = materialize(model, torch.device("cpu"), torch.bfloat16)
+    lap("model build (meta, materialize)")
     model.load_weights(iter_weights(model_path, quantized=True))
     lap("weights (quantized blocks copied from the file, repacked for VNNI)")
     host_memory.zeros(((2 << 30) // 4,), torch.float32)

@@ -148,7 +148,10 @@ class VocabParallelEmbedding(nn.Module):
             self.weight = _placeholder()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight)  # as nn.Embedding starts
+        # as nn.Embedding starts; on the meta device (the runner's build) there is nothing to draw, and
+        # normal_ there would import torch's decompositions and dynamo (1-1.5 s of start-up)
+        if not self.weight.is_meta:
+            nn.init.normal_(self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:

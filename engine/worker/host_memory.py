@@ -19,6 +19,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
+PREFAULT_CHUNK = 16 << 20  # bytes, a multiple of the page size
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -34,5 +35,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def _prefault(address: int, nbytes: int) -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)  # ctypes calls release the GIL
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(address, nbytes, MADV_POPULATE_WRITE) != 0:
-        logger.debug("KV cache prefault skipped (errno %d); pages are mapped on first use", ctypes.get_errno())
+    # In chunks: madvise holds the process's memory-map lock while it populates, and every mmap of the
+    # other threads (Python's and malloc's arenas) waits for it; 2 GiB in one call stalled the server's
+    # start-up by up to 4 s where the hypervisor hands out pages slowly.
+    for start in range(0, nbytes, PREFAULT_CHUNK):
+        if libc.madvise(address + start, min(PREFAULT_CHUNK, nbytes - start), MADV_POPULATE_WRITE) != 0:
+            logger.debug("KV cache prefault skipped (errno %d); pages are mapped on first use", ctypes.get_errno())
+            return

@@ -48,6 +48,23 @@ def test_tokenizer_matches_transformers(gguf_path):
     assert ours.eos_token == "<|im_end|>" and len(ours) == 49152
 
 
+def test_tokenizer_cache_reads_back_the_same_tokenizer(gguf_path, tmp_path):
+    """The first load converts and writes the cache entry, the second reads it: same ids, special tokens
+    and chat template as the conversion."""
+    cache = tmp_path / "tok"
+    built = load_gguf_tokenizer(gguf_path, cache)
+    assert sorted(p.name for p in cache.iterdir()) == ["tokenizer.json", "tokenizer_args.json"]
+    cached = load_gguf_tokenizer(gguf_path, cache)
+    assert cached.backend_tokenizer is not built.backend_tokenizer
+    for text in ["Hello world", "  two spaces, émojis 🎉 and\nnewlines\t<|im_end|>", "def f(x):\n    return x"]:
+        assert cached.encode(text) == built.encode(text)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert cached.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        built.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (cached.bos_token, cached.eos_token, cached.all_special_ids, len(cached)) == \
+        (built.bos_token, built.eos_token, built.all_special_ids, len(built))
+
+
 @pytest.mark.slow
 def test_weights_match_transformers(gguf_path, hf_model_dir):
     """Dequantized, every tensor equals transformers' GGUF loading (q and k in the Hugging Face row

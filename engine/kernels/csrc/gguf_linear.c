@@ -504,6 +504,13 @@ static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K,
     }
 
 /* One group of 16 rows of a super-block TYPE against MM rows of x */
+/* 64 bits of a K-quant's high-bit plane as a byte mask (memcpy: the plane need not be aligned) */
+static inline __mmask64 bits64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return (__mmask64)v;
+}
+
 #define R16K_GROUP(TYPE, MM)                                                                                \
     VNNI_BF16 static void r16_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y, \
                                                   int y_bf16, int y_stride, int n0, int nr) {            \
@@ -528,10 +535,10 @@ static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K,
                 for (int z = 0; z < 8 && TYPE != Q4_K; z++) { /* the fifth (and sixth) bits */           \
                     const uint8_t *bits = rec + 2048 + (TYPE == Q5_K ? 64 : 128) * jb + 8 * z;           \
                     wq[z] = _mm512_or_si512(wq[z], _mm512_maskz_mov_epi8(                                \
-                        _load_mask64((const __mmask64 *)bits), _mm512_set1_epi8(0x10)));                 \
+                        bits64(bits), _mm512_set1_epi8(0x10)));                 \
                     if (TYPE == Q6_K)                                                                    \
                         wq[z] = _mm512_or_si512(wq[z], _mm512_maskz_mov_epi8(                            \
-                            _load_mask64((const __mmask64 *)(bits + 64)), _mm512_set1_epi8(0x20)));      \
+                            bits64(bits + 64), _mm512_set1_epi8(0x20)));      \
                 }                                                                                        \
                 __m512i w02[8], w13[8];                                                                  \
                 SPLIT_WORDS(wq, w02, w13)                                                                \
