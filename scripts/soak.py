@@ -4,6 +4,7 @@ middle, then checks that nothing leaked.
     python scripts/soak.py                                           # 10,000 requests over 10 minutes
     python scripts/soak.py --duration 60 --num-requests 600 --peak-streams 200    # a short proof run
     python scripts/soak.py --output-json results/soak.json -- --kv-cache-memory 2G   # server flags after --
+    python scripts/soak.py --phases 5 --duration 60 --num-requests 1000 --peak-streams 300   # memory over time
 
 Requests arrive at random (Poisson) at num_requests / duration per second, except `peak_streams` streams
 started together halfway. The mix: /v1/completions and /v1/chat/completions, streamed or not, n of 1-3,
@@ -12,6 +13,13 @@ random point (after a few chunks, or before a non-streamed answer). Passes when:
 status other than 200, a broken stream, a timeout), afterwards every KV block is free and no request
 runs or waits (/metrics), and the server's resident memory grew less than 10% from the first minute to
 the last (mean of 1 s samples; windows of duration / 5 for runs under 5 minutes).
+
+With --phases N it answers whether memory plateaus: on one server, a warm-up phase and then N identical
+phases (the same seed, so the same request mix, burst and disconnects), each ending idle, with the
+server's resident memory once idle after each (mean of 3 s of samples). Passes when every phase had no
+error and ended idle, and each of the last three phases grew the idle RSS by less than 1% over the phase
+before. Run it under another allocator by setting the environment the server inherits (LD_PRELOAD,
+MALLOC_ARENA_MAX).
 """
 import argparse
 import asyncio
@@ -175,6 +183,36 @@ async def soak(url: str, server: ServerProcess | None, args) -> dict:
     return result
 
 
+async def idle_rss(server: ServerProcess, seconds: float = 3.0) -> int:
+    """Mean resident memory (bytes) of an idle server over `seconds`, sampled every 0.5 s."""
+    samples = []
+    for _ in range(int(seconds / 0.5)):
+        samples.append(server.rss_bytes())
+        await asyncio.sleep(0.5)
+    return int(statistics.mean(samples))
+
+
+async def phases(server: ServerProcess, args) -> dict:
+    """A warm-up phase, then args.phases identical ones; the idle RSS after each (see the module doc)."""
+    results = []
+    for phase in range(args.phases + 1):
+        print(f"phase {phase}{' (warm-up)' if phase == 0 else ''}", flush=True)
+        r = await soak(server.url, server, args)
+        r["idle_rss_mib"] = round(await idle_rss(server) / 2**20, 1)
+        results.append(r)
+        print(f"phase {phase}: {r['completed']} completed, {r['errors']} errors, idle {r['idle_after']}, "
+              f"idle RSS {r['idle_rss_mib']} MiB", flush=True)
+    rss = [r["idle_rss_mib"] for r in results]
+    growth = [round(b / a - 1, 4) for a, b in zip(rss, rss[1:])]
+    return {
+        "phases": args.phases, "requests_per_phase": args.num_requests, "peak_streams": args.peak_streams,
+        "errors": sum(r["errors"] for r in results), "error_samples": [e for r in results for e in r["error_samples"]][:10],
+        "idle_after_each": all(r["idle_after"] for r in results), "idle_rss_mib": rss, "rss_growth_per_phase": growth,
+        "elapsed_s": [r["elapsed_s"] for r in results],
+        "passed": all(r["errors"] == 0 and r["idle_after"] for r in results) and all(g < 0.01 for g in growth[-3:]),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=None, help="soak this server (no RSS curve) instead of starting one")
@@ -184,9 +222,16 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900, help="per-request timeout in seconds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--phases", type=int, default=0, help="after a warm-up, N identical phases on one server")
     ap.add_argument("server_args", nargs="*", help=f"server.py flags after -- (default: {' '.join(SERVER_ARGS)})")
     args = ap.parse_args()
-    if args.url:
+    if args.phases and args.url:
+        ap.error("--phases measures the server's memory: it starts its own (no --url)")
+    if args.phases:
+        with ServerProcess(args.server_args or SERVER_ARGS) as server:
+            result = asyncio.run(phases(server, args))
+            result["server_exit_status"] = server.stop()
+    elif args.url:
         result = asyncio.run(soak(args.url, None, args))
     else:
         with ServerProcess(args.server_args or SERVER_ARGS) as server:

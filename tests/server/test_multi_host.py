@@ -1,0 +1,133 @@
+"""Data parallelism across real network hosts: two replicas on two network-namespace hosts behind
+vllm-router on a third (cache-aware routing), the test's client on a fourth link of the same bridge; then
+one replica host's link cut during streams. Hosts are made and removed here (tests/netns.py)."""
+import asyncio
+import os
+import sys
+import time
+
+import httpx
+import pytest
+
+from netns import Network, skip_reason
+
+pytest.importorskip("vllm_router", reason="needs the [router] extra")
+_why = skip_reason()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why is not None, reason=_why or "")]
+
+from api.data_parallel import HEALTH_CHECK_INTERVAL, router_command  # noqa: E402
+from server_harness import ROOT, MetricsReader, cli_args  # noqa: E402
+
+ENGINE = cli_args(kv_cache_memory=128 << 20, max_model_len=1024)
+PORT = 8000
+STREAM_END_TIMEOUT = 120  # seconds: the router's request timeout, the bound on how long a cut host's stream lasts
+
+
+def _wait_healthy(url: str, procs, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert all(p.poll() is None for p in procs), f"a process exited while {url} started"
+        assert time.monotonic() < deadline, f"{url} not healthy in {timeout} s"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with Network(3) as net:
+        replicas = [f"http://{net.addr(i)}:{PORT}" for i in range(2)]
+        procs = [net.popen(i, [sys.executable, "-m", "api.cli", *ENGINE, "--host", net.addr(i), "--port", str(PORT),
+                                "--data-parallel-rank", str(i)], cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"})
+                 for i in range(2)]
+        for url in replicas:
+            _wait_healthy(url, procs)
+        router = net.popen(2, router_command(net.addr(2), PORT, replicas, "cache_aware") +
+                           ["--request-timeout-secs", str(STREAM_END_TIMEOUT)], cwd=ROOT)
+        url = f"http://{net.addr(2)}:{PORT}"
+        _wait_healthy(url, procs + [router], timeout=60)
+        yield net, url, replicas
+
+
+async def _served(replicas: list[str]) -> list[float]:
+    counts = []
+    for rank, url in enumerate(replicas):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            m = await MetricsReader(client).scrape()
+            counts.append(sum(v for k, v in m.items() if k.startswith(f"vllm:request_success_total{{engine={rank},"))
+                          + 0.0)
+    return counts
+
+
+async def test_replicas_on_two_hosts_behind_the_router_on_a_third(fleet):
+    net, url, replicas = fleet
+    async with httpx.AsyncClient(base_url=url, timeout=120) as router:
+        before = await _served(replicas)
+        body = {"prompt": "The history of the city begins " * 20, "max_tokens": 8, "temperature": 0}
+        answers = [await router.post("/v1/completions", json=body) for _ in range(3)]
+        assert [a.status_code for a in answers] == [200] * 3
+        assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
+        after = await _served(replicas)
+    # cache-aware routing: the three requests with one prefix went to one host
+    assert sorted(b - a for a, b in zip(before, after)) == [0, 3]
+
+
+async def _stream(client: httpx.AsyncClient, i: int) -> tuple[str, float]:
+    """One long stream through the router; ("done" | "error: ...", seconds it took to end)."""
+    start = time.monotonic()
+    # prompts without a common prefix, so cache-aware routing spreads them over both hosts by load
+    subject = ["Apples", "Rivers", "Quantum", "Jazz", "Glaciers", "Poetry"][i]
+    body = {"prompt": f"{subject}: once upon a time", "max_tokens": 300, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return f"error: status {r.status_code}", time.monotonic() - start
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    return "done", time.monotonic() - start
+                if line.startswith("data: ") and '"error"' in line[:20]:
+                    return f"error: {line[:120]}", time.monotonic() - start
+        return "error: ended without [DONE]", time.monotonic() - start
+    except httpx.HTTPError as e:
+        return f"error: {e!r}", time.monotonic() - start
+
+
+async def test_a_cut_host_ends_its_streams_and_the_router_moves_on(fleet):
+    net, url, replicas = fleet
+    async with httpx.AsyncClient(base_url=url, timeout=STREAM_END_TIMEOUT * 3) as router:
+        streams = [asyncio.create_task(_stream(router, i)) for i in range(6)]
+        await asyncio.sleep(3)  # the streams are running on both hosts
+        net.cut(0)
+        cut_at = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*streams), STREAM_END_TIMEOUT * 2)
+        ended = time.monotonic() - cut_at
+        # host 0's streams cannot finish: the router closes them (vllm-router sends no error event, the
+        # client sees the chunked body cut short); host 1's finish
+        outcomes = {r == "done" for r, _ in results}
+        assert outcomes == {True, False}, results
+        assert ended < STREAM_END_TIMEOUT + 15, results
+
+        # new requests: 5xx at most until the router's health checks take host 0 out, then only 200s
+        deadline = time.monotonic() + 6 * HEALTH_CHECK_INTERVAL + STREAM_END_TIMEOUT
+        body = {"prompt": "Still there?", "max_tokens": 2}
+        while (r := await router.post("/v1/completions", json=body)).status_code != 200:
+            assert r.status_code >= 500 and time.monotonic() < deadline, (r.status_code, r.text)
+            await asyncio.sleep(1)
+        statuses = [(await router.post("/v1/completions", json={"prompt": f"q{i}", "max_tokens": 2})).status_code
+                    for i in range(6)]
+        assert statuses == [200] * 6
+
+    # once the cable is back, the cut host has finished or aborted those streams: no KV block held
+    net.restore(0)
+    deadline = time.monotonic() + 120
+    async with httpx.AsyncClient(base_url=replicas[0], timeout=10) as host0:
+        while True:
+            m = await MetricsReader(host0).scrape()
+            if m["vllm:kv_cache_usage_perc{engine=0}"] == 0 and m["vllm:num_requests_running{engine=0}"] == 0:
+                break
+            assert time.monotonic() < deadline, m
+            await asyncio.sleep(1)
