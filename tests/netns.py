@@ -36,11 +36,14 @@ def skip_reason() -> str | None:
 class Network:
     """`n` hosts on one bridge. Host i is namespace `{prefix}h{i}` with interface eth0 at addr(i)."""
 
-    def __init__(self, n: int, subnet: int = os.getpid() % 200 + 20):
-        self.n, self.subnet = n, subnet
-        self.prefix = f"mv{os.getpid()}"
+    made = 0  # networks made by this process, so that several may exist at once
+
+    def __init__(self, n: int):
+        Network.made += 1
+        self.n, self.subnet = n, (os.getpid() + Network.made) % 200 + 20
+        self.prefix = f"mv{os.getpid() % 100000}n{Network.made % 10}"  # interface names: 15 characters at most
         self.switch = f"{self.prefix}sw"
-        self.client_addr = f"10.231.{subnet}.254"
+        self.client_addr = f"10.231.{self.subnet}.254"
         self.procs: list[subprocess.Popen] = []
 
     def addr(self, i: int) -> str:

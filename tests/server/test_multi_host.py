@@ -1,8 +1,12 @@
-"""Data parallelism across real network hosts: two replicas on two network-namespace hosts behind
-vllm-router on a third (cache-aware routing), the test's client on a fourth link of the same bridge; then
-one replica host's link cut during streams. Hosts are made and removed here (tests/netns.py)."""
+"""Scale-out across real network hosts (network namespaces on one bridge, the test's client on a link of
+its own; tests/netns.py): two data-parallel replicas on two hosts behind vllm-router on a third
+(cache-aware routing), then one replica host's link cut during streams; a prefill server and a decode
+server on two hosts with the prompt's KV pulled by NIXL over UCX's TCP transport, then the prefill server
+killed before the pull. Hosts are made and removed here."""
 import asyncio
+import json
 import os
+import signal
 import sys
 import time
 
@@ -12,6 +16,7 @@ import pytest
 from netns import Network, skip_reason
 
 pytest.importorskip("vllm_router", reason="needs the [router] extra")
+pytest.importorskip("nixl", reason="needs the [kv] extra")
 _why = skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why is not None, reason=_why or "")]
 
@@ -131,3 +136,62 @@ async def test_a_cut_host_ends_its_streams_and_the_router_moves_on(fleet):
                 break
             assert time.monotonic() < deadline, m
             await asyncio.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def pd_hosts():
+    """A kv_producer on host 0 and a kv_consumer on host 1; UCX restricted to TCP (on one machine it would
+    otherwise pick shared memory, which namespaces do not separate)."""
+    with Network(2) as net:
+        env = os.environ | {"OMP_NUM_THREADS": "1", "UCX_TLS": "tcp"}
+        urls, procs = [], []
+        for i, role in enumerate(["kv_producer", "kv_consumer"]):
+            config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_ip": net.addr(i),
+                      "kv_connector_extra_config": {"abort_request_timeout": 10, "handshake_timeout": 10}}
+            procs.append(net.popen(i, [sys.executable, "-m", "api.cli", *ENGINE, "--host", net.addr(i), "--port",
+                                       str(PORT), "--kv-transfer-config", json.dumps(config)], cwd=ROOT, env=env))
+            urls.append(f"http://{net.addr(i)}:{PORT}")
+        for url in urls:
+            _wait_healthy(url, procs)
+        yield net, urls, procs
+
+
+async def _prefill(client: httpx.AsyncClient, url: str, prompt: str) -> dict:
+    r = await client.post(f"{url}/v1/completions", json={
+        "prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+async def test_decode_host_pulls_the_prompt_from_the_prefill_host(pd_hosts):
+    net, (prefill, decode), _ = pd_hosts
+    prompt = "The committee met on Tuesday to review the budget for the coming year, and after " * 3
+    async with httpx.AsyncClient(timeout=120) as client:
+        reference = (await client.post(f"{prefill}/v1/completions", json={
+            "prompt": prompt, "max_tokens": 8, "temperature": 0})).json()["choices"][0]["text"]
+        params = await _prefill(client, prefill, prompt)
+        assert params["remote_host"] == net.addr(0)
+        r = await client.post(f"{decode}/v1/completions", json={
+            "prompt": prompt, "max_tokens": 8, "temperature": 0, "kv_transfer_params": params})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == reference
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == body["usage"]["prompt_tokens"] - 1
+
+
+async def test_prefill_host_killed_before_the_pull_fails_the_request_and_frees_its_blocks(pd_hosts):
+    net, (prefill, decode), procs = pd_hosts
+    async with httpx.AsyncClient(timeout=120) as client:
+        params = await _prefill(client, prefill, "A different prompt about rivers and mountains, " * 4)
+        procs[0].send_signal(signal.SIGKILL)  # the prefill server dies with the blocks pinned
+        procs[0].wait(30)
+        start = time.monotonic()
+        r = await client.post(f"{decode}/v1/completions", json={
+            "prompt": "A different prompt about rivers and mountains, " * 4, "max_tokens": 4,
+            "kv_transfer_params": params})
+        assert time.monotonic() - start < 60
+        assert r.status_code == 500 and r.json()["error"]["code"] == "kv_transfer_failed", r.text
+        assert net.addr(0) in r.json()["error"]["message"]
+    async with httpx.AsyncClient(base_url=decode, timeout=10) as client:
+        m = await MetricsReader(client).scrape()
+    assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0, m
