@@ -140,10 +140,11 @@ async def test_a_cut_host_ends_its_streams_and_the_router_moves_on(fleet):
 
 @pytest.fixture(scope="module")
 def pd_hosts():
-    """A kv_producer on host 0 and a kv_consumer on host 1; UCX restricted to TCP (on one machine it would
-    otherwise pick shared memory, which namespaces do not separate)."""
+    """A kv_producer on host 0 and a kv_consumer on host 1; UCX restricted to TCP on the host's eth0 (on one
+    machine it would otherwise pick shared memory, which namespaces do not separate, or advertise the
+    host's loopback address too, where the peer would reach itself)."""
     with Network(2) as net:
-        env = os.environ | {"OMP_NUM_THREADS": "1", "UCX_TLS": "tcp"}
+        env = os.environ | {"OMP_NUM_THREADS": "1", "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
         urls, procs = [], []
         for i, role in enumerate(["kv_producer", "kv_consumer"]):
             config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_ip": net.addr(i),
