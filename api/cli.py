@@ -164,7 +164,7 @@ class _Server(uvicorn.Server):
     aborts the rest (their streams end with finish_reason "abort") and uvicorn closes the connections."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain: Drain, shutdown_timeout: float,
-                 startup_ages: tuple[float | None, float | None] = (None, None)):
+                 startup_ages: tuple[float | None, float | None]):
         super().__init__(config)
         self._engine, self._drain, self._shutdown_timeout = engine, drain, shutdown_timeout
         self.startup_ages = startup_ages  # process ages (s) with the imports and with the engine done

@@ -535,10 +535,10 @@ static inline __mmask64 bits64(const uint8_t *p) {
                 for (int z = 0; z < 8 && TYPE != Q4_K; z++) { /* the fifth (and sixth) bits */           \
                     const uint8_t *bits = rec + 2048 + (TYPE == Q5_K ? 64 : 128) * jb + 8 * z;           \
                     wq[z] = _mm512_or_si512(wq[z], _mm512_maskz_mov_epi8(                                \
-                        bits64(bits), _mm512_set1_epi8(0x10)));                 \
+                        bits64(bits), _mm512_set1_epi8(0x10)));                                          \
                     if (TYPE == Q6_K)                                                                    \
                         wq[z] = _mm512_or_si512(wq[z], _mm512_maskz_mov_epi8(                            \
-                            bits64(bits + 64), _mm512_set1_epi8(0x20)));      \
+                            bits64(bits + 64), _mm512_set1_epi8(0x20)));                                 \
                 }                                                                                        \
                 __m512i w02[8], w13[8];                                                                  \
                 SPLIT_WORDS(wq, w02, w13)                                                                \
