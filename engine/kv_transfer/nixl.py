@@ -7,6 +7,7 @@ Only the cache's outer layout matters here: [num_layers, 2 (K, V), num_blocks, .
 inner part contiguous. A transfer copies whole block slices, so the layout inside a block is free to
 change, as long as both engines use the same one (the handshake compares slice sizes).
 """
+import atexit
 import base64
 import dataclasses
 import ipaddress
@@ -120,7 +121,12 @@ class NixlTransport:
         self._notifs: list[bytes] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        threading.Thread(target=self._progress, name="nixl-progress", daemon=True).start()
+        self._thread = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
+        self._thread.start()
+        # A daemon thread that comes back from NIXL's C++ (which drops the GIL) while the interpreter
+        # finalizes is ended by pthread_exit inside a noexcept frame: std::terminate, and the process
+        # aborts on its way out. Stop the thread before that, whoever forgot to call close().
+        atexit.register(self.close)
 
     def _progress(self) -> None:
         """UCX moves only when its worker is progressed: peers' connection set-up and the reads they
@@ -133,8 +139,12 @@ class NixlTransport:
                     self._notifs.extend(msg for msgs in notifs.values() for msg in msgs)
 
     def close(self) -> None:
-        """Stops the progress thread (the agent itself lives as long as this object)."""
+        """Stops the progress thread and waits for it (the agent itself lives as long as this object).
+        Idempotent; also run at interpreter exit."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        atexit.unregister(self.close)
 
     def metadata(self) -> dict:
         """What a peer needs to read from us: agent metadata (base64) and the cache layout."""
