@@ -83,6 +83,21 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="split the model over this many processes (GPUs on CUDA); see README \"Scale out\" "
                         "(default: %(default)s)")
+    p.add_argument("--nnodes", type=int, default=d.nnodes,
+                   help="hosts the tensor-parallel ranks are spread over, tensor-parallel-size / nnodes each "
+                        "(default: %(default)s)")
+    p.add_argument("--node-rank", type=int, default=d.node_rank,
+                   help="this host's place among --nnodes: 0 serves the API with rank 0, the others run "
+                        "--headless (default: %(default)s)")
+    p.add_argument("--master-addr", default=d.master_addr,
+                   help="node 0's address that the other nodes reach, where rank 0's rendezvous listens "
+                        "(default: %(default)s)")
+    p.add_argument("--master-port", type=int, default=d.master_port,
+                   help="the rendezvous port (default: a free one on one host, 29501 across hosts)")
+    p.add_argument("--headless", action="store_true",
+                   help="run this node's tensor-parallel ranks (--node-rank > 0) without an API server")
+    p.add_argument("--distributed-timeout-seconds", type=int, default=d.distributed_timeout_seconds,
+                   help="how long a collective may wait for a rank before the engine fails (default: 300)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
                    help="only 1: pipeline parallelism is not implemented (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="engine seed for unseeded sampling (default: %(default)s)")
@@ -219,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                               kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
                               seed=args.seed, structured_outputs_config=args.structured_outputs_config,
-                              tensor_parallel_size=args.tensor_parallel_size,
+                              tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+                              node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                              distributed_timeout_seconds=args.distributed_timeout_seconds,
                               pipeline_parallel_size=args.pipeline_parallel_size, speculative_config=speculative_config,
                               kv_transfer_config=args.kv_transfer_config, pooler_config=args.pooler_config,
                               # a data-parallel replica runs as many threads as the cores it was bound to
@@ -227,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
                               and hasattr(os, "sched_getaffinity") else None)
     except ValueError as e:
         parser.error(str(e))
+    if args.headless != (config.node_rank > 0):
+        parser.error("--headless is for nodes other than node 0" if args.headless else
+                     f"node {config.node_rank} serves no API (rank 0's node does): add --headless")
+    if args.headless:
+        from engine.executor.tensor_parallel import run_headless  # here: a server does not import it at start
+
+        return run_headless(config)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.max_queue_len is not None and args.max_queue_len < 0:

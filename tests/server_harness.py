@@ -65,6 +65,21 @@ async def http(server):
         yield client
 
 
+def wait_healthy(url: str, procs, timeout: float = 300) -> None:
+    """Polls `url`/health until it answers 200; fails if one of `procs` (Popen) exits first or after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert all(p.poll() is None for p in procs), f"a process exited while {url} started"
+        assert time.monotonic() < deadline, f"{url} not healthy in {timeout} s"
+        time.sleep(0.2)
+
+
 class MetricsReader:
     """Reads a server's /metrics into {name{labels}: value}, labels sorted, model_name left out."""
 

@@ -33,6 +33,12 @@ class EngineConfig:
         ranks together); on CUDA the cache takes `gpu_memory_utilization` of each GPU's memory minus
         what the model uses.
     tensor_parallel_size: processes (GPUs on CUDA) the model is split over (engine/distributed).
+    nnodes, node_rank: hosts the tensor-parallel ranks are spread over (tensor_parallel_size / nnodes
+        ranks each, rank 0 on node 0), and which of them this process is; the other nodes run
+        `server.py --headless`. master_addr, master_port: where rank 0's rendezvous (a TCPStore)
+        listens, an address of node 0 the others reach (port None: a free one on one node, 29501 on
+        several). distributed_timeout_seconds: how long a collective may wait for a rank before the
+        engine fails (None: 300 s).
     pipeline_parallel_size: only 1 (pipeline parallelism is not implemented).
     structured_outputs_config: a StructuredOutputsConfig or a dict of its fields (None = defaults).
     pooler_config: how embedding requests pool hidden states, a PoolerConfig or a dict (None = defaults).
@@ -57,6 +63,11 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # CPU threads for torch per rank; None = the cores / tensor_parallel_size
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    distributed_timeout_seconds: int | None = None
     pipeline_parallel_size: int = 1
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
     speculative_config: SpeculativeConfig | dict | None = None
@@ -69,9 +80,17 @@ class EngineConfig:
                 StructuredOutputsConfig, self.structured_outputs_config or {}, "structured_outputs_config"))
         if not isinstance(self.pooler_config, PoolerConfig):
             self.pooler_config = PoolerConfig(**parse(PoolerConfig, self.pooler_config or {}, "pooler_config"))
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "tensor_parallel_size",
+                     "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not split evenly over "
+                             f"nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes {self.nnodes}), got {self.node_rank}")
+        if self.distributed_timeout_seconds is not None and self.distributed_timeout_seconds < 1:
+            raise ValueError(f"distributed_timeout_seconds must be >= 1, got {self.distributed_timeout_seconds}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

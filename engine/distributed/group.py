@@ -6,6 +6,8 @@ they are not the process's global default group: a process (a test session, a no
 several engines, each with its own group. Every collective has a timeout; a failed one marks the
 group dead (`error`), and every later call raises EngineDeadError at once.
 """
+import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -14,11 +16,29 @@ import torch.distributed as dist
 from engine.attention.base import AttentionMetadata
 
 # A rank alive but stuck this long inside a collective fails the engine (a dead rank fails it at once:
-# its sockets close). Long, because one step of a big prefill on one thread can take many seconds.
+# its sockets close; a host cut off does not). Long, because one step of a big prefill on one thread
+# can take many seconds. --distributed-timeout-seconds changes it.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 # The other ranks wait for rank 0's next step as long as the engine idles.
 IDLE_TIMEOUT = timedelta(days=365)
 _HEADER = 5  # num_tokens, num_seqs, max_blocks_per_seq, num_decodes, num_logits; num_tokens -1 = stop
+
+
+def local_address(peer: str) -> str:
+    """This host's address on the route to `peer` (an IP address or host name): where gloo listens, so
+    that the other ranks can reach it. No packet is sent (a UDP socket only picks its route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        return s.getsockname()[0]
+
+
+def gloo_device(master_addr: str):
+    """Gloo's transport bound to the interface GLOO_SOCKET_IFNAME names (as torch.distributed honours
+    it), else to this host's address toward rank 0's: gloo's default, the address the host name
+    resolves to, is often loopback or missing on a multi-host cluster."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo.create_device(interface=os.environ["GLOO_SOCKET_IFNAME"].split(",")[0])
+    return dist.ProcessGroupGloo.create_device(hostname=local_address(master_addr))
 
 
 class EngineDeadError(RuntimeError):
@@ -29,17 +49,23 @@ class TPGroup:
     """The ranks of one tensor-parallel engine, seen from one rank.
 
     rank, world_size: this rank and the number of ranks. device: this rank's device (cuda:rank on CUDA).
+    master_addr: rank 0's address (gloo listens on this host's address toward it; gloo_device).
+    timeout: how long every collective but the idle wait for a step may take (a timedelta).
     Tensors of the model go through `device_group` (gloo on CPU, NCCL on CUDA); the step headers and
     the start-up agreement go through `cpu_group` (gloo). `error` is None while the group works, else
     why it stopped; on rank 0 `workers` (set by the launcher) names a dead rank and stops the others.
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device):
+    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device, master_addr: str,
+                 timeout: timedelta = COLLECTIVE_TIMEOUT):
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, COLLECTIVE_TIMEOUT)
+        gloo = dist.ProcessGroupGloo._Options()
+        gloo._devices = [gloo_device(master_addr)]
+        gloo._timeout = timeout
+        self.cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size, gloo)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = COLLECTIVE_TIMEOUT
+            options._timeout = timeout
             self.device_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size, options)
         else:
             self.device_group = self.cpu_group

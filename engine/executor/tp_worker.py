@@ -1,18 +1,23 @@
-"""A tensor-parallel rank other than 0 (`python -m engine.executor.tp_worker`, started by launcher.py):
-loads its shard of the model and the KV cache of its heads, then runs the forward pass of every step
-rank 0 broadcasts, until rank 0 says stop."""
+"""A tensor-parallel rank other than 0 (`python -m engine.executor.tp_worker`, started by
+tensor_parallel.py on rank 0's host or by a headless node): loads its shard of the model and the KV
+cache of its heads, then runs the forward pass of every step rank 0 broadcasts, until rank 0 says stop.
+A rank on another host than rank 0's sends it a heartbeat every second and exits when rank 0 has not
+answered one for HEARTBEAT_TIMEOUT."""
 import argparse
 import logging
 import os
 import pickle
 import signal
+import threading
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from engine.distributed.group import EngineDeadError, TPGroup
-from engine.executor.tensor_parallel import START_TIMEOUT, build_rank_runner, rank_device
+from engine.distributed.group import EngineDeadError, TPGroup, local_address
+from engine.executor.tensor_parallel import (HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, START_TIMEOUT, build_rank_runner,
+                                             collective_timeout, node_ranks, rank_device)
 from models.loader import load_config
 from engine.worker.input_batch import ModelInputs
 
@@ -25,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--port", type=int, required=True, help="rank 0's TCPStore on 127.0.0.1")
+    p.add_argument("--master-addr", default="127.0.0.1", help="rank 0's host")
+    p.add_argument("--port", type=int, required=True, help="rank 0's TCPStore there")
     p.add_argument("--device-type", choices=["cpu", "cuda"], required=True)
     p.add_argument("--model-dir", required=True)
     args = p.parse_args(argv)
@@ -36,11 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     device = rank_device(args.device_type, args.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", args.port, args.world_size, False, timeout=timedelta(seconds=START_TIMEOUT))
+    store = dist.TCPStore(args.master_addr, args.port, args.world_size, False,
+                          timeout=timedelta(seconds=START_TIMEOUT))
+    config = pickle.loads(store.get("engine_config"))  # rank 0's EngineConfig
+    if config.tensor_parallel_size != args.world_size:
+        logger.error("rank 0 at %s runs tensor_parallel_size %d, this rank was started for %d",
+                     args.master_addr, config.tensor_parallel_size, args.world_size)
+        return 1
+    store.set(f"host{args.rank}", local_address(args.master_addr))
+    if args.rank not in node_ranks(config, 0):  # rank 0 cannot see this process: it hears from it instead
+        threading.Thread(target=heartbeat, args=(args,), name="tp-heartbeat", daemon=True).start()
     store.set(f"rank{args.rank}", "ready")
     try:
-        group = TPGroup(store, args.rank, args.world_size, device)
-        config = pickle.loads(store.get("engine_config"))  # rank 0's EngineConfig
+        group = TPGroup(store, args.rank, args.world_size, device, args.master_addr, collective_timeout(config))
         runner = build_rank_runner(config, load_config(args.model_dir), args.model_dir, group)
         while (step := group.recv_step()) is not None:
             runner.forward(ModelInputs(*step))
@@ -48,6 +62,33 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("stopping: %s", e)
         return 1
     return 0
+
+
+def heartbeat(args: argparse.Namespace) -> None:
+    """Counts this rank's heartbeats up in rank 0's store every HEARTBEAT_INTERVAL, and exits the process
+    with status 1 once none has gone through for HEARTBEAT_TIMEOUT: rank 0's host is down or cut off,
+    and the step loop would otherwise wait for its next step for ever."""
+    store = dist.TCPStore(args.master_addr, args.port, args.world_size, False,
+                          timeout=timedelta(seconds=HEARTBEAT_TIMEOUT))
+    last_beat = time.monotonic()
+
+    def beat() -> None:
+        nonlocal last_beat
+        while True:
+            try:
+                store.add(f"heartbeat{args.rank}", 1)  # blocks for ever on a cut link, hence the watch below
+            except RuntimeError:  # DistStoreError: rank 0's store is gone
+                return
+            last_beat = time.monotonic()
+            time.sleep(HEARTBEAT_INTERVAL)
+
+    threading.Thread(target=beat, name="tp-heartbeat-send", daemon=True).start()
+    while time.monotonic() - last_beat < HEARTBEAT_TIMEOUT:
+        time.sleep(HEARTBEAT_INTERVAL)
+    logger.error("stopping: rank 0 at %s:%d has not answered for %g s (host down or cut off)",
+                 args.master_addr, args.port, HEARTBEAT_TIMEOUT)
+    logging.shutdown()
+    os._exit(1)
 
 
 if __name__ == "__main__":

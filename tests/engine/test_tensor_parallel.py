@@ -189,6 +189,19 @@ def test_pipeline_parallelism_is_refused(capsys):
     assert exit_info.value.code == 2 and "pipeline_parallel_size 2 is not supported" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["-tp", "3", "--nnodes", "2"], "tensor_parallel_size 3 does not split evenly over nnodes 2"),
+    (["-tp", "2", "--nnodes", "2", "--node-rank", "2"], "node_rank must be in [0, nnodes 2), got 2"),
+    (["-tp", "2", "--nnodes", "2", "--node-rank", "1"], "node 1 serves no API (rank 0's node does): add --headless"),
+    (["-tp", "2", "--nnodes", "2", "--headless"], "--headless is for nodes other than node 0"),
+    (["--distributed-timeout-seconds", "0"], "distributed_timeout_seconds must be >= 1, got 0"),
+])
+def test_multi_node_flags_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        server_main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def tp_server(server_factory, engine_args):
     args = [a for k, v in engine_args.items() for a in (f"--{k.replace('_', '-')}", str(v))]

@@ -2,11 +2,14 @@
 its own; tests/netns.py): two data-parallel replicas on two hosts behind vllm-router on a third
 (cache-aware routing), then one replica host's link cut during streams; a prefill server and a decode
 server on two hosts with the prompt's KV pulled by NIXL over UCX's TCP transport, then the prefill server
-killed before the pull. Hosts are made and removed here."""
+killed before the pull; the two tensor-parallel ranks of one engine on two hosts (node 0 serving, node 1
+headless), then node 1's link cut during a stream. Hosts are made and removed here."""
 import asyncio
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -21,24 +24,12 @@ _why = skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why is not None, reason=_why or "")]
 
 from api.data_parallel import HEALTH_CHECK_INTERVAL, router_command  # noqa: E402
-from server_harness import ROOT, MetricsReader, cli_args  # noqa: E402
+from engine import SamplingParams  # noqa: E402
+from server_harness import ROOT, MetricsReader, cli_args, wait_healthy  # noqa: E402
 
 ENGINE = cli_args(kv_cache_memory=128 << 20, max_model_len=1024)
 PORT = 8000
 STREAM_END_TIMEOUT = 120  # seconds: the router's request timeout, the bound on how long a cut host's stream lasts
-
-
-def _wait_healthy(url: str, procs, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert all(p.poll() is None for p in procs), f"a process exited while {url} started"
-        assert time.monotonic() < deadline, f"{url} not healthy in {timeout} s"
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +40,11 @@ def fleet():
                                 "--data-parallel-rank", str(i)], cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"})
                  for i in range(2)]
         for url in replicas:
-            _wait_healthy(url, procs)
+            wait_healthy(url, procs)
         router = net.popen(2, router_command(net.addr(2), PORT, replicas, "cache_aware") +
                            ["--request-timeout-secs", str(STREAM_END_TIMEOUT)], cwd=ROOT)
         url = f"http://{net.addr(2)}:{PORT}"
-        _wait_healthy(url, procs + [router], timeout=60)
+        wait_healthy(url, procs + [router], timeout=60)
         yield net, url, replicas
 
 
@@ -153,7 +144,7 @@ def pd_hosts():
                                        str(PORT), "--kv-transfer-config", json.dumps(config)], cwd=ROOT, env=env))
             urls.append(f"http://{net.addr(i)}:{PORT}")
         for url in urls:
-            _wait_healthy(url, procs)
+            wait_healthy(url, procs)
         yield net, urls, procs
 
 
@@ -196,3 +187,74 @@ async def test_prefill_host_killed_before_the_pull_fails_the_request_and_frees_i
     async with httpx.AsyncClient(base_url=decode, timeout=10) as client:
         m = await MetricsReader(client).scrape()
     assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0, m
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism across hosts
+# ---------------------------------------------------------------------------------------------
+
+TP_TIMEOUT = 20  # --distributed-timeout-seconds: how long a step may wait in a collective for a cut-off rank
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, llm):
+    """A tiny random Llama-3 (4 query / 2 KV heads: one KV head per rank at TP=2), a prompt, and its TP=1
+    greedy tokens up to the first near tie (top-two logits within 1e-3, where TP=2's summation order may
+    pick the other), as (number of tokens, text)."""
+    from scripts.make_tiny_model import save_tiny_model
+    from conftest import make_llm
+
+    path = tmp_path_factory.mktemp("tiny-llama3")
+    save_tiny_model("llama3", path, llm.tokenizer, num_key_value_heads=2)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    out = make_llm(model=str(path)).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    gaps = [lp.top_logprobs[0][1] - lp.top_logprobs[1][1] for lp in out.logprobs]
+    n = next((i for i, gap in enumerate(gaps) if gap < 1e-3), len(gaps))
+    assert n >= 4, gaps
+    return path, prompt, (n, llm.tokenizer.decode(out.token_ids[:n]))
+
+
+async def test_tensor_parallel_ranks_on_two_hosts_then_one_cut_off(tiny_llama, tmp_path):
+    path, prompt, (num_tokens, expected) = tiny_llama
+    with Network(2) as net:
+        common = [*ENGINE, "--model", str(path), "--tensor-parallel-size", "2", "--nnodes", "2",
+                  "--master-addr", net.addr(0), "--master-port", "29501",
+                  "--distributed-timeout-seconds", str(TP_TIMEOUT)]
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        logs = [open(tmp_path / f"node{i}.log", "w+") for i in range(2)]
+        node1 = net.popen(1, [sys.executable, "-m", "api.cli", *common, "--node-rank", "1", "--headless"],
+                          cwd=ROOT, env=env, stdout=logs[1], stderr=subprocess.STDOUT)  # first: it waits for rank 0
+        node0 = net.popen(0, [sys.executable, "-m", "api.cli", *common, "--host", net.addr(0), "--port", str(PORT)],
+                          cwd=ROOT, env=env, stdout=logs[0], stderr=subprocess.STDOUT)
+        url = f"http://{net.addr(0)}:{PORT}"
+        wait_healthy(url, [node0, node1], timeout=180)
+        log = (tmp_path / "node0.log").read_text()
+        assert f"tensor-parallel rank 1 of 2: on {net.addr(1)}" in log, log[-3000:]
+
+        async with httpx.AsyncClient(base_url=url, timeout=TP_TIMEOUT * 4) as http:
+            r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": num_tokens,
+                                                         "temperature": 0, "ignore_eos": True})
+            assert r.json()["choices"][0]["text"] == expected
+
+            # node 1's cable pulled mid-stream: the step waits out the collective timeout, the stream
+            # ends with an error event, and the server exits naming the silent rank's host
+            async with http.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 600,
+                                                                   "ignore_eos": True, "stream": True}) as r:
+                lines = r.aiter_lines()
+                assert (await anext(lines)).startswith("data: {")
+                net.cut(1)
+                cut_at = time.monotonic()
+                events = [line async for line in lines if line]
+        assert '"type":"server_error"' in events[-2] and events[-1] == "data: [DONE]", events[-3:]
+        assert node0.wait(60) == 1
+        assert time.monotonic() - cut_at < TP_TIMEOUT + 30
+        log = (tmp_path / "node0.log").read_text()
+        assert re.search(rf"shutting down: tensor-parallel rank 1 on {re.escape(net.addr(1))} sent no heartbeat "
+                         rf"for \d+ s \(host down or cut off\)", log), log[-3000:]
+        # node 1 sees rank 0 no more: its rank exits on its own, and so does the headless launcher
+        assert node1.wait(60) == 1
+        log = (tmp_path / "node1.log").read_text()
+        assert f"stopping: rank 0 at {net.addr(0)}:29501 has not answered for 10 s" in log, log[-3000:]
+        for f in logs:
+            f.close()

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 pytest.register_assert_rewrite("server_harness")  # imported here for its classes, before pytest loads it as a plugin
-from server_harness import ROOT, MetricsReader, ServerProcess, cli_args  # noqa: E402
+from server_harness import ROOT, MetricsReader, ServerProcess, cli_args, wait_healthy  # noqa: E402
 
 from api.data_parallel import HEALTH_CHECK_INTERVAL  # noqa: E402
 
@@ -160,15 +160,7 @@ class Router:
              self.url.rsplit(":", 1)[1], "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()), "--log-level", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, "vllm-router did not start"
-            time.sleep(0.2)
+        wait_healthy(self.url, [self.proc], timeout=60)
 
     def stop(self) -> None:
         self.proc.terminate()
