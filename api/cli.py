@@ -15,6 +15,7 @@ from api import data_parallel
 from api.app import build_app
 from api.data_parallel import ROUTER_POLICIES
 from api.drain import Drain
+from api.memory_report import memory_report
 from api.serving import ServerSettings
 from api.reasoning import REASONING_PARSERS
 from api.tool_calls import TOOL_CALL_PARSERS
@@ -297,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     # these make that a no-op, so a signalled shutdown ends with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    signal.signal(signal.SIGUSR1, lambda *_: logger.info("%s", memory_report()))  # `kill -USR1 PID`
     server.run()
     return 0 if engine.dead_error is None else 1
 

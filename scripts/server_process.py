@@ -18,16 +18,17 @@ REPO = Path(__file__).resolve().parents[1]
 class ServerProcess:
     """`python server.py --port 0 ARGS` with its log in a temporary file; `url` is the first group of
     `ready_pattern` in the log (the "ready" line), so there is no race for a free port. `started` is the
-    monotonic time just before the process was spawned.
+    monotonic time just before the process was spawned. `env`: the server's environment (None: ours).
 
     Raises RuntimeError (with the log's tail) if the server exits or is not ready within `timeout` seconds.
     """
 
-    def __init__(self, args: list[str], timeout: float = 300, ready_pattern: str = r"ready: (http://[\d.]+:\d+)"):
+    def __init__(self, args: list[str], timeout: float = 300, ready_pattern: str = r"ready: (http://[\d.]+:\d+)",
+                 env: dict[str, str] | None = None):
         self._log = tempfile.NamedTemporaryFile(prefix="server-", suffix=".log", delete=False)
         self.started = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "server.py", "--port", "0", *args], cwd=REPO,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = self.started + timeout
         while not (ready := re.search(ready_pattern, self.log())):
             if self.proc.poll() is not None or time.monotonic() > deadline:

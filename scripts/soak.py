@@ -16,15 +16,21 @@ the last (mean of 1 s samples; windows of duration / 5 for runs under 5 minutes)
 
 With --phases N it answers whether memory plateaus: on one server, a warm-up phase and then N identical
 phases (the same seed, so the same request mix, burst and disconnects), each ending idle, with the
-server's resident memory once idle after each (mean of 3 s of samples). Passes when every phase had no
-error and ended idle, and each of the last three phases grew the idle RSS by less than 1% over the phase
-before. Run it under another allocator by setting the environment the server inherits (LD_PRELOAD,
-MALLOC_ARENA_MAX).
+server's resident memory once idle after each (mean of 3 s of samples) and its memory report (SIGUSR1,
+api/memory_report.py: glibc malloc's arenas, bytes in use and free in them; with --tracemalloc the
+Python source lines holding the most, at a cost in speed). Bytes in use that grow phase after phase are
+a leak; free bytes that stay in the arenas are the allocator's high-water mark. Passes when every phase
+had no error and ended idle, and each of the last three phases grew the idle RSS by less than 1% over
+the phase before. Run it under another allocator by setting the environment the server inherits
+(LD_PRELOAD, MALLOC_ARENA_MAX).
 """
 import argparse
 import asyncio
 import json
+import os
 import random
+import re
+import signal
 import statistics
 import sys
 import time
@@ -192,6 +198,22 @@ async def idle_rss(server: ServerProcess, seconds: float = 3.0) -> int:
     return int(statistics.mean(samples))
 
 
+async def memory_report(server: ServerProcess, timeout: float = 10) -> str:
+    """The server's memory report line (it logs one on SIGUSR1), without the "memory: " prefix."""
+    before = server.log().count("memory: rss")
+    server.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while server.log().count("memory: rss") == before:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server logged no memory report within {timeout} s of SIGUSR1")
+        await asyncio.sleep(0.1)
+    return "rss" + server.log().split("memory: rss")[-1].splitlines()[0]
+
+
+def _mib(pattern: str, report: str) -> float:
+    return float(re.search(pattern, report).group(1))
+
+
 async def phases(server: ServerProcess, args) -> dict:
     """A warm-up phase, then args.phases identical ones; the idle RSS after each (see the module doc)."""
     results = []
@@ -199,12 +221,16 @@ async def phases(server: ServerProcess, args) -> dict:
         print(f"phase {phase}{' (warm-up)' if phase == 0 else ''}", flush=True)
         r = await soak(server.url, server, args)
         r["idle_rss_mib"] = round(await idle_rss(server) / 2**20, 1)
+        r["memory"] = await memory_report(server)
         results.append(r)
         print(f"phase {phase}: {r['completed']} completed, {r['errors']} errors, idle {r['idle_after']}, "
-              f"idle RSS {r['idle_rss_mib']} MiB", flush=True)
+              f"idle RSS {r['idle_rss_mib']} MiB\n  {r['memory']}", flush=True)
     rss = [r["idle_rss_mib"] for r in results]
     growth = [round(b / a - 1, 4) for a, b in zip(rss, rss[1:])]
     return {
+        "malloc_in_use_mib": [_mib(r"([\d.]+) MiB in use", r["memory"]) for r in results],
+        "malloc_free_mib": [_mib(r"([\d.]+) MiB free in arenas", r["memory"]) for r in results],
+        "memory_reports": [r["memory"] for r in results],
         "phases": args.phases, "requests_per_phase": args.num_requests, "peak_streams": args.peak_streams,
         "errors": sum(r["errors"] for r in results), "error_samples": [e for r in results for e in r["error_samples"]][:10],
         "idle_after_each": all(r["idle_after"] for r in results), "idle_rss_mib": rss, "rss_growth_per_phase": growth,
@@ -223,12 +249,18 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--phases", type=int, default=0, help="after a warm-up, N identical phases on one server")
+    ap.add_argument("--tracemalloc", action="store_true",
+                    help="with --phases: the server traces Python allocations (PYTHONTRACEMALLOC=1), and each "
+                         "phase's report names the source lines holding the most (slower)")
     ap.add_argument("server_args", nargs="*", help=f"server.py flags after -- (default: {' '.join(SERVER_ARGS)})")
     args = ap.parse_args()
     if args.phases and args.url:
         ap.error("--phases measures the server's memory: it starts its own (no --url)")
+    if args.tracemalloc and not args.phases:
+        ap.error("--tracemalloc goes with --phases")
     if args.phases:
-        with ServerProcess(args.server_args or SERVER_ARGS) as server:
+        env = os.environ | ({"PYTHONTRACEMALLOC": "1"} if args.tracemalloc else {})
+        with ServerProcess(args.server_args or SERVER_ARGS, env=env) as server:
             result = asyncio.run(phases(server, args))
             result["server_exit_status"] = server.stop()
     elif args.url:

@@ -1,8 +1,10 @@
 """server.py's flags: --help, --api-key, --served-model-name, --max-queue-len (503 + Retry-After),
---max-request-body-bytes, --chat-template, --no-dashboard, the startup log, and a clean exit on SIGINT with a
+--max-request-body-bytes, --chat-template, --no-dashboard, the startup log, the memory report on
+SIGUSR1, and a clean exit on SIGINT with a
 request in flight that outlives --shutdown-timeout. One extra server runs every test here, in order;
 the last one stops it."""
 import asyncio
+import re
 import signal
 import subprocess
 import sys
@@ -54,6 +56,25 @@ def test_startup_log(aux):
     assert "serving SmolLM2-135M-Instruct as 'smol': float32 on cpu" in log
     assert "KV blocks of 16 tokens" in log and "max_model_len 512" in log
     assert f"ready: {aux.url} (OpenAI base_url {aux.url}/v1)" in log
+
+
+async def test_sigusr1_logs_a_memory_report(aux):
+    """`kill -USR1`: one line with the resident set, glibc's arenas and bytes, and whether Python traces;
+    the server goes on serving."""
+    before = aux.log().count("memory: rss")
+    aux.proc.send_signal(signal.SIGUSR1)
+    for _ in range(100):
+        if aux.log().count("memory: rss") > before:
+            break
+        await asyncio.sleep(0.05)
+    line = aux.log().split("memory: rss")[-1].splitlines()[0]
+    assert re.fullmatch(r" [\d.]+ MiB; malloc: \d+ arenas, [\d.]+ MiB from the system \([\d.]+ in arenas \+ [\d.]+ mmapped\), "
+                        r"[\d.]+ MiB in use, [\d.]+ MiB free in arenas; python: not traced \(PYTHONTRACEMALLOC=1 to trace\)",
+                        line), line
+    rss = float(line.split()[0])
+    assert abs(rss - aux.rss_bytes() / 2**20) < 0.2 * rss  # the process's own, not the test's
+    async with httpx.AsyncClient(base_url=aux.url) as anonymous:
+        assert (await anonymous.get("/health")).status_code == 200
 
 
 async def test_api_key_required_except_probes(aux):
