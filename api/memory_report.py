@@ -49,9 +49,13 @@ def _python_top(top: int) -> str:
     return f"python: {sum(s.size for s in stats) / MIB:.1f} MiB traced; top {lines}"
 
 
+def resident_bytes(pid: int | str = "self") -> int:
+    """The resident set size in bytes of process `pid` (this one by default), from Linux's /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
 def memory_report(top: int = 5) -> str:
-    """One log line: resident memory (MiB, /proc), glibc malloc's arenas and bytes (from the system, in
-    use, free in arenas), and tracemalloc's total and `top` source lines when tracing. Linux only."""
-    with open("/proc/self/status") as f:
-        rss = int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
-    return f"memory: rss {rss / MIB:.1f} MiB; {_glibc_malloc()}; {_python_top(top)}"
+    """One log line: resident memory (MiB), glibc malloc's arenas and bytes (from the system, in use,
+    free in arenas), and tracemalloc's total and `top` source lines when tracing. Linux only."""
+    return f"memory: rss {resident_bytes() / MIB:.1f} MiB; {_glibc_malloc()}; {_python_top(top)}"

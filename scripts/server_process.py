@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from api.memory_report import resident_bytes
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -43,8 +45,19 @@ class ServerProcess:
 
     def rss_bytes(self) -> int:
         """The server's resident set size in bytes (Linux /proc)."""
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
+        return resident_bytes(self.proc.pid)
+
+    def memory_report(self, timeout: float = 10) -> str:
+        """Asks the server for its memory report (SIGUSR1, api/memory_report.py) and returns the line it
+        logs, from "rss" on. Raises RuntimeError if none is logged within `timeout` seconds."""
+        before = self.log().count("memory: rss")
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        while self.log().count("memory: rss") == before:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server logged no memory report within {timeout} s of SIGUSR1")
+            time.sleep(0.05)
+        return "rss" + self.log().split("memory: rss")[-1].splitlines()[0]
 
     def stop(self, timeout: float = 60) -> int:
         """SIGTERM (a graceful drain), then SIGKILL after `timeout` seconds; returns the exit status."""

@@ -30,7 +30,6 @@ import json
 import os
 import random
 import re
-import signal
 import statistics
 import sys
 import time
@@ -198,18 +197,6 @@ async def idle_rss(server: ServerProcess, seconds: float = 3.0) -> int:
     return int(statistics.mean(samples))
 
 
-async def memory_report(server: ServerProcess, timeout: float = 10) -> str:
-    """The server's memory report line (it logs one on SIGUSR1), without the "memory: " prefix."""
-    before = server.log().count("memory: rss")
-    server.proc.send_signal(signal.SIGUSR1)
-    deadline = time.monotonic() + timeout
-    while server.log().count("memory: rss") == before:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server logged no memory report within {timeout} s of SIGUSR1")
-        await asyncio.sleep(0.1)
-    return "rss" + server.log().split("memory: rss")[-1].splitlines()[0]
-
-
 def _mib(pattern: str, report: str) -> float:
     return float(re.search(pattern, report).group(1))
 
@@ -221,7 +208,7 @@ async def phases(server: ServerProcess, args) -> dict:
         print(f"phase {phase}{' (warm-up)' if phase == 0 else ''}", flush=True)
         r = await soak(server.url, server, args)
         r["idle_rss_mib"] = round(await idle_rss(server) / 2**20, 1)
-        r["memory"] = await memory_report(server)
+        r["memory"] = await asyncio.to_thread(server.memory_report)
         results.append(r)
         print(f"phase {phase}: {r['completed']} completed, {r['errors']} errors, idle {r['idle_after']}, "
               f"idle RSS {r['idle_rss_mib']} MiB\n  {r['memory']}", flush=True)

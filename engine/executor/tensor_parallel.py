@@ -275,13 +275,13 @@ def run_headless(config: EngineConfig) -> int:
     rendezvous at master_addr:master_port (waiting up to START_TIMEOUT for it to start) and run every
     step until rank 0 stops them. SIGTERM or SIGINT stops them. Returns 0 when every rank ended
     cleanly, else 1 (a rank failed, or lost rank 0)."""
-    model_dir = resolve_model(config.model)
+    model_dir, port = resolve_model(config.model), master_port(config)
     device_type = default_device(config).type
-    procs = {rank: start_rank(rank, config, master_port(config), model_dir, device_type)
+    procs = {rank: start_rank(rank, config, port, model_dir, device_type)
              for rank in node_ranks(config, config.node_rank)}
     for rank, proc in procs.items():
         logger.info("tensor-parallel rank %d of %d: pid %d, joining %s:%d", rank, config.tensor_parallel_size,
-                    proc.pid, config.master_addr, master_port(config))
+                    proc.pid, config.master_addr, port)
 
     def stop(*_) -> None:
         for proc in procs.values():
