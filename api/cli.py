@@ -20,7 +20,7 @@ from api.serving import ServerSettings
 from api.reasoning import REASONING_PARSERS
 from api.tool_calls import TOOL_CALL_PARSERS
 from engine import AsyncEngine, EngineConfig, StructuredOutputsConfig
-from engine.distributed.group import EngineDeadError
+from models.distributed.group import EngineDeadError
 from engine.config import KVTransferConfig, PoolerConfig, SpeculativeConfig
 
 logger = logging.getLogger("api")

@@ -1,22 +1,11 @@
-"""Model registry: Hugging Face `config.architectures` names to our implementations."""
-from models.llama import LlamaForCausalLM
+"""The model executor: what runs a model on one device, below the engine that decides what runs.
 
-# architecture -> (class, extra constructor kwargs)
-_REGISTRY = {
-    "LlamaForCausalLM": (LlamaForCausalLM, {}),
-    "MistralForCausalLM": (LlamaForCausalLM, {}),
-    "Qwen2ForCausalLM": (LlamaForCausalLM, {"qkv_bias": True}),
-    "Qwen3ForCausalLM": (LlamaForCausalLM, {"qk_norm": True}),
-}
+- the architectures, one file each (`llama.py`), found by `registry.get_model_class`;
+- their building blocks (`layers/`: parallel linear layers, the vocabulary-parallel embedding, norms,
+  rotary embeddings), attention backends (`attention/`), quantization methods (`quantization/`), the
+  C kernels they call (`kernels/`) and the tensor-parallel process group (`distributed/`);
+- reading checkpoints (`loader.py`, `gguf.py`) and the per-rank shape (`config.py`).
 
-
-def get_model_class(config):
-    """Returns (model class, extra kwargs) for a Hugging Face config.
-
-    Raises ValueError naming the supported architectures when none of the config's is known.
-    """
-    for arch in getattr(config, "architectures", None) or []:
-        if arch in _REGISTRY:
-            return _REGISTRY[arch]
-    raise ValueError(f"unsupported architecture {getattr(config, 'architectures', None)}; "
-                     f"supported: {', '.join(sorted(_REGISTRY))}")
+Nothing here imports `engine` or `api`. Importing the package itself imports nothing (a light module such
+as `models.cache_dir` stays light).
+"""

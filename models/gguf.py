@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from engine.quantization.gguf import FLOAT_TYPES, QUANTIZED_TYPES, GGUFTensor
+from models.quantization.gguf import FLOAT_TYPES, QUANTIZED_TYPES, GGUFTensor
 
 # general.architecture -> transformers architecture (and its config class)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

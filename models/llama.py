@@ -5,87 +5,20 @@ grouped-query attention (Ainslie et al. 2023), SwiGLU (Shazeer 2020). Tokens of 
 step are flattened to one [T, hidden] batch; attention goes through the engine's backend, which
 reads and writes the paged cache with the step's `AttentionMetadata`.
 """
-import math
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.kernels import ops
-from engine.distributed.group import TPGroup
-from engine.distributed.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
-from engine.quantization.gguf import GGUFConfig
+from models.attention.base import AttentionBackend, AttentionMetadata
 from models.config import ModelShape
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm that first adds a sublayer's output to the float32 residual stream (in place)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-        return ops.add_rms_norm(residual, delta, self.weight, self.eps)
-
-
-class HeadRMSNorm(nn.Module):
-    """Qwen3's RMSNorm over each head's features (q_norm, k_norm): x [T, heads, head_dim] -> the same
-    shape and dtype, normalised in float32 as transformers does."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
-
-
-def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
-    """Rotary inverse frequencies [head_dim // 2] (float32), with Llama 3's frequency scaling if set."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "llama3":
-        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between.
-        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
-        old_len = params["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = ((old_len / wavelen) - low) / (high - low)
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    elif rope_type not in ("default", None):
-        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3)")
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE over a precomputed float32 cos/sin table of [max_len, head_dim // 2]."""
-
-    def __init__(self, config, head_dim: int, max_len: int):
-        super().__init__()
-        self.config, self.head_dim, self.max_len = config, head_dim, max_len
-        self.cos = self.sin = None
-        device = torch.empty(0).device  # the device being built on (torch.device context)
-        if device.type != "meta":
-            self.compute_table(device)
-
-    def compute_table(self, device: torch.device) -> None:
-        """Fills the float32 tables on `device`: at construction, or after loading for a model built on
-        the meta device (no checkpoint holds them). Plain attributes, not buffers, so that
-        `model.to(bfloat16)` leaves the angles in float32 and materializing the meta model does not drop them."""
-        positions = torch.arange(self.max_len, dtype=torch.float32, device=device)
-        freqs = torch.outer(positions, rope_inv_freq(self.config, self.head_dim).to(device))
-        self.cos, self.sin = freqs.cos(), freqs.sin()
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of positions (int64 [T]): float32 [T, head_dim // 2] each, gathered once per step."""
-        return self.cos[positions], self.sin[positions]
+from models.distributed.group import TPGroup
+from models.kernels import ops
+from models.layers.layernorm import HeadRMSNorm, RMSNorm
+from models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from models.layers.rotary_embedding import RotaryEmbedding
+from models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from models.quantization.gguf import GGUFConfig
 
 
 class LlamaAttention(nn.Module):
@@ -158,8 +91,8 @@ class LlamaForCausalLM(nn.Module):
     [T, hidden_size]; `compute_logits` maps selected hidden states [N, hidden] to float32 logits
     [N, vocab] (on rank 0 only under tensor parallelism). `qkv_bias` is True for Qwen2 (and any config
     with `attention_bias`); `qk_norm` for Qwen3 (per-head RMSNorm of queries and keys); `quant_config` keeps a GGUF file's
-    quantized weights in the linear layers and the embedding (engine/quantization). `shape` is this rank's (models.config); with `tp`, this rank holds its shard
-    of every layer (engine/distributed).
+    quantized weights in the linear layers and the embedding (models/quantization). `shape` is this rank's (models.config); with `tp`, this rank holds its shard
+    of every layer (models/distributed).
     """
 
     def __init__(self, config, shape: ModelShape, backend: AttentionBackend, max_model_len: int,
@@ -180,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        # The residual stream stays float32 (see engine/kernels/csrc/layer_ops.c); sublayers run in the model dtype
+        # The residual stream stays float32 (see models/kernels/csrc/layer_ops.c); sublayers run in the model dtype
         # (a quantized model's linears in float32: load_weights).
         residual, x = self.embed_tokens(input_ids).float(), None
         rope = self.rotary(positions)

@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine.config import CACHE_DIR
+from models.cache_dir import CACHE_DIR
 
 from models.gguf import is_gguf, iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
 

@@ -76,11 +76,11 @@ def breakdown() -> dict[str, float]:
     import api.cli  # noqa: F401
     from engine.worker import host_memory
     from engine.worker.model_runner import materialize
-    from engine.attention import make_backend
-    from engine.quantization.gguf import GGUFConfig
+    from models.attention import make_backend
+    from models.quantization.gguf import GGUFConfig
     from models.config import ModelShape
     from models.loader import iter_weights, load_config, load_tokenizer, resolve_model
-    from models import get_model_class
+    from models.registry import get_model_class
     lap("import the server")
     model_path = resolve_model(None)
     cfg = load_config(model_path)

@@ -45,9 +45,9 @@ import time
 import torch
 from transformers import LlamaConfig
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.flashinfer import FlashInferBackend, flashinfer_available
-from engine.attention.torch_native import TorchNativeBackend
+from models.attention.base import AttentionMetadata
+from models.attention.flashinfer import FlashInferBackend, flashinfer_available
+from models.attention.torch_native import TorchNativeBackend
 from engine.worker.cuda_graph import CUDAGraphRunner
 from models.config import ModelShape
 from models.llama import LlamaForCausalLM

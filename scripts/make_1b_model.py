@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from engine.config import CACHE_DIR  # noqa: E402
+from models.cache_dir import CACHE_DIR  # noqa: E402
 from models.loader import default_model_path, load_tokenizer  # noqa: E402
 
 SHAPE = dict(layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, intermediate=8192, vocab=49152,

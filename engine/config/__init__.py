@@ -1,16 +1,13 @@
 """Engine configuration: the knobs of `LLM(...)`, `AsyncEngine` and `server.py`, named as in vLLM."""
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from engine.config.parse import parse
 from engine.config.kv_transfer import KVTransferConfig
 from engine.config.pooler import PoolerConfig
 from engine.config.speculative import SpeculativeConfig
 from engine.config.structured_outputs import StructuredOutputsConfig
+from models.cache_dir import CACHE_DIR
 
-# where built kernels and converted models are kept between runs
-CACHE_DIR = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm"))
 
 __all__ = ["CACHE_DIR", "EngineConfig", "KVTransferConfig", "PoolerConfig", "SpeculativeConfig", "StructuredOutputsConfig"]
 
@@ -32,7 +29,7 @@ class EngineConfig:
     block_size: tokens per KV block. kv_cache_memory: bytes for the KV cache (CPU; all tensor-parallel
         ranks together); on CUDA the cache takes `gpu_memory_utilization` of each GPU's memory minus
         what the model uses.
-    tensor_parallel_size: processes (GPUs on CUDA) the model is split over (engine/distributed).
+    tensor_parallel_size: processes (GPUs on CUDA) the model is split over (models/distributed).
     nnodes, node_rank: hosts the tensor-parallel ranks are spread over (tensor_parallel_size / nnodes
         ranks each, rank 0 on node 0), and which of them this process is; the other nodes run
         `server.py --headless`. master_addr, master_port: where rank 0's rendezvous (a TCPStore)

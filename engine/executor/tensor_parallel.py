@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.core.step_io import ModelRunnerOutput, SchedulerOutput
-from engine.distributed.group import COLLECTIVE_TIMEOUT, EngineDeadError, TPGroup
+from models.distributed.group import COLLECTIVE_TIMEOUT, EngineDeadError, TPGroup
 from engine.executor.abstract import Executor, default_device, use_cpu_threads
 from engine.worker.input_batch import prepare_inputs
 from engine.worker.model_runner import ModelRunner

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.distributed.group import EngineDeadError, TPGroup, local_address
+from models.distributed.group import EngineDeadError, TPGroup, local_address
 from engine.executor.tensor_parallel import (HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, START_TIMEOUT, build_rank_runner,
                                              collective_timeout, node_ranks, rank_device)
 from models.loader import load_config

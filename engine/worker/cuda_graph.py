@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from models.attention.base import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

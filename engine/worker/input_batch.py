@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionMetadata
+from models.attention.base import AttentionMetadata
 from engine.core.step_io import SchedulerOutput, Sequence
 from engine.sample.prompt_logprobs import PromptRows, select_rows
 from engine.worker.pooler import PoolingRows

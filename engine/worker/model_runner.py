@@ -4,20 +4,20 @@ import os
 
 import torch
 
-from engine.attention import make_backend
-from engine.attention.base import AttentionMetadata
+from models.attention import make_backend
+from models.attention.base import AttentionMetadata
 from engine.config import EngineConfig
 from engine.core.step_io import ModelRunnerOutput, SchedulerOutput
-from engine.distributed.group import TPGroup
+from models.distributed.group import TPGroup
 from engine.sample import prompt_logprobs
 from engine.sample.rejection_sampler import RejectionSampler
 from engine.worker import host_memory, pooler
 from engine.worker.cuda_graph import CUDAGraphRunner
 from engine.worker.input_batch import InputBatch, ModelInputs, prepare_inputs
-from models import get_model_class
+from models.registry import get_model_class
 from models.config import ModelShape
-from engine.kernels import cpu_kernels
-from engine.quantization.gguf import GGUFConfig, weight_summary
+from models.kernels import cpu_kernels
+from models.quantization.gguf import GGUFConfig, weight_summary
 from models.gguf import is_gguf
 from models.loader import iter_weights
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from models import get_model_class
-from models.llama import rope_inv_freq
+from models.registry import get_model_class
+from models.layers.rotary_embedding import rope_inv_freq
 from scripts.make_tiny_model import CONFIGS, save_tiny_model
 from tests.conftest import assert_greedy_matches, make_llm
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.kernels import cpu_kernels
+from models.kernels import cpu_kernels
 from models.gguf import read_header
 from models.loader import default_model_path
 from tests.conftest import make_llm

@@ -1,4 +1,4 @@
-"""Tensor parallelism (engine/distributed) on the CPU over gloo: greedy float32 tokens equal the
+"""Tensor parallelism (models/distributed) on the CPU over gloo: greedy float32 tokens equal the
 reference's under the near-tie rule (the all-reduces change the summation order) with TP=3 on the real
 model (9 query / 3 KV heads: 3 + 1 per rank; against transformers, as TP=1 is) and TP=2 on tiny random
 Llama-3 and Qwen2 models (against TP=1; KV heads split, and replicated); the parallel layers' shards
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from api.cli import main as server_main
 from engine import LLM, SamplingParams
-from engine.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from models.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from models.config import ModelShape, partition_heads
 from engine.llm_engine import EngineStepError
 from scripts.make_tiny_model import save_tiny_model

@@ -4,10 +4,10 @@ import random
 import pytest
 import torch
 
-from engine.attention.base import AttentionMetadata
-from engine.kernels import cpu_kernels
-from engine.attention.cpu import CPUBackend, kernel_isa
-from engine.attention.torch_native import TorchNativeBackend
+from models.attention.base import AttentionMetadata
+from models.kernels import cpu_kernels
+from models.attention.cpu import CPUBackend, kernel_isa
+from models.attention.torch_native import TorchNativeBackend
 
 H, KVH, D, BS = 6, 2, 16, 4
 

@@ -7,11 +7,11 @@ import types
 import pytest
 import torch
 
-from engine.attention import choose_backend, make_backend
-from engine.attention.cpu import CPUBackend
-from engine.attention.flashinfer import (WORKSPACE_BYTES, FlashInferBackend, graph_workspace_bytes,
+from models.attention import choose_backend, make_backend
+from models.attention.cpu import CPUBackend
+from models.attention.flashinfer import (WORKSPACE_BYTES, FlashInferBackend, graph_workspace_bytes,
                                          paged_kv_indices)
-from engine.attention.torch_native import TorchNativeBackend
+from models.attention.torch_native import TorchNativeBackend
 from engine.worker.cuda_graph import capture_sizes
 from models.config import ModelShape
 
@@ -21,7 +21,7 @@ LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128)
 # ---- choose_backend / make_backend ----------------------------------------------------------------
 
 def test_float32_on_cuda_falls_back_to_torch_native(caplog):
-    with caplog.at_level(logging.INFO, logger="engine.attention"):
+    with caplog.at_level(logging.INFO, logger="models.attention"):
         assert choose_backend(None, "cuda", torch.float32, flashinfer_ok=True, cpu_kernels_ok=False) == "torch_native"
     assert "float32" in caplog.text and "torch_native" in caplog.text
 
@@ -46,7 +46,7 @@ def test_make_backend_float32_on_cuda_without_a_gpu():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_default_is_flashinfer_when_installed(dtype, caplog):
     assert choose_backend(None, "cuda", dtype, flashinfer_ok=True, cpu_kernels_ok=False) == "flashinfer"
-    with caplog.at_level(logging.WARNING, logger="engine.attention"):
+    with caplog.at_level(logging.WARNING, logger="models.attention"):
         assert choose_backend(None, "cuda", dtype, flashinfer_ok=False, cpu_kernels_ok=False) == "torch_native"
     assert "not installed" in caplog.text
     with pytest.raises(ValueError, match="flashinfer-python"):

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.flashinfer import FlashInferBackend, flashinfer_available
-from engine.attention.torch_native import TorchNativeBackend
+from models.attention.base import AttentionMetadata
+from models.attention.flashinfer import FlashInferBackend, flashinfer_available
+from models.attention.torch_native import TorchNativeBackend
 from engine.worker.cuda_graph import CUDAGraphRunner, capture_sizes, padded_size
 
 H, KVH, BS, NUM_BLOCKS, MAX_BLOCKS = 4, 2, 16, 64, 4

@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.flashinfer import FlashInferBackend, flashinfer_available, paged_kv_indices
-from engine.attention.torch_native import TorchNativeBackend
+from models.attention.base import AttentionMetadata
+from models.attention.flashinfer import FlashInferBackend, flashinfer_available, paged_kv_indices
+from models.attention.torch_native import TorchNativeBackend
 from engine.worker.cuda_graph import CUDAGraphRunner
 
 BS, H, KVH, D = 4, 4, 2, 8  # block size, query heads, KV heads, head dim

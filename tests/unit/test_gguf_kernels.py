@@ -1,4 +1,4 @@
-"""The GGUF kernels (engine/kernels/csrc/gguf_linear.c) against gguf-py's numpy dequantize, for every
+"""The GGUF kernels (models/kernels/csrc/gguf_linear.c) against gguf-py's numpy dequantize, for every
 supported type, on random blocks: exact dequantization (blocks and R16), the portable path to float
 rounding, and the R16 VNNI kernel within the bound its int16 activations allow."""
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 
-from engine.kernels import cpu_kernels, ops
-from engine.quantization.gguf import QUANTIZED_TYPES, GGUFTensor
+from models.kernels import cpu_kernels, ops
+from models.quantization.gguf import QUANTIZED_TYPES, GGUFTensor
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
 

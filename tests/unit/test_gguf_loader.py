@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from engine.quantization.gguf import GGUFTensor
+from models.quantization.gguf import GGUFTensor
 from models.gguf import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer, read_header
 from models.loader import default_model_path
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import engine  # noqa: F401  (imports the engine before the model package, as the runner does)
-from engine.kernels import cpu_kernels
-from engine.kernels import ops
+from models.kernels import cpu_kernels
+from models.kernels import ops
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

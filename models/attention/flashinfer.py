@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from models.attention.base import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The CPU backend: a whole step's paged attention in one C kernel call per layer.
 
 In torch, attention over a paged cache needs a gathered (copied), padded K/V batch per layer, which
-costs more than the model's matmuls at batch 64. `engine/kernels/csrc/paged_attention.c` writes the step's
+costs more than the model's matmuls at batch 64. `models/kernels/csrc/paged_attention.c` writes the step's
 new K/V into the cache and reads every K/V row in place through the block table, as vLLM's CPU
 kernels do, with an online softmax (one pass over K and V), all query heads of a GQA group per K/V
 load, AVX512-BF16 dot products where the CPU has them, and split keys when the step has too few
@@ -12,8 +12,8 @@ import os
 
 import torch
 
-from engine.kernels import cpu_kernels
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from models.kernels import cpu_kernels
+from models.attention.base import AttentionBackend, AttentionMetadata
 
 
 def kernel_isa() -> str:

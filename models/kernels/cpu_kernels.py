@@ -1,4 +1,4 @@
-"""The CPU kernels in `engine/kernels/csrc/`: built once with the system C compiler, cached, loaded with ctypes.
+"""The CPU kernels in `models/kernels/csrc/`: built once with the system C compiler, cached, loaded with ctypes.
 
 One shared library holds every kernel (paged attention, small-batch linear, GGUF quantized linear, fused
 norm / rotary / SiLU-and-mul). It is compiled with -O3 -march=native and OpenMP (the libgomp torch already loaded, so
@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from engine.config import CACHE_DIR
+from models.cache_dir import CACHE_DIR
 
 logger = logging.getLogger(__name__)
 

@@ -1,15 +1,15 @@
-"""The decoder layer's ops: the C kernels of `engine/kernels/csrc/` on the CPU, torch everywhere else.
+"""The decoder layer's ops: the C kernels of `models/kernels/csrc/` on the CPU, torch everywhere else.
 
-Each op takes and returns plain tensors, so the model (`models/llama.py`, `engine/distributed/layers.py`)
+Each op takes and returns plain tensors, so the model (`models/llama.py`, `models/layers/linear.py`)
 reads the same on every device. On the CPU (float32 or bfloat16, kernels built) residual-add + RMSNorm,
 rotary and SiLU-and-mul are one C pass each instead of several torch ops, and bfloat16 linears over few
-rows (decode steps up to `SMALL_M` sequences) run a weight-streaming kernel (see engine/kernels/csrc/linear.c);
+rows (decode steps up to `SMALL_M` sequences) run a weight-streaming kernel (see models/kernels/csrc/linear.c);
 a missing compiler or another device takes the torch path, which computes the same thing.
 """
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_kernels
+from models.kernels import cpu_kernels
 
 REFINE_TOP = 8  # logits re-scored in float32 per row after a bfloat16 / float16 LM head
 SMALL_M = 8  # rows up to which the bfloat16 weight-streaming kernel beats torch's GEMM here (1.3-4x at 1-8 rows)
@@ -111,7 +111,7 @@ def _gguf_lib():
 
 def gguf_dequantize(data: torch.Tensor, qtype: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float weights [rows, cols] (float32 or bfloat16) of ggml blocks `data` uint8 [rows, row_bytes] of
-    type `qtype` (engine/kernels/csrc/gguf_linear.c): in float32, bit for bit what gguf-py's dequantize gives.
+    type `qtype` (models/kernels/csrc/gguf_linear.c): in float32, bit for bit what gguf-py's dequantize gives.
 
     Raises RuntimeError without the kernels and ValueError for a type they do not know.
     """

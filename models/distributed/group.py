@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.attention.base import AttentionMetadata
+from models.attention.base import AttentionMetadata
 
 # A rank alive but stuck this long inside a collective fails the engine (a dead rank fails it at once:
 # its sockets close; a host cut off does not). Long, because one step of a big prefill on one thread

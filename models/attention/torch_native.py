@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from models.attention.base import AttentionBackend, AttentionMetadata
 
 
 class TorchNativeBackend(AttentionBackend):

@@ -2,8 +2,8 @@
 
 A `GGUFTensor` is one 2-D weight of a GGUF file: its rows are whole ggml blocks (32 or 256 weights
 each), so a row range is a byte range and rows can be permuted or stacked without touching a block.
-Layers (engine/distributed/layers.py) built with a `GGUFConfig` hold such weights and compute with the
-kernels of engine/kernels/csrc/gguf_linear.c; vLLM's GGUF support (vllm/model_executor/layers/
+Layers (models/layers/linear.py) built with a `GGUFConfig` hold such weights and compute with the
+kernels of models/kernels/csrc/gguf_linear.c; vLLM's GGUF support (vllm/model_executor/layers/
 quantization/gguf.py) has the same shape: a config that hands each layer its method.
 """
 from dataclasses import dataclass
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.kernels import ops
+from models.kernels import ops
 
-# ggml types whose blocks the C kernels (engine/kernels/csrc/gguf_linear.c) compute with
+# ggml types whose blocks the C kernels (models/kernels/csrc/gguf_linear.c) compute with
 QUANTIZED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
                    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 # floating-point types, converted to the model dtype at load
@@ -28,7 +28,7 @@ class GGUFTensor:
 
     qtype: its GGMLQuantizationType. data: uint8 [rows, row_bytes] of ggml blocks as in the file, or
     after `repack()` the R16 layout of the VNNI kernel (`r16` True; uint8 [ceil(rows / 16), 16 * row_bytes],
-    engine/kernels/csrc/gguf_linear.c), lossless either way.
+    models/kernels/csrc/gguf_linear.c), lossless either way.
     """
 
     qtype: GGMLQuantizationType

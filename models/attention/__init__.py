@@ -4,11 +4,11 @@ import logging
 
 import torch
 
-from engine.attention.base import AttentionBackend
-from engine.kernels import cpu_kernels
-from engine.attention.cpu import CPUBackend
-from engine.attention.flashinfer import FlashInferBackend, flashinfer_available
-from engine.attention.torch_native import TorchNativeBackend
+from models.attention.base import AttentionBackend
+from models.kernels import cpu_kernels
+from models.attention.cpu import CPUBackend
+from models.attention.flashinfer import FlashInferBackend, flashinfer_available
+from models.attention.torch_native import TorchNativeBackend
 
 logger = logging.getLogger(__name__)
 

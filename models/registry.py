@@ -1,0 +1,22 @@
+"""The model registry: Hugging Face `config.architectures` names to our implementations."""
+from models.llama import LlamaForCausalLM
+
+# architecture -> (class, extra constructor kwargs)
+_REGISTRY = {
+    "LlamaForCausalLM": (LlamaForCausalLM, {}),
+    "MistralForCausalLM": (LlamaForCausalLM, {}),
+    "Qwen2ForCausalLM": (LlamaForCausalLM, {"qkv_bias": True}),
+    "Qwen3ForCausalLM": (LlamaForCausalLM, {"qk_norm": True}),
+}
+
+
+def get_model_class(config):
+    """Returns (model class, extra kwargs) for a Hugging Face config.
+
+    Raises ValueError naming the supported architectures when none of the config's is known.
+    """
+    for arch in getattr(config, "architectures", None) or []:
+        if arch in _REGISTRY:
+            return _REGISTRY[arch]
+    raise ValueError(f"unsupported architecture {getattr(config, 'architectures', None)}; "
+                     f"supported: {', '.join(sorted(_REGISTRY))}")
