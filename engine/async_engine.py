@@ -34,10 +34,10 @@ class AsyncEngine:
         self.model_name = self.engine.model_name
         self.model_dir = self.engine.model_dir
         self.max_model_len = self.engine.max_model_len
-        self.hidden_size = self.engine.runner.shape.hidden_size  # of an embedding
-        self.num_kv_blocks = self.engine.runner.num_blocks
+        self.hidden_size = self.engine.hidden_size  # of an embedding
+        self.num_kv_blocks = self.engine.num_kv_blocks
         self.block_size = config.block_size
-        self.device, self.dtype = self.engine.runner.device, self.engine.runner.dtype
+        self.device, self.dtype = self.engine.device, self.engine.dtype
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list[tuple] = []  # ("add", id, prompt, params, arrival, token ids, pooling) / ("abort", id)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
@@ -53,7 +53,7 @@ class AsyncEngine:
     @property
     def dead_error(self) -> str | None:
         """Why the engine can run no more steps (a tensor-parallel rank died), or None."""
-        return self.engine.executor.error
+        return self.engine.dead_error
 
     async def start(self) -> None:
         """Starts the step coroutine on the running loop (idempotent)."""
@@ -70,12 +70,10 @@ class AsyncEngine:
             self._wakeup.set()
             await self._task
         self._apply_pending()
-        for rid in list(self.engine.groups):
+        for rid in self.engine.request_ids():
             self._deliver(self.engine.abort_request(rid))
         self._executor.shutdown(wait=True)
-        if self.engine.kv_connector is not None:
-            self.engine.kv_connector.close()
-        self.engine.structured.shutdown()
+        self.engine.shutdown()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -189,7 +187,7 @@ class AsyncEngine:
                 continue
             except Exception as e:  # a bug outside the model step: fail everyone, keep the loop alive
                 logger.exception("engine step raised outside the model; aborting all requests")
-                for rid in list(self.engine.groups):
+                for rid in self.engine.request_ids():
                     self.engine.abort_request(rid)
                     self._deliver_error(rid, EngineStepError([rid], e))
                 continue

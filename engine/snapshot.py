@@ -1,7 +1,7 @@
 """What the dashboard shows of the engine: the scheduler's requests and every KV block, read between
 steps from the engine's own structures, and a ring buffer of recent steps.
 
-`LLMEngine.step` records each step in a `StepLog` (a few additions per step). The asyncio step loop
+`EngineCore.step` records each step in a `StepLog` (a few additions per step). The asyncio step loop
 (`AsyncEngine._run`) offers a `SnapshotSlot` the moment between two steps; the slot takes a snapshot
 only while a dashboard reads it, at most `max_rate` times per second and never so often that
 snapshotting takes more than `max_overhead` of the time (a 100k-block pool costs milliseconds), and
@@ -39,20 +39,26 @@ class StepLog:
         self.finished: deque[tuple[float, Request]] = deque(maxlen=256)
         self._preemptions = 0
 
-    def record(self, batch: SchedulerOutput, start: float, num_preemptions: int) -> None:
-        """Records a step that began at `start` (time.monotonic()) and just ended; call after its
-        requests' `num_computed_tokens` advanced. `num_preemptions` is the scheduler's running total."""
+    def record(self, batch: SchedulerOutput, requests: dict[str, Request], start: float,
+               num_preemptions: int) -> None:
+        """Records a step that began at `start` (time.monotonic()) and whose model step just ended; call
+        before its requests' `num_computed_tokens` advance. `requests`: the scheduler's, by id;
+        `num_preemptions`: the scheduler's running total."""
         end = time.monotonic()
         prefill = decode = 0
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            if n == 1 and req.num_computed_tokens > req.num_prompt_tokens:
+        for req_id, n in batch.num_scheduled_tokens.items():
+            req = requests[req_id]
+            if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
                 decode += 1
             else:
                 prefill += n
-            if req.status is RequestStatus.FINISHED:
-                self.finished.append((end, req))
         self.steps.append((end, prefill, decode, end - start, num_preemptions - self._preemptions))
         self._preemptions = num_preemptions
+
+    def record_finished(self, requests: list[Request]) -> None:
+        """Records requests that just finished."""
+        now = time.monotonic()
+        self.finished.extend((now, req) for req in requests)
 
 
 def _b64(array: np.ndarray) -> str:
@@ -68,8 +74,8 @@ class Snapshotter:
 
     def __init__(self, engine):
         self.engine = engine
-        n = engine.kv.num_blocks
-        max_pos = -(-engine.max_model_len // engine.kv.block_size)
+        n = engine.engine_core.kv.num_blocks
+        max_pos = -(-engine.max_model_len // engine.engine_core.kv.block_size)
         self._pos_dtype = np.uint16 if max_pos < np.iinfo(np.uint16).max else np.uint32
         self._unknown = np.iinfo(self._pos_dtype).max
         self._seen_pos = np.full(n, self._unknown, self._pos_dtype)
@@ -87,7 +93,8 @@ class Snapshotter:
         steps: the step log as columns (`end`: time.monotonic() at each step's end, like `time`).
         """
         eng = self.engine
-        sched, kv = eng.scheduler, eng.kv
+        core = eng.engine_core
+        sched, kv = core.scheduler, core.kv
         now = time.monotonic()
         n = kv.num_blocks
         # every block table as one array (a pool can hold 100k+ blocks: no Python loop per block)
@@ -101,7 +108,7 @@ class Snapshotter:
         pos[ids] = np.arange(len(ids)) - np.repeat(starts, lengths)
         rows = [self._row(req, ids[s:s + k].tolist(), now) for req, s, k in zip(reqs, starts, lengths)]
         finished = [dict(self._row(req, [], now), state="finished", reason=req.finish_reason, age=now - t)
-                    for t, req in eng.step_log.finished if now - t < FINISHED_SHOWN_S]
+                    for t, req in core.step_log.finished if now - t < FINISHED_SHOWN_S]
 
         # blocks registered in the prefix cache: the ones no request holds are evictable
         cached = kv.pool.cached
@@ -121,7 +128,7 @@ class Snapshotter:
         pos[known] = self._seen_pos[known]
 
         counts = np.bincount(state, minlength=4)
-        steps = list(eng.step_log.steps)
+        steps = list(core.step_log.steps)
         return {
             "time": now,
             "config": {"max_num_seqs": sched.max_num_seqs,
@@ -140,7 +147,6 @@ class Snapshotter:
         }
 
     def _row(self, req: Request, block_ids: list[int], now: float) -> dict:
-        m = req.metrics
         num_out = len(req.output_token_ids)
         chunk = None
         if req.status is RequestStatus.PREEMPTED:
@@ -153,18 +159,18 @@ class Snapshotter:
             state = "prefilling"
             # chunks of the full token budget from where this pass started (the cache hit of the
             # first admission; 0 after a preemption, whose hit is not recorded)
-            budget = self.engine.scheduler.max_num_batched_tokens
-            start = m.num_cached_tokens if not m.num_preemptions else 0
+            budget = self.engine.engine_core.scheduler.max_num_batched_tokens
+            start = max(req.num_cached_tokens, 0) if not req.num_preemptions else 0
             total = max(1, -(-(req.num_tokens - start) // budget))
             chunk = [min(total, max(0, req.num_computed_tokens - start) // budget + 1), total]
-        decode_s = (m.last_token_time or 0.0) - (m.first_token_time or 0.0)
+        decode_s = (req.last_token_time or 0.0) - (req.first_token_time or 0.0)
         return {"id": req.request_id, "kind": "embed" if req.pooling else "generate", "state": state, "chunk": chunk,
                 "prompt": req.num_prompt_tokens, "computed": min(req.num_computed_tokens, req.num_prompt_tokens),
-                "cached": m.num_cached_tokens, "output": num_out, "max_tokens": req.params.max_tokens,
-                "queue": (m.first_scheduled_time or now) - m.arrival_time,
-                "ttft": m.first_token_time - m.arrival_time if m.first_token_time is not None else None,
+                "cached": max(req.num_cached_tokens, 0), "output": num_out, "max_tokens": req.params.max_tokens,
+                "queue": (req.first_scheduled_time or now) - req.arrival_time,
+                "ttft": req.first_token_time - req.arrival_time if req.first_token_time is not None else None,
                 "tokens_per_s": (num_out - 1) / decode_s if num_out > 1 and decode_s > 0 else None,
-                "preemptions": m.num_preemptions, "blocks": block_ids}
+                "preemptions": req.num_preemptions, "blocks": block_ids}
 
 
 class SnapshotSlot:

@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         """Copies Hugging Face checkpoint tensors into this model, stacking q/k/v and gate/up; a
         parallel layer's `weight_loader` keeps this rank's part of each tensor. Also computes the rotary
         table (not in checkpoints), so the model may be built on the meta device and materialized with
-        `engine.worker.model_runner.materialize` (no random init of weights the checkpoint overwrites).
+        `models.loader.materialize` (no random init of weights the checkpoint overwrites).
 
         Raises KeyError for an unknown tensor name and ValueError when a parameter stays unset.
         """

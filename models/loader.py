@@ -1,5 +1,5 @@
 """Finding a model on disk and reading it: Hugging Face directories, the local HF hub cache, and GGUF
-files (read directly by models/gguf.py)."""
+files (read directly by models/gguf.py); building a model on a device with its weights (`load_model`)."""
 import glob
 import hashlib
 import importlib.util
@@ -8,9 +8,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from models.cache_dir import CACHE_DIR
+import torch
 
+from models.cache_dir import CACHE_DIR
 from models.gguf import is_gguf, iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
+from models.registry import get_model_class
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -120,3 +122,37 @@ def iter_safetensors(model_dir: str):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def load_model(model_path: str, hf_config, shape, backend, max_model_len: int, device: torch.device,
+               dtype: torch.dtype, tp=None, quant_config=None) -> torch.nn.Module:
+    """The model of a resolved `model_path` for one rank, with its weights, in eval mode.
+
+    shape: the rank's models.config.ModelShape; backend: its attention backend; tp: its
+    models.distributed.group.TPGroup (None: one rank); quant_config: a GGUFConfig to keep a GGUF file's
+    quantized weights in their blocks, None for float weights in `dtype`. Built on the meta device (no
+    random init: the checkpoint fills every weight) and then materialized. Raises ValueError for an
+    unsupported architecture or a checkpoint that misses weights, KeyError for an unknown tensor.
+    """
+    cls, kwargs = get_model_class(hf_config)
+    with torch.device("meta"):
+        model = cls(hf_config, shape, backend, max_model_len, tp=tp, quant_config=quant_config, **kwargs)
+    model = materialize(model, device, dtype)
+    model.load_weights(iter_weights(model_path, quantized=quant_config is not None))
+    return model.eval()
+
+
+def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A model built on the meta device with its parameters and buffers made uninitialised tensors on
+    `device`, floating ones in `dtype`: what `model.to_empty(device).to(dtype)` does, but through
+    torch.empty. to_empty's empty_like on a meta tensor runs torch's reference decompositions, whose first
+    use imports sympy: 0.5 s of every start-up. Returns `model`."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(empty(p), requires_grad=p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, empty(b))
+    return model

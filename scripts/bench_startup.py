@@ -75,7 +75,7 @@ def breakdown() -> dict[str, float]:
     lap("import transformers")
     import api.cli  # noqa: F401
     from engine.worker import host_memory
-    from engine.worker.model_runner import materialize
+    from models.loader import materialize
     from models.attention import make_backend
     from models.quantization.gguf import GGUFConfig
     from models.config import ModelShape

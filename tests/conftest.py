@@ -22,13 +22,18 @@ def make_llm(**kwargs) -> LLM:
 
 
 def assert_no_leak(engine) -> None:
-    """Every block is back in the free pool with ref count zero, and no request is left."""
-    assert not engine.groups, f"requests left: {list(engine.groups)}"
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    pool = engine.kv.pool
+    """Every block is back in the free pool with ref count zero, and no request is left: not in the output
+    processor, not in the scheduler, and in the worker only those whose finish the next step tells it."""
+    assert not engine.request_ids(), f"requests left: {engine.request_ids()}"
+    core = engine.engine_core
+    assert not core.scheduler.running and not core.scheduler.waiting and not core.scheduler.requests
+    assert not engine.output_processor.samples
+    pool = core.kv.pool
     assert pool.num_free_blocks == len(pool.blocks)
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert not engine.kv.req_blocks
+    assert not core.kv.req_blocks
+    runner = core.executor.runner
+    assert set(runner.input_batch.requests) <= core.scheduler._finished_req_ids
 
 
 @pytest.fixture(autouse=True)

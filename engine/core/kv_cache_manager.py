@@ -129,10 +129,11 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request, num_new_tokens: int, computed_blocks: list[Block] = (),
-                       delay_cache: bool = False) -> bool:
+                       delay_cache: bool = False, num_lookahead_tokens: int = 0) -> bool:
         """Gives `request` blocks for `num_new_tokens` more tokens (after `computed_blocks`, if it is
-        new). Returns False, changing nothing, when too few blocks are free. Blocks that the new
-        tokens fill are registered in the prefix cache at once: their K/V is written in this step,
+        new) and `num_lookahead_tokens` after those (where a draft model writes the K/V of its proposals,
+        vLLM's lookahead slots). Returns False, changing nothing, when too few blocks are free. Blocks that
+        the new tokens fill are registered in the prefix cache at once: their K/V is written in this step,
         before any later step can read them. New tokens past `request.all_token_ids` (draft tokens
         of speculative decoding, which may be rejected) get slots, but their blocks are registered
         only once a later call finds them verified. With `delay_cache` (K/V that arrives later, from a
@@ -140,7 +141,7 @@ class KVCacheManager:
         """
         blocks = self.req_blocks.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        need = -(-num_tokens // self.block_size) - len(blocks) - len(computed_blocks)
+        need = -(-(num_tokens + num_lookahead_tokens) // self.block_size) - len(blocks) - len(computed_blocks)
         # cached blocks we are about to touch are counted in the free queue but are not available
         reviving = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - reviving:

@@ -1,12 +1,14 @@
-"""What crosses the scheduler/runner seam each step (vLLM v1's `SchedulerOutput` and
-`ModelRunnerOutput`), and the view of a sequence that the KV manager and the runner read.
+"""What crosses the scheduler/worker seam each step, as data only (vLLM v1's vllm/v1/core/sched/output.py and
+vllm/v1/outputs.py).
 
-Data only: the scheduler builds a `SchedulerOutput`, the executor's runner reads it (and the
-sequences in it, without changing them) and answers a `ModelRunnerOutput`, and
-`Scheduler.update_from_output` applies that answer to the requests.
+The scheduler describes a step (`SchedulerOutput`): the requests the workers see for the first time, whole
+(`NewRequestData`), and for the others only what changed since they last ran (`CachedRequestData`). The
+structured-outputs hook adds the step's grammar masks (`GrammarOutput`). The executor sends both to every
+rank; each rank's worker keeps its own copy of every request (engine.worker.input_batch), builds its own
+inputs from it and runs the same forward; the first rank answers a `ModelRunnerOutput`, which
+`Scheduler.update_from_output` applies to the requests. Everything here pickles and holds no live object.
 """
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -15,64 +17,82 @@ from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 
 
-class Sequence(Protocol):
-    """What the KV cache manager and input preparation read from a sequence: `engine.core.request.Request`,
-    and the draft model's own view of a request (`engine.spec_decode.draft_model.DraftSequence`).
+@dataclass
+class NewRequestData:
+    """A request scheduled for the first time: what a worker keeps about it.
 
-    all_token_ids: prompt + output token ids (num_tokens of them); num_computed_tokens: how many have
-    K/V in the cache; spec_token_ids: draft tokens to verify after the last token; block_hashes: the
-    chained hashes of its full blocks, which the KV manager extends; prompt_logprobs: the entries
-    collected so far, None when not asked for; pooling: an embedding request's pooling type, else None.
+    prompt_token_ids: its prompt; sampling_params: its own (a sample of an n > 1 request has n 1 and its seed
+    offset by its index); eos_token_ids: the token ids that end it (empty with ignore_eos); pooling: an
+    embedding request's pooling type ("LAST" or "MEAN"), else None; block_ids: its KV blocks in order;
+    num_computed_tokens: tokens whose K/V is already in them (prefix-cache hits, pulled K/V).
     """
 
-    request_id: str
-    all_token_ids: list[int]
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    block_ids: list[int]
     num_computed_tokens: int
-    spec_token_ids: list[int]
-    block_hashes: list[int]
-    prompt_logprobs: list | None
-    pooling: str | None
-    params: SamplingParams
+    pooling: str | None = None
 
-    @property
-    def num_tokens(self) -> int: ...
+
+@dataclass
+class CachedRequestData:
+    """Requests the workers already know, as parallel lists (index i is one request).
+
+    new_token_ids[i]: the tokens it sampled since it last ran (the workers append them); new_block_ids[i]: the
+    KV blocks it was given since then, or all of its blocks when resumed_from_preemption[i] (the workers
+    replace its table); num_computed_tokens[i]: tokens with K/V before this step (it drops when rejected
+    draft tokens are rolled back, and to the prefix-cache hit after a preemption).
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's batch, in batch order (requests that ran last step first, then new or resumed ones).
+    """One step.
 
-    requests[i] computes num_new_tokens[i] tokens from its num_computed_tokens on, its draft tokens
-    (spec_token_ids) included, with the KV blocks block_tables[i]. num_new_requests: how many of the
-    requests were admitted this step (the last ones). scheduled_spec_decode_tokens: the draft tokens
-    verified this step, by request id. finished_req_ids: requests finished since the last step.
-    grammar_bitmask: int32 [rows, ceil(vocab / 32)], the next tokens that the grammars of the
-    structured-output requests sampling this step allow; structured_rows: request id -> its row
-    (filled by engine.structured before the step runs; None when no sampling request is constrained).
+    num_scheduled_tokens: request id -> tokens it computes this step, in batch order (those that ran in the
+    last step first, then the ones admitted), draft tokens included; scheduled_spec_decode_tokens: the draft
+    tokens each verifies after its last token; finished_req_ids: requests finished since the last step, whose
+    state the workers drop.
     """
 
-    requests: list[Sequence]
-    num_new_tokens: list[int]
-    block_tables: list[list[int]] = field(default_factory=list)
-    num_new_requests: int = 0
-    finished_req_ids: list[str] = field(default_factory=list)
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    grammar_bitmask: np.ndarray | None = None
-    structured_rows: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class GrammarOutput:
+    """The structured-outputs hook's part of a step (vLLM's GrammarOutput): grammar_bitmask, int32
+    [rows, ceil(vocab / 32)], the next tokens each constrained request that samples may take (bit j of word w
+    allows token 32w + j); structured_output_request_ids: request id -> its row."""
+
+    structured_output_request_ids: dict[str, int]
+    grammar_bitmask: np.ndarray
 
 
 @dataclass
 class ModelRunnerOutput:
     """What one step computed, by request id.
 
-    req_ids: the requests that sampled (in batch order); sampled_token_ids[i]: their new tokens (one,
-    or with drafts the accepted ones and one more); logprobs[i]: a Logprob|None per new token.
-    prompt_logprobs: new prompt-logprob entries of the requests collecting them, in order.
-    pooler_output: this step's share of each embedding request's pooled hidden state (engine.worker.pooler).
+    req_ids: the requests that sampled (in batch order); sampled_token_ids[i]: their new tokens (one, or with
+    drafts the accepted ones and one more); logprobs[i]: a Logprob|None per new token. prompt_logprobs: new
+    prompt-logprob entries of the requests collecting them, in order. pooler_output: the embedding (float32
+    [hidden], pooled and normalised) of each embedding request whose prompt this step finished.
+    draft_token_ids: the tokens each request drafts for its next step (speculative decoding).
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -80,3 +100,4 @@ class ModelRunnerOutput:
     logprobs: list[list[Logprob | None]] = field(default_factory=list)
     prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

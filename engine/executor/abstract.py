@@ -5,7 +5,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from engine.config import EngineConfig
-from engine.core.step_io import ModelRunnerOutput, SchedulerOutput
+from engine.core.step_io import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 
 
@@ -17,11 +17,12 @@ class Executor(ABC):
     """
 
     runner: ModelRunner
-    supports_prompt_logprobs = True  # False where rank 0 alone cannot compute the extra logits
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs one step. Raises whatever the forward raised (the engine fails the step's requests)."""
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Runs one step on every rank; returns the first rank's output. Raises whatever the forward raised
+        (the engine fails the step's requests)."""
 
     @property
     def error(self) -> str | None:

@@ -36,10 +36,9 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.core.step_io import ModelRunnerOutput, SchedulerOutput
+from engine.core.step_io import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from models.distributed.group import COLLECTIVE_TIMEOUT, EngineDeadError, TPGroup
 from engine.executor.abstract import Executor, default_device, use_cpu_threads
-from engine.worker.input_batch import prepare_inputs
 from engine.worker.model_runner import ModelRunner
 from models.config import ModelShape
 from models.loader import resolve_model
@@ -82,15 +81,13 @@ def start_rank(rank: int, config: EngineConfig, port: int, model_dir: str, devic
 
 class TensorParallelExecutor(Executor):
     """Rank 0 of `config.tensor_parallel_size` ranks, after starting the others (which load their
-    shards at the same time): each step rank 0 prepares the inputs, broadcasts them, runs its shard
-    with the others and samples alone. No CUDA graphs (the collectives would have to be captured) and
-    no prompt logprobs (rank 0 alone would compute their extra logits, which every rank must).
+    shards at the same time): each step rank 0 sends the step's description (the SchedulerOutput and the
+    grammar masks) to the others, and every rank's runner updates its own requests, builds its inputs and
+    runs its shard; rank 0 samples alone. No CUDA graphs (the collectives would have to be captured).
 
     Raises ValueError when the model's heads do not split over the ranks (before starting any),
     or when CUDA has fewer GPUs than ranks, and EngineDeadError when a rank fails to start.
     """
-
-    supports_prompt_logprobs = False
 
     def __init__(self, config: EngineConfig, hf_config, model_dir: str):
         world = config.tensor_parallel_size
@@ -108,11 +105,10 @@ class TensorParallelExecutor(Executor):
             self.workers.shutdown()
             raise
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        batch = prepare_inputs(scheduler_output, self.runner.block_size, self.runner.device)
-        inputs = batch.model_inputs
-        self.group.broadcast_step(inputs.input_ids, inputs.positions, inputs.attn_metadata, inputs.logits_indices)
-        return self.runner.sample(scheduler_output, batch, self.runner.forward(inputs, batch))
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        self.group.send_step((scheduler_output, grammar_output))
+        return self.runner.execute_model(scheduler_output, grammar_output)
 
     @property
     def error(self) -> str | None:

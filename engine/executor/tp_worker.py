@@ -1,6 +1,7 @@
 """A tensor-parallel rank other than 0 (`python -m engine.executor.tp_worker`, started by
 tensor_parallel.py on rank 0's host or by a headless node): loads its shard of the model and the KV
-cache of its heads, then runs the forward pass of every step rank 0 broadcasts, until rank 0 says stop.
+cache of its heads, then runs every step rank 0 sends (its own copy of the requests updated from the
+SchedulerOutput, its own inputs, its shard's forward), until rank 0 says stop.
 A rank on another host than rank 0's sends it a heartbeat every second and exits when rank 0 has not
 answered one for HEARTBEAT_TIMEOUT."""
 import argparse
@@ -19,7 +20,6 @@ from models.distributed.group import EngineDeadError, TPGroup, local_address
 from engine.executor.tensor_parallel import (HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, START_TIMEOUT, build_rank_runner,
                                              collective_timeout, node_ranks, rank_device)
 from models.loader import load_config
-from engine.worker.input_batch import ModelInputs
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         group = TPGroup(store, args.rank, args.world_size, device, args.master_addr, collective_timeout(config))
         runner = build_rank_runner(config, load_config(args.model_dir), args.model_dir, group)
         while (step := group.recv_step()) is not None:
-            runner.forward(ModelInputs(*step))
+            runner.execute_model(*step)
     except EngineDeadError as e:
         logger.error("stopping: %s", e)
         return 1

@@ -1,6 +1,6 @@
 """The model on one device, in the engine's own process."""
 from engine.config import EngineConfig
-from engine.core.step_io import ModelRunnerOutput, SchedulerOutput
+from engine.core.step_io import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from engine.executor.abstract import Executor, default_device, use_cpu_threads
 from engine.worker.model_runner import ModelRunner
 
@@ -16,5 +16,6 @@ class UniProcExecutor(Executor):
         self.runner.init_kv_cache(self.runner.available_kv_blocks(config.kv_cache_memory),
                                   cuda_graphs=not config.enforce_eager)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output, grammar_output)

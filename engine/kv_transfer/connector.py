@@ -241,3 +241,32 @@ class NixlConnector:
         if self._loads:
             return 0.001
         return 0.05 if self._pinned else None
+
+
+class NoKVConnector:
+    """The scheduler's KV-connector hooks when the engine has no KV transfer role: no token is ever pulled,
+    no block is ever kept for a remote decode (kv_transfer_params in a request are ignored, as vLLM does
+    without a connector)."""
+
+    num_loading = num_failed_transfers = num_expired_requests = 0
+
+    def check_request(self, params: dict | None, num_prompt_tokens: int, n: int) -> None:
+        pass
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        return 0
+
+    def request_finished(self, request, block_ids: list[int]) -> dict | None:
+        return None
+
+    def abort_load(self, request) -> bool:
+        return True
+
+    def poll(self) -> KVConnectorOutput:
+        return KVConnectorOutput()
+
+    def poll_interval(self) -> float | None:
+        return None
+
+    def close(self) -> None:
+        pass

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.step_io import Sequence
 from engine.outputs import Logprob
 
 SLICE_ROWS = 256  # rows of logits held at once: 256 x 49152 float32 (SmolLM2's vocabulary) = 48 MiB
@@ -21,41 +20,44 @@ SLICE_ROWS = 256  # rows of logits held at once: 256 x 49152 float32 (SmolLM2's 
 @dataclass
 class PromptRows:
     """Rows `row .. row + count - 1` of a step's hidden states, at positions `position ..`, predict
-    prompt tokens `position + 1 ..` of `request`."""
+    prompt tokens `position + 1 ..` of `request` (a worker's engine.worker.input_batch.CachedRequestState)."""
 
-    request: Sequence
+    request: object
     row: int
     position: int
     count: int
 
 
 def select_rows(requests, starts, counts, query_start_loc) -> list[PromptRows]:
-    """The rows of one step that give prompt-logprob entries not collected yet.
+    """The rows of one step that give prompt-logprob entries not collected yet, counting them as collected
+    (`num_prompt_logprobs` of each request: entries so far, the first prompt token's None included).
 
     requests: the step's requests in row order; starts / counts / query_start_loc: their computed
     tokens before the step, new tokens, and first rows (sequences of ints, [B], [B], [B + 1]).
     """
     out = []
     for i, req in enumerate(requests):
-        have = req.prompt_logprobs
-        if have is None or len(have) == req.num_prompt_tokens:
+        have = req.num_prompt_logprobs
+        if have is None or have == req.num_prompt_tokens:
             continue
         start, end = int(starts[i]), int(starts[i]) + int(counts[i])
-        # entries are collected in order: the next one is for token len(have), predicted at len(have) - 1
-        assert start <= len(have) - 1, "prompt logprobs need every prompt position computed, in order"
-        first, last = len(have) - 1, min(end, req.num_prompt_tokens - 1)
+        # entries are collected in order: the next one is for token `have`, predicted at have - 1
+        assert start <= have - 1, "prompt logprobs need every prompt position computed, in order"
+        first, last = have - 1, min(end, req.num_prompt_tokens - 1)
         if first < last:
             out.append(PromptRows(req, int(query_start_loc[i]) + first - start, first, last - first))
+            req.num_prompt_logprobs += last - first
     return out
 
 
 def collect(model, hidden: torch.Tensor, rows: list[PromptRows]) -> dict[str, list[Logprob]]:
-    """The entries the selected positions give, by request id, to append to each request's
-    `prompt_logprobs` in order: the prompt token's logprob and rank, and the request's top
-    `params.prompt_logprobs` (token id, logprob) pairs.
+    """The entries the selected positions give, by request id, to append to each request's prompt logprobs
+    in order: the prompt token's logprob and rank, and the request's top `params.prompt_logprobs` (token id,
+    logprob) pairs. Every tensor-parallel rank calls it (the logits are gathered on the first rank); the
+    others get {}.
 
-    model: has `compute_logits(hidden [N, H]) -> float32 [N, vocab]`; hidden: the step's hidden
-    states [T, H]. Logprobs come from the raw logits, as vLLM reports them.
+    model: has `compute_logits(hidden [N, H]) -> float32 [N, vocab]` (None on the other ranks); hidden: the
+    step's hidden states [T, H]. Logprobs come from the raw logits, as vLLM reports them.
     """
     index = torch.cat([torch.arange(r.row, r.row + r.count) for r in rows]).to(hidden.device)
     targets = torch.tensor([t for r in rows for t in
@@ -64,7 +66,10 @@ def collect(model, hidden: torch.Tensor, rows: list[PromptRows]) -> dict[str, li
     k = max(r.request.params.prompt_logprobs for r in rows)
     token_logprobs, ranks, top_values, top_ids = [], [], [], []
     for lo in range(0, len(index), SLICE_ROWS):
-        logprobs = torch.log_softmax(model.compute_logits(hidden[index[lo:lo + SLICE_ROWS]]), dim=-1)
+        logits = model.compute_logits(hidden[index[lo:lo + SLICE_ROWS]])
+        if logits is None:  # not the first rank: it only takes part in the gathers
+            continue
+        logprobs = torch.log_softmax(logits, dim=-1)
         target = targets[lo:lo + SLICE_ROWS, None]
         chosen = logprobs.gather(1, target)
         token_logprobs.append(chosen[:, 0].cpu())
@@ -73,6 +78,8 @@ def collect(model, hidden: torch.Tensor, rows: list[PromptRows]) -> dict[str, li
             top = logprobs.topk(k, dim=-1)
             top_values.append(top.values.cpu())
             top_ids.append(top.indices.cpu())
+    if not token_logprobs:
+        return {}
     token_logprobs = torch.cat(token_logprobs).tolist()
     ranks = torch.cat(ranks).tolist()
     top_values = torch.cat(top_values).tolist() if k else None

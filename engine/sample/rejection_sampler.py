@@ -10,12 +10,17 @@ from engine.sample.sampler import Sampler
 
 
 class WithDrafts:
-    """A request seen as if `extra` tokens (drafts) followed its output: the `SamplingView` of draft
-    position j (penalties and min_tokens count the drafts before j, as without speculation)."""
+    """A request seen as if `extra` tokens followed its output: the `SamplingView` of draft position j
+    (penalties and min_tokens count the drafts before j, as without speculation), or a request with the
+    tokens it just sampled, which the proposers of engine/spec_decode draft after."""
 
     def __init__(self, request, extra: list[int]):
         self.request, self.extra = request, extra
         self.params, self.eos_token_ids, self.generator = request.params, request.eos_token_ids, request.generator
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -24,6 +29,10 @@ class WithDrafts:
     @property
     def all_token_ids(self) -> list[int]:
         return self.request.all_token_ids + self.extra
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_tokens + len(self.extra)
 
 
 class RejectionSampler(Sampler):

@@ -40,14 +40,18 @@ class NgramProposer:
     """
 
     cheap = True
+    max_model_len = None  # no limit of its own
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        pass
 
     def propose(self, requests: list, lengths: list[int]) -> list[tuple[list[int], None]]:
         """Up to lengths[i] draft tokens for requests[i], with q = None (one-hot)."""
         return [(find_ngram_proposal(np.array(r.all_token_ids, dtype=np.int64), self.min_n, self.max_n, k), None)
                 if k > 0 else ([], None) for r, k in zip(requests, lengths)]
 
-    def free(self, request) -> None:
+    def free(self, request_id: str) -> None:
         pass

@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from engine.config.structured_outputs import StructuredOutputsConfig
-from engine.core.step_io import SchedulerOutput
+from engine.core.step_io import GrammarOutput, SchedulerOutput
 from engine.sampling_params import StructuredOutputsParams
 
 INSTALL_HINT = "pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi"
@@ -81,21 +81,22 @@ class StructuredOutputManager:
                 raise self.timeout_error() from None
         return compiled
 
-    def fill_bitmask(self, scheduler_output: SchedulerOutput) -> None:
-        """Before a step runs: the next tokens allowed to each structured-output request that samples in
-        it, one bitmask row each, into `scheduler_output.grammar_bitmask` / `structured_rows` (vLLM's
-        StructuredOutputManager.grammar_bitmask). Costs one attribute check per request without a grammar."""
+    def grammar_bitmask(self, requests: dict, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The structured-outputs hook of a step (vLLM's StructuredOutputManager.grammar_bitmask): the next
+        tokens each structured-output request that samples in it may take, one bitmask row each; None when
+        none does. `requests`: the scheduler's, by id. Costs one attribute check per request without a
+        grammar."""
         rows = {}
-        for req, n in zip(scheduler_output.requests, scheduler_output.num_new_tokens):
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            req = requests[req_id]
             if req.grammar is not None and req.num_computed_tokens + n >= req.num_tokens:
-                rows[req.request_id] = len(rows)
+                rows[req_id] = len(rows)
         if not rows:
-            return
+            return None
         bitmask = np.empty((len(rows), -(-self.vocab_size // 32)), dtype=np.int32)
-        for req in scheduler_output.requests:
-            if req.request_id in rows:
-                req.grammar.fill_bitmask(bitmask, rows[req.request_id])
-        scheduler_output.grammar_bitmask, scheduler_output.structured_rows = bitmask, rows
+        for req_id, row in rows.items():
+            requests[req_id].grammar.fill_bitmask(bitmask, row)
+        return GrammarOutput(rows, bitmask)
 
     def timeout_error(self) -> ValueError:
         return ValueError(f"structured outputs: the grammar did not compile within {self.config.compile_timeout} s "

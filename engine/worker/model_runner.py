@@ -1,25 +1,27 @@
-"""Owns the model and its KV cache on one device; turns a scheduled batch into tokens."""
+"""Owns the model and its KV cache on one device, and every request the step runs (its InputBatch); turns a
+SchedulerOutput into tokens."""
+import dataclasses
 import logging
 import os
 
 import torch
 
-from models.attention import make_backend
-from models.attention.base import AttentionMetadata
 from engine.config import EngineConfig
-from engine.core.step_io import ModelRunnerOutput, SchedulerOutput
-from models.distributed.group import TPGroup
+from engine.core.step_io import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from engine.sample import prompt_logprobs
 from engine.sample.rejection_sampler import RejectionSampler
+from engine.spec_decode.speculator import NoSpeculation, Speculator
 from engine.worker import host_memory, pooler
 from engine.worker.cuda_graph import CUDAGraphRunner
-from engine.worker.input_batch import InputBatch, ModelInputs, prepare_inputs
-from models.registry import get_model_class
+from engine.worker.input_batch import InputBatch, ModelInputs, StepBatch, build_model_inputs
+from models.attention import make_backend
+from models.attention.base import AttentionMetadata
 from models.config import ModelShape
-from models.kernels import cpu_kernels
-from models.quantization.gguf import GGUFConfig, weight_summary
+from models.distributed.group import TPGroup
 from models.gguf import is_gguf
-from models.loader import iter_weights
+from models.kernels import cpu_kernels
+from models.loader import load_config, load_model, resolve_model
+from models.quantization.gguf import GGUFConfig, weight_summary
 
 logger = logging.getLogger(__name__)
 
@@ -27,17 +29,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ModelRunner:
-    """Loads the model on `device`, allocates the paged KV cache, and executes scheduled batches.
+    """Loads the model on `device`, allocates the paged KV cache, and executes every step.
 
     Built in two phases, as vLLM's workers are: the constructor loads the weights; the executor then
     asks how many KV blocks fit (`available_kv_blocks`; ranks agree on the smallest) and calls
     `init_kv_cache`. The KV cache is one tensor [num_layers, 2, *backend.kv_cache_shape(num_blocks)]
     in the model dtype (a block's K/V in each layer is contiguous, in the backend's layout).
     `max_model_len` is capped by what the cache holds, so a request can always run alone and nothing
-    deadlocks. The runner reads the scheduler's requests and never changes them.
+    deadlocks. The runner keeps its own copy of every request (`input_batch`, updated from each
+    SchedulerOutput), so every rank builds its inputs itself; it never sees a scheduler's Request.
 
     With `tp` (tensor parallelism, engine/executor) this runner is one rank: it holds its shard of the
-    model and the KV cache of its heads.
+    model and the KV cache of its heads. The first rank (`is_driver`) samples, and drafts with
+    speculative decoding; the others only run the forward pass.
     """
 
     def __init__(self, config: EngineConfig, hf_config, model_dir: str, device: torch.device,
@@ -50,23 +54,35 @@ class ModelRunner:
             self.dtype = DTYPES[config.dtype]
         torch.manual_seed(config.seed)
         self.block_size = config.block_size
+        self.is_driver = tp is None or tp.rank == 0
         self.shape = ModelShape.from_hf(hf_config, tp.world_size if tp is not None else 1)
         self.max_model_len = min(config.max_model_len or self.shape.max_position_embeddings,
                                  self.shape.max_position_embeddings)
         self.backend = make_backend(config.attention_backend, self.device, self.dtype, self.shape, self.block_size)
-        cls, kwargs = get_model_class(hf_config)
-        quant_config = self._quant_config(model_dir, tp)
-        with torch.device("meta"):  # no random init (0.8 s for 135M parameters): the checkpoint fills all
-            model = cls(hf_config, self.shape, self.backend, self.max_model_len, tp=tp, quant_config=quant_config,
-                        **kwargs)
-        self.model = materialize(model, self.device, self.dtype)
-        self.model.load_weights(iter_weights(model_dir, quantized=quant_config is not None))
-        self.model.eval()
+        self.model = load_model(model_dir, hf_config, self.shape, self.backend, self.max_model_len, self.device,
+                                self.dtype, tp, self._quant_config(model_dir, tp))
         self.weight_bytes, summary = weight_summary(self.model)
         logger.info("weights: %s", summary)
         self.sampler = RejectionSampler()  # without drafts it draws what plain sampling draws
+        self.input_batch = InputBatch()
+        self.speculator = self._speculator() if self.is_driver else NoSpeculation()
         self.num_blocks = 0
         self.kv_cache = self.kv_caches = self.graphs = None
+
+    def _speculator(self) -> Speculator | NoSpeculation:
+        """The drafting side of speculative decoding (NoSpeculation when off): n-gram lookup, or a draft
+        model loaded here, on this device, whose KV cache shares the target's block tables."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return NoSpeculation()
+        draft = None
+        if spec.method == "draft_model":
+            model_dir = resolve_model(spec.model)
+            draft_config = dataclasses.replace(self.config, model=spec.model, tokenizer=None,
+                                               max_model_len=self.max_model_len, enforce_eager=True,
+                                               speculative_config=None)
+            draft = ModelRunner(draft_config, load_config(model_dir), model_dir, self.device)
+        return Speculator(spec, self.config, self.max_model_len, self.device.type, draft)
 
     def _quant_config(self, model_path: str, tp: TPGroup | None) -> GGUFConfig | None:
         """GGUFConfig when a .gguf model's quantized weights stay in their blocks (the default on the CPU in
@@ -112,6 +128,7 @@ class ModelRunner:
                                           max_blocks_per_seq=-(-self.max_model_len // self.block_size),
                                           block_size=self.block_size, dummy_block=num_blocks)
             self.graphs.capture()
+        self.speculator.init_kv_cache(num_blocks, self.max_model_len)
 
     @property
     def block_bytes(self) -> int:
@@ -157,70 +174,78 @@ class ModelRunner:
         return int(total * self.config.gpu_memory_utilization) - peak - graph_reserve
 
     @torch.inference_mode()  # the sampler masks the logits (inference tensors) in place
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs one step on this process alone: inputs, forward, sampling."""
-        batch = prepare_inputs(scheduler_output, self.block_size, self.device)
-        return self.sample(scheduler_output, batch, self.forward(batch.model_inputs, batch))
-
-    def compute_logits(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor | None, list]:
-        """The step's forward alone (a draft model's proposals): (float32 CPU logits [N, vocab] at the
-        sampled rows, None when N is 0; the sequences that sample, in logits order)."""
-        batch = prepare_inputs(scheduler_output, self.block_size, self.device)
-        logits, _ = self.forward(batch.model_inputs)
-        return (logits.cpu() if logits is not None else None), batch.sampled
-
-    @torch.inference_mode()
-    def forward(self, inputs: ModelInputs, batch: InputBatch | None = None) \
-            -> tuple[torch.Tensor | None, ModelRunnerOutput]:
-        """The forward pass of one step (what every tensor-parallel rank runs): float32 logits [N, vocab]
-        of the rows at logits_indices (None when N is 0 and on ranks other than 0), and, given rank 0's
-        `batch`, the output of everything but sampling: prompt logprobs and pooled hidden states."""
-        meta = inputs.attn_metadata
-        if self.graphs is not None and self.graphs.can_run(meta):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)  # plans for the padded batch itself
-        else:
-            self.backend.plan(meta)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:
+        """Runs one step, the same on every rank: the requests updated from `scheduler_output`, the inputs
+        built from them, the forward pass, prompt logprobs and the sampled rows' logits (collectives under
+        tensor parallelism). The first rank then pools embeddings, samples (masked by `grammar_output`'s
+        grammars) and drafts, and returns the ModelRunnerOutput; the other ranks return None."""
+        self.input_batch.update_states(scheduler_output)
+        self.speculator.update_states(scheduler_output)
+        if not scheduler_output.num_scheduled_tokens:
+            return ModelRunnerOutput() if self.is_driver else None
+        batch = self.input_batch.prepare(scheduler_output, self.block_size, self.device)
+        hidden = self.forward(batch.model_inputs)
         out = ModelRunnerOutput()
-        if batch is not None and batch.prompt_rows:
+        if batch.prompt_rows:
             out.prompt_logprobs = prompt_logprobs.collect(self.model, hidden, batch.prompt_rows)
-        if batch is not None and batch.pooling_rows:
-            out.pooler_output = pooler.pool(hidden, batch.pooling_rows, self.config.pooler_config.pooling_type)
-        if inputs.logits_indices.shape[0] == 0:
-            return None, out
-        return self.model.compute_logits(hidden[inputs.logits_indices]), out
-
-    @torch.inference_mode()
-    def sample(self, scheduler_output: SchedulerOutput, batch: InputBatch,
-               forward_output: tuple[torch.Tensor | None, ModelRunnerOutput]) -> ModelRunnerOutput:
-        """Rank 0: turns the forward's logits into each sampling request's new tokens (one, or with
-        drafts the accepted ones and one more: see RejectionSampler), masked by the step's grammars."""
-        logits, out = forward_output
-        if logits is None:
-            return out
-        rows = scheduler_output.structured_rows
-        grammar_rows = [i for i, r in enumerate(batch.sampled) if r.request_id in rows]
-        bitmask = scheduler_output.grammar_bitmask[[rows[batch.sampled[i].request_id] for i in grammar_rows]] \
-            if grammar_rows else None
-        out.sampled_token_ids, out.logprobs = self.sampler(logits.cpu(), batch.sampled, bitmask, grammar_rows)
-        out.req_ids = [r.request_id for r in batch.sampled]
+        indices = batch.model_inputs.logits_indices
+        logits = self.model.compute_logits(hidden[indices]) if indices.shape[0] else None
+        if not self.is_driver:
+            return None
+        if batch.pooling_rows:
+            out.pooler_output = self._pool(hidden, batch)
+        if logits is not None:
+            self._sample(logits, batch, grammar_output, out)
+            out.draft_token_ids = self.speculator.propose(batch.sampled, out.sampled_token_ids,
+                                                          len(scheduler_output.num_scheduled_tokens))
         return out
 
+    @torch.inference_mode()
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """The model's hidden states [T, hidden] of one step's inputs (CUDA graphs for decodes where captured)."""
+        meta = inputs.attn_metadata
+        if self.graphs is not None and self.graphs.can_run(meta):
+            return self.graphs.run(inputs.input_ids, inputs.positions, meta)  # plans for the padded batch itself
+        self.backend.plan(meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
-def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A model built on the meta device with its parameters and buffers made uninitialised tensors on
-    `device`, floating ones in `dtype`: what `model.to_empty(device).to(dtype)` does, but through
-    torch.empty. to_empty's empty_like on a meta tensor runs torch's reference decompositions, whose first
-    use imports sympy: 0.5 s of every start-up. Returns `model`."""
-    def empty(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+    @torch.inference_mode()
+    def compute_logits_of_rows(self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]],
+                               num_logits: list[int]) -> torch.Tensor | None:
+        """A forward over rows given directly (a draft model's steps, engine/spec_decode): float32 CPU logits
+        [sum(num_logits), vocab] at each row's last num_logits[i] positions, None when there are none. Rows
+        are as `build_model_inputs` takes them (one-token rows first)."""
+        inputs, _ = build_model_inputs(token_ids, starts, block_tables, num_logits, self.block_size, self.device)
+        hidden = self.forward(inputs)
+        return self.model.compute_logits(hidden[inputs.logits_indices]).cpu() if sum(num_logits) else None
 
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            setattr(module, name, torch.nn.Parameter(empty(p), requires_grad=p.requires_grad))
-        for name, b in list(module.named_buffers(recurse=False)):
-            setattr(module, name, empty(b))
-    return model
+    def _sample(self, logits: torch.Tensor, batch: StepBatch, grammar_output: GrammarOutput | None,
+                out: ModelRunnerOutput) -> None:
+        """Each sampling request's new tokens (one, or with drafts the accepted ones and one more: see
+        RejectionSampler), masked by the step's grammars, into `out`."""
+        rows = grammar_output.structured_output_request_ids if grammar_output is not None else {}
+        grammar_rows = [i for i, r in enumerate(batch.sampled) if r.req_id in rows]
+        bitmask = grammar_output.grammar_bitmask[[rows[batch.sampled[i].req_id] for i in grammar_rows]] \
+            if grammar_rows else None
+        out.sampled_token_ids, out.logprobs = self.sampler(logits.cpu(), batch.sampled, bitmask, grammar_rows)
+        out.req_ids = [r.req_id for r in batch.sampled]
+
+    def _pool(self, hidden: torch.Tensor, batch: StepBatch) -> dict[str, torch.Tensor]:
+        """Adds this step's rows to each embedding request's pooled state; returns the embeddings of those
+        whose prompt it finished (float32 [hidden], engine.worker.pooler)."""
+        pooling = self.config.pooler_config
+        shares = pooler.pool(hidden, batch.pooling_rows, pooling.pooling_type)
+        done = {}
+        for rows in batch.pooling_rows:
+            state = self.input_batch.requests[rows.request_id]
+            share = shares.get(rows.request_id)
+            if share is not None:
+                keep = state.pooled is None or pooling.pooling_type == "LAST"
+                state.pooled = share if keep else state.pooled + share
+            if rows.last:
+                done[rows.request_id] = pooler.finish(state.pooled, state.num_prompt_tokens, pooling)
+        return done
 
 
 def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:

@@ -31,9 +31,10 @@ def pool(hidden: torch.Tensor, rows: list[PoolingRows], pooling_type: str) -> di
     return out
 
 
-def finish(pooled: torch.Tensor, num_prompt_tokens: int, config: PoolerConfig) -> list[float]:
-    """The embedding from a request's pooled state: the mean for MEAN, then L2-normalised if asked."""
+def finish(pooled: torch.Tensor, num_prompt_tokens: int, config: PoolerConfig) -> torch.Tensor:
+    """The embedding (float32 [hidden]) from a request's pooled state: the mean for MEAN, then L2-normalised
+    if asked."""
     vector = pooled / num_prompt_tokens if config.pooling_type == "MEAN" else pooled
     if config.normalize:
         vector = torch.nn.functional.normalize(vector, dim=0)
-    return vector.tolist()
+    return vector

@@ -1,5 +1,6 @@
 """One engine's tensor-parallel process group: the collectives of the model shards and the per-step
-broadcast of the model inputs from rank 0 (which runs the scheduler) to the other ranks.
+broadcast of the step's description from rank 0 (which runs the scheduler) to the other ranks, each of
+which builds its own inputs from it.
 
 The process groups are built directly on a TCPStore rather than through `init_process_group`, so
 they are not the process's global default group: a process (a test session, a notebook) can hold
@@ -7,13 +8,12 @@ several engines, each with its own group. Every collective has a timeout; a fail
 group dead (`error`), and every later call raises EngineDeadError at once.
 """
 import os
+import pickle
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-from models.attention.base import AttentionMetadata
 
 # A rank alive but stuck this long inside a collective fails the engine (a dead rank fails it at once:
 # its sockets close; a host cut off does not). Long, because one step of a big prefill on one thread
@@ -21,7 +21,6 @@ from models.attention.base import AttentionMetadata
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 # The other ranks wait for rank 0's next step as long as the engine idles.
 IDLE_TIMEOUT = timedelta(days=365)
-_HEADER = 5  # num_tokens, num_seqs, max_blocks_per_seq, num_decodes, num_logits; num_tokens -1 = stop
 
 
 def local_address(peer: str) -> str:
@@ -96,42 +95,28 @@ class TPGroup:
         self._run(self.cpu_group.allreduce, [t], options)
         return int(t.item())
 
-    def broadcast_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       logits_indices: torch.Tensor) -> None:
-        """Rank 0: sends one step's model inputs (ModelRunner.prepare's tensors) to the other ranks.
+    def send_step(self, step) -> None:
+        """Rank 0: sends one step's description (a picklable object: the executor sends the SchedulerOutput
+        and the grammar masks) to the other ranks: its size over gloo, then its pickled bytes."""
+        payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        self._run(self.cpu_group.broadcast, torch.tensor([len(payload)], dtype=torch.int64), 0)
+        self._run(self.cpu_group.broadcast, torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0)
 
-        A header of five counts goes over gloo, then every tensor packed into one int64 tensor on the
-        device. Every field of AttentionMetadata travels: a field added there must be added here.
-        """
-        header = torch.tensor([input_ids.shape[0], meta.num_seqs, meta.block_tables.shape[1], meta.num_decodes,
-                               logits_indices.shape[0]], dtype=torch.int64)
-        self._run(self.cpu_group.broadcast, header, 0)
-        payload = torch.cat([input_ids, positions, meta.slot_mapping, meta.query_start_loc.long(),
-                             meta.seq_lens.long(), meta.block_tables.flatten().long(), logits_indices])
-        self._run(self.device_group.broadcast, payload, 0)
-
-    def recv_step(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor] | None:
-        """Other ranks: waits for rank 0's next step; returns what rank 0 passed to broadcast_step
-        (input_ids, positions int64 [T], the metadata, logits_indices int64 [N]), or None after
-        `stop`. Raises EngineDeadError when rank 0 is gone."""
-        header = torch.empty(_HEADER, dtype=torch.int64)
+    def recv_step(self):
+        """Other ranks: waits for rank 0's next step; returns what rank 0 passed to `send_step`, or None
+        after `stop`. Raises EngineDeadError when rank 0 is gone."""
+        header = torch.empty(1, dtype=torch.int64)
         self._run(self.cpu_group.broadcast, header, 0, IDLE_TIMEOUT)
-        num_tokens, num_seqs, max_blocks, num_decodes, num_logits = header.tolist()
-        if num_tokens < 0:
+        size = int(header.item())
+        if size < 0:
             return None
-        sizes = [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs * max_blocks, num_logits]
-        payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
-        self._run(self.device_group.broadcast, payload, 0)
-        input_ids, positions, slots, qsl, seq_lens, tables, logits_indices = payload.split(sizes)
-        meta = AttentionMetadata(
-            query_start_loc=qsl.int(), seq_lens=seq_lens.int(), block_tables=tables.view(num_seqs, max_blocks).int(),
-            slot_mapping=slots, num_decodes=num_decodes, query_start_loc_cpu=qsl.tolist(),
-            seq_lens_cpu=seq_lens.tolist())
-        return input_ids, positions, meta, logits_indices
+        payload = torch.empty(size, dtype=torch.uint8)
+        self._run(self.cpu_group.broadcast, payload, 0)
+        return pickle.loads(payload.numpy().tobytes())
 
     def stop(self) -> None:
         """Rank 0: tells the other ranks to leave their step loop (they exit with status 0)."""
-        self._run(self.cpu_group.broadcast, torch.tensor([-1] + [0] * (_HEADER - 1)), 0)
+        self._run(self.cpu_group.broadcast, torch.tensor([-1], dtype=torch.int64), 0)
 
     def abort(self) -> None:
         """Rank 0, after a rank died: NCCL does not notice a dead peer (gloo does, its sockets close),

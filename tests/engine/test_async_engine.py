@@ -40,7 +40,7 @@ async def test_leaving_the_stream_aborts_and_frees_blocks(engine):
             break
     await gen.aclose()
     for _ in range(50):
-        if not engine.engine.groups:
+        if not engine.engine.request_ids():
             break
         await asyncio.sleep(0.02)
     assert_no_leak(engine.engine)
@@ -53,7 +53,7 @@ async def test_bad_prompt_raises_before_streaming(engine):
 
 
 async def test_failed_step_fails_only_its_requests(engine):
-    executor = engine.engine.executor
+    executor = engine.engine.engine_core.executor
     original = executor.execute_model
 
     def broken(*args):

@@ -30,7 +30,7 @@ def decode_map(kv: dict) -> tuple[np.ndarray, np.ndarray]:
 
 def assert_map_matches_pool(snap: dict, engine) -> np.ndarray:
     """The snapshot's block states are the pool's truth, block by block; returns the positions."""
-    pool = engine.kv.pool
+    pool = engine.engine_core.kv.pool
     truth = np.array([SHARED if b.ref_cnt > 1 else USED if b.ref_cnt == 1 else
                       CACHED if b.block_hash is not None else FREE for b in pool.blocks], np.uint8)
     state, pos = decode_map(snap["kv"])
@@ -40,7 +40,7 @@ def assert_map_matches_pool(snap: dict, engine) -> np.ndarray:
     assert kv["used"] + kv["shared"] == len(pool.blocks) - pool.num_free_blocks
     # a held block's position is its index in every holder's block table
     for row in snap["requests"]:
-        assert row["blocks"] == engine.kv.block_ids(row["id"])
+        assert row["blocks"] == engine.engine_core.kv.block_ids(row["id"])
         assert pos[row["blocks"]].tolist() == list(range(len(row["blocks"])))
     return pos
 
@@ -85,9 +85,9 @@ def test_request_states_counts_and_chunks(llm):
             engine.step()
         snap = snapper.take()
         assert snap["requests"] == [] and snap["kv"]["used"] == snap["kv"]["shared"] == 0
-        assert [req.request_id for _, req in engine.step_log.finished][-3:] == ["a", "b", "c"]
+        assert [req.request_id for _, req in engine.engine_core.step_log.finished][-3:] == ["a", "b", "c"]
         # finished requests are listed for FINISHED_SHOWN_S seconds
-        recent = {req.request_id for t, req in engine.step_log.finished if snap["time"] - t < FINISHED_SHOWN_S}
+        recent = {req.request_id for t, req in engine.engine_core.step_log.finished if snap["time"] - t < FINISHED_SHOWN_S}
         assert {r["id"] for r in snap["finished"]} == recent and "c" in recent
         assert all(r["state"] == "finished" and r["reason"] == "length" and r["output"] == 8 for r in snap["finished"])
         assert snap["finished"][-1]["tokens_per_s"] > 0
@@ -141,10 +141,10 @@ def test_preemptions_in_step_log_and_timings():
     prompts = [list(range(100 * i, 100 * i + 44)) for i in range(1, 3)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
     engine = llm.engine
-    assert engine.scheduler.num_preemptions > 0
-    assert sum(s[4] for s in engine.step_log.steps) == engine.scheduler.num_preemptions
-    assert sum(o.metrics.num_preemptions for o in outs) == engine.scheduler.num_preemptions
-    assert sum(s[2] for s in engine.step_log.steps) <= engine.scheduler.num_generation_tokens
+    assert engine.engine_core.scheduler.num_preemptions > 0
+    assert sum(s[4] for s in engine.engine_core.step_log.steps) == engine.engine_core.scheduler.num_preemptions
+    assert sum(o.metrics.num_preemptions for o in outs) == engine.engine_core.scheduler.num_preemptions
+    assert sum(s[2] for s in engine.engine_core.step_log.steps) <= engine.engine_core.scheduler.num_generation_tokens
     for out in outs:
         t = out.metrics.timings()
         assert t["predicted_n"] == len(out.outputs[0].token_ids) == 12

@@ -18,7 +18,7 @@ def file_tensor_bytes() -> int:
 def test_float32_keeps_the_blocks(llm):
     """Float32 activations: the file's blocks as they are, run by the exact portable kernel; resident weight
     bytes within 1.1x of the file's tensor bytes (norms are float32 in the file too)."""
-    formats = llm.engine.runner.weight_bytes
+    formats = llm.engine.engine_core.executor.runner.weight_bytes
     assert set(formats) == {"Q4_1", "Q8_0", "float32"}
     assert formats["Q4_1"] == 66_355_200 and formats["Q8_0"] == 30_081_024  # the file's bytes exactly
     assert sum(formats.values()) <= 1.1 * file_tensor_bytes()
@@ -29,7 +29,7 @@ def test_float32_keeps_the_blocks(llm):
 def test_bfloat16_repacks_for_vnni_without_growing():
     """Bfloat16 activations: the blocks repacked for the VNNI kernel, same bytes; the norms keep the file's
     float32 (a quantized model's linears take float32 activations, models/llama.py)."""
-    formats = make_llm(dtype="bfloat16").engine.runner.weight_bytes
+    formats = make_llm(dtype="bfloat16").engine.engine_core.executor.runner.weight_bytes
     assert set(formats) == {"Q4_1 (R16)", "Q8_0 (R16)", "float32"}
     assert formats["Q4_1 (R16)"] == 66_355_200 and formats["Q8_0 (R16)"] == 30_081_024
     assert sum(formats.values()) <= 1.1 * file_tensor_bytes()
@@ -37,8 +37,8 @@ def test_bfloat16_repacks_for_vnni_without_growing():
 
 def test_quantization_none_dequantizes_at_load():
     llm = make_llm(quantization="none", dtype="bfloat16")
-    assert set(llm.engine.runner.weight_bytes) == {"bfloat16"}
-    assert llm.engine.runner.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert set(llm.engine.engine_core.executor.runner.weight_bytes) == {"bfloat16"}
+    assert llm.engine.engine_core.executor.runner.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
 def test_quantization_gguf_is_refused_where_it_cannot_run(hf_model_dir):

@@ -19,15 +19,15 @@ def test_each_prompt_alone_matches_hf(llm, prompts, hf_reference):
 def test_batched_with_chunked_prefill_matches_hf(prompts, hf_reference, backend):
     # 64 tokens per step: the 400-token prompt takes 7 steps, so steps mix prefill chunks and decodes
     llm = make_llm(max_num_batched_tokens=64, enable_prefix_caching=False, attention_backend=backend)
-    assert type(llm.engine.runner.backend).__name__ == {"cpu": "CPUBackend", "torch_native": "TorchNativeBackend"}[backend]
+    assert type(llm.engine.engine_core.executor.runner.backend).__name__ == {"cpu": "CPUBackend", "torch_native": "TorchNativeBackend"}[backend]
     steps = []
-    original = llm.engine.executor.execute_model
+    original = llm.engine.engine_core.executor.execute_model
 
-    def spy(scheduler_output):
-        steps.append(list(scheduler_output.num_new_tokens))
-        return original(scheduler_output)
+    def spy(scheduler_output, grammar_output=None):
+        steps.append(list(scheduler_output.num_scheduled_tokens.values()))
+        return original(scheduler_output, grammar_output)
 
-    llm.engine.executor.execute_model = spy
+    llm.engine.engine_core.executor.execute_model = spy
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for out, ref in zip(outs, hf_reference):
         assert_greedy_matches(out.outputs[0].token_ids, ref)
@@ -55,10 +55,10 @@ def test_preemption_keeps_greedy_output(prompts, hf_reference):
     # 27 blocks of 16 tokens = 432 tokens, just enough for the longest request alone: the eight
     # prompts (~1000 tokens with outputs) cannot all fit
     llm = make_llm(kv_cache_memory=27 * 16 * 2 * 30 * 3 * 64 * 4)
-    assert llm.engine.kv.num_blocks == 27
+    assert llm.engine.engine_core.kv.num_blocks == 27
     # EOS ignored so every request keeps growing and the running ones must preempt each other
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.engine_core.scheduler.num_preemptions > 0
     for out, ref in zip(outs, hf_reference):
         assert_greedy_matches(out.outputs[0].token_ids, ref, ignore_eos=True)
 
@@ -72,7 +72,7 @@ def test_bfloat16_agrees_with_float32(llm):
     work = [r["prompt_token_ids"] for r in _workload()[:24]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     bf16 = make_llm(dtype="bfloat16")
-    assert bf16.engine.runner.kv_cache.dtype == torch.bfloat16
+    assert bf16.engine.engine_core.executor.runner.kv_cache.dtype == torch.bfloat16
     ours = [o.outputs[0].token_ids for o in bf16.generate(work, params, use_tqdm=False)]
     ref = [o.outputs[0].token_ids for o in llm.generate(work, params, use_tqdm=False)]
     assert sum(a == b for a, b in zip(ours, ref)) >= 0.8 * len(work)

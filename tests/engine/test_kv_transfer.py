@@ -116,7 +116,7 @@ def pair():
     consumer = make_llm(kv_transfer_config=KVTransferConfig("NixlConnector", "kv_consumer"))
     yield producer, consumer
     for llm in (producer, consumer):
-        llm.engine.kv_connector.close()
+        llm.engine.engine_core.kv_connector.close()
 
 
 def _prefill(producer, prompts: list[list[int]]) -> list[dict]:
@@ -144,7 +144,7 @@ def test_decode_engine_pulls_the_prompt_instead_of_computing_it(pair):
     consumer.reset_prefix_cache()
     before = consumer.engine.stats()
     params = _prefill(producer, prompts)
-    pool = producer.engine.kv.pool
+    pool = producer.engine.engine_core.kv.pool
     assert [len(p["remote_block_ids"]) for p in params] == [-(-len(p) // 16) for p in prompts]
     assert pool.num_free_blocks < len(pool.blocks)  # pinned until pulled
     outs = consumer.generate(prompts, [SamplingParams(temperature=0, max_tokens=12, extra_args={
@@ -168,10 +168,10 @@ def test_aborted_pull_and_unpulled_blocks_free_everything(pair):
     rid = consumer.engine.add_request(None, prompt, SamplingParams(extra_args={"kv_transfer_params": params[0]}))
     consumer.engine.step()
     consumer.engine.abort_request(rid)
-    _step_until(consumer.engine, lambda: not consumer.engine.kv_connector._loads)
+    _step_until(consumer.engine, lambda: not consumer.engine.engine_core.kv_connector._loads)
     # nobody pulls the second one: the producer frees it after abort_request_timeout (2 s)
     expired = producer.engine.stats().kv_expired_requests
-    pool = producer.engine.kv.pool
+    pool = producer.engine.engine_core.kv.pool
     _step_until(producer.engine, lambda: pool.num_free_blocks == len(pool.blocks), timeout=30)
     # the unpulled one expired; so did the aborted one if its pull had not started yet
     assert expired + 1 <= producer.engine.stats().kv_expired_requests <= expired + 2

@@ -49,7 +49,7 @@ def test_cold_then_cached_prompt(small_chunks, reference):
     ids, ref = reference["long"]
     llm = small_chunks
     llm.generate(ids, SamplingParams(max_tokens=1), use_tqdm=False)  # the prompt's blocks are now cached
-    assert llm.engine.kv.pool.cached
+    assert llm.engine.engine_core.kv.pool.cached
     for _ in range(2):  # cached prompt; then cached again after the first scored run
         out = llm.generate(ids, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3), use_tqdm=False)[0]
         assert out.num_cached_tokens == 0  # recomputed, not read from the cache
@@ -85,10 +85,10 @@ def test_survives_preemption(reference):
     ids, ref = reference["long"]
     ids, ref = ids[:24], ref[:24]
     llm = make_llm(kv_cache_memory=4 * 737280, max_num_batched_tokens=32)
-    assert llm.engine.runner.num_blocks == 4
+    assert llm.engine.engine_core.executor.runner.num_blocks == 4
     params = SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=1)
     outs = llm.generate([ids] * 2, params, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.engine_core.scheduler.num_preemptions > 0
     for out in outs:
         assert_matches(out.prompt_logprobs, ids, ref, 1)
 
@@ -100,7 +100,7 @@ def test_logits_are_reduced_in_slices(small_chunks, reference, monkeypatch):
     llm = make_llm(max_num_batched_tokens=2048)
     monkeypatch.setattr(pl, "SLICE_ROWS", 16)
     rows = []
-    model = llm.engine.runner.model
+    model = llm.engine.engine_core.executor.runner.model
     original = model.compute_logits
     monkeypatch.setattr(model, "compute_logits", lambda h: rows.append(h.shape[0]) or original(h))
     out = llm.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=2), use_tqdm=False)[0]

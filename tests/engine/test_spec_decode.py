@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from api.metrics import ServerMetrics
-from engine import SamplingParams
-from engine.spec_decode.draft_model import DraftModelProposer
+from engine import LLM, SamplingParams
+from engine.spec_decode.draft_model import check_draft_model
 from tests.conftest import ROOT, assert_greedy_matches, make_llm
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
@@ -85,14 +85,14 @@ def test_structured_request_beside_drafted_ones(spec_llm, copy_prompts, copy_ref
 def test_batched_with_chunked_prefill_and_prefix_hits(prompts, hf_reference, copy_prompts, copy_reference):
     llm = make_llm(speculative_config=NGRAM, max_num_batched_tokens=64, kv_cache_memory=256 << 20)
     steps = []
-    original = llm.engine.executor.execute_model
+    original = llm.engine.engine_core.executor.execute_model
 
-    def spy(scheduler_output):
-        steps.append([(n, len(r.spec_token_ids)) for r, n in zip(scheduler_output.requests,
-                                                                  scheduler_output.num_new_tokens)])
-        return original(scheduler_output)
+    def spy(scheduler_output, grammar_output=None):
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        steps.append([(n, len(drafts.get(r, []))) for r, n in scheduler_output.num_scheduled_tokens.items()])
+        return original(scheduler_output, grammar_output)
 
-    llm.engine.executor.execute_model = spy
+    llm.engine.engine_core.executor.execute_model = spy
     # each copy prompt twice: the second copy hits the blocks of the first
     outs = llm.generate(prompts + copy_prompts + copy_prompts, GREEDY, use_tqdm=False)
     for out, ref in zip(outs, hf_reference + copy_reference + copy_reference):
@@ -116,7 +116,7 @@ def test_preemption_keeps_greedy_output(prompts, hf_reference):
     # as tests/engine/test_greedy_vs_hf.py: 27 blocks, just enough for the longest request alone
     llm = make_llm(speculative_config=NGRAM, kv_cache_memory=27 * 16 * 2 * 30 * 3 * 64 * 4)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.engine_core.scheduler.num_preemptions > 0
     assert llm.engine.stats().spec_decoding.num_drafts > 0
     for out, ref in zip(outs, hf_reference):
         assert_greedy_matches(out.outputs[0].token_ids, ref, ignore_eos=True)
@@ -168,16 +168,19 @@ def test_draft_model_target_as_its_own_draft(llm, prompts):
     stats = spec.engine.stats().spec_decoding
     assert stats.num_drafts == 2 * 5 and stats.acceptance_rate == 1.0 and stats.mean_acceptance_length == k + 1
     assert stats.num_accepted_tokens_per_pos == [10, 10, 10]
-    draft_kv = spec.engine.speculator.proposer.kv
-    assert draft_kv.pool.num_free_blocks == draft_kv.num_blocks and not draft_kv.req_blocks
-    # an abort with drafts in flight frees the target's and the draft's blocks at once
+    # the draft writes its K/V into the target's blocks: no blocks of its own, and its per-request state
+    # goes with the request (told to the worker with the next step)
+    drafter = spec.engine.engine_core.executor.runner.speculator.proposer
+    assert drafter.runner.kv_cache.shape[2] == spec.engine.engine_core.kv.num_blocks
     engine = spec.engine
     rid = engine.add_request(None, prompts[1], params)
-    while not engine.groups[rid][0].spec_token_ids:
+    while not engine.engine_core.scheduler.requests[rid].spec_token_ids:
         engine.step()
-    assert draft_kv.req_blocks
-    engine.abort_request(rid)
-    assert draft_kv.pool.num_free_blocks == draft_kv.num_blocks and not draft_kv.req_blocks
+    assert rid in drafter.states
+    engine.abort_request(rid)  # an abort with drafts in flight frees the target's blocks at once
+    assert not engine.engine_core.kv.req_blocks
+    spec.generate([prompts[0]], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert not drafter.states
 
 
 def test_draft_model_with_another_vocabulary_is_refused(tmp_path, llm, hf_model_dir):
@@ -186,6 +189,8 @@ def test_draft_model_with_another_vocabulary_is_refused(tmp_path, llm, hf_model_
     config = json.loads((draft / "config.json").read_text())
     config["vocab_size"] += 1
     (draft / "config.json").write_text(json.dumps(config))
-    engine = llm.engine
     with pytest.raises(ValueError, match="does not share the target's tokenizer and vocabulary"):
-        DraftModelProposer(str(draft), engine.config, engine.runner, engine.tokenizer, engine.max_model_len)
+        check_draft_model(str(draft), llm.engine.vocab_size, llm.engine.tokenizer)
+    with pytest.raises(ValueError, match="does not share the target's tokenizer and vocabulary"):
+        LLM(dtype="float32", speculative_config={"method": "draft_model", "model": str(draft),
+                                                 "num_speculative_tokens": 2})

@@ -100,7 +100,7 @@ def test_preemption_keeps_grammar_state():
     spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     outs = llm.generate([prompt] * 4, [SamplingParams(temperature=1.0, seed=i, max_tokens=100,
                                                       structured_outputs=spec) for i in range(4)], use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.engine_core.scheduler.num_preemptions > 0
     for out in outs:
         c = out.outputs[0]
         assert c.finish_reason == "stop", c.text
@@ -132,7 +132,7 @@ def test_add_request_waits_for_its_grammar_and_refuses_a_failed_compile(llm, mon
     failing.set_exception(ValueError("invalid grammar: test"))
     with pytest.raises(ValueError, match="invalid grammar: test"):
         engine.add_request("bad", prompt, SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec))
-    assert "bad" not in engine.groups and not engine.has_unfinished_requests()
+    assert "bad" not in engine.request_ids() and not engine.has_unfinished_requests()
     threading.Timer(0.2, pending.set_result, [compiled]).start()
     engine.add_request("slow", prompt, SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec))
     finals = {}
@@ -153,7 +153,7 @@ def test_bad_constraints_raise_before_any_request_is_queued(llm):
         with pytest.raises(ValueError, match=message):
             llm.generate(["Hi", "Hello"], [SamplingParams(max_tokens=2),
                                            SamplingParams(max_tokens=2, structured_outputs=spec)], use_tqdm=False)
-        assert not llm.engine.groups
+        assert not llm.engine.request_ids()
 
 
 def test_compile_timeout_and_missing_xgrammar(llm, monkeypatch):

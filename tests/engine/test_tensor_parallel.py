@@ -22,7 +22,7 @@ from engine import LLM, SamplingParams
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from models.config import ModelShape, partition_heads
-from engine.llm_engine import EngineStepError
+from engine.engine_core import EngineStepError
 from scripts.make_tiny_model import save_tiny_model
 from tests.conftest import assert_greedy_matches, make_llm
 
@@ -48,7 +48,7 @@ def _restore_threads():
 
 
 def stop_workers(llm: LLM) -> None:
-    llm.engine.executor.shutdown()
+    llm.engine.engine_core.executor.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +62,9 @@ def tp3():
 def test_tp3_greedy_matches_the_reference_on_the_real_model(tp3, prompts, hf_reference):
     """Against transformers' greedy tokens and top-two gaps, the reference TP=1 is held to in
     test_greedy_vs_hf.py (and already computed in a full run)."""
-    attn = tp3.engine.runner.model.layers[0].self_attn
+    attn = tp3.engine.engine_core.executor.runner.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads) == (3, 1)  # of 9 and 3
-    runner = tp3.engine.runner
+    runner = tp3.engine.engine_core.executor.runner
     assert tuple(attn.qkv_proj.weight.shape) == ((3 + 2) * 64, 576) and runner.backend.num_kv_heads == 1
     assert runner.kv_cache.shape[2:] == runner.backend.kv_cache_shape(runner.kv_cache.shape[2])
     outs = tp3.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
@@ -73,8 +73,26 @@ def test_tp3_greedy_matches_the_reference_on_the_real_model(tp3, prompts, hf_ref
 
 
 @pytest.mark.slow
+def test_tp3_prompt_logprobs_match_tp1(tp3, llm, prompts):
+    """Every rank computes the prompt positions' logits with the others (the vocabulary slices are gathered
+    on rank 0), a 300-token prompt in two slices of rows (two gathers): the same entries as one rank, up to
+    the all-reduces' rounding."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    batch = [prompts[0], prompts[-1][:300]]
+    ours = tp3.generate(batch, params, use_tqdm=False)
+    refs = llm.generate(batch, params, use_tqdm=False)
+    for out, ref in zip(ours, refs):
+        assert len(out.prompt_logprobs) == len(ref.prompt_logprobs) == len(out.prompt_token_ids)
+        assert out.prompt_logprobs[0] is None
+        for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=2e-3)
+            if b.top_logprobs[0][1] - b.top_logprobs[1][1] > 0.01:  # no near tie: the same top token
+                assert a.top_logprobs[0][0] == b.top_logprobs[0][0]
+
+
+@pytest.mark.slow
 def test_killed_rank_fails_the_engine_with_a_clear_error(tp3):
-    workers = tp3.engine.executor.workers
+    workers = tp3.engine.engine_core.executor.workers
     victim = workers.procs[1]  # rank 2
     os.kill(victim.pid, signal.SIGKILL)
     start = time.monotonic()
@@ -99,7 +117,7 @@ def test_tp2_tiny_models_match_tp1(name, kv_heads, llm, tmp_path):
     refs = tp1_reference(make_llm(model=str(tmp_path)), prompts, params)
     tp2 = make_llm(model=str(tmp_path), tensor_parallel_size=2)
     try:
-        assert tp2.engine.runner.model.layers[0].self_attn.num_kv_heads == 1
+        assert tp2.engine.engine_core.executor.runner.model.layers[0].self_attn.num_kv_heads == 1
         for out, ref in zip(tp2.generate(prompts, params, use_tqdm=False), refs):
             assert_greedy_matches(out.outputs[0].token_ids, ref)
     finally:

@@ -37,7 +37,7 @@ def faulty():
 
 
 def fail_next_step(engine) -> None:
-    executor = engine.engine.executor
+    executor = engine.engine.engine_core.executor
     execute = executor.execute_model
 
     def fail_once(*args, **kwargs):

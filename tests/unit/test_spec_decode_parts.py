@@ -9,6 +9,9 @@ import pytest
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
+from engine.kv_transfer.connector import NoKVConnector
+from engine.sample.rejection_sampler import WithDrafts
+from engine.worker.input_batch import CachedRequestState
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.config import SpeculativeConfig
@@ -49,12 +52,15 @@ def test_proposals_are_capped_by_max_tokens_and_max_model_len():
 
     spec = Speculator.__new__(Speculator)  # only _cap: no model needed
     spec.k, spec.max_model_len = 4, 20
-    req = Request("a", "a", 0, None, list(range(10)), SamplingParams(max_tokens=3), None, frozenset(), 0.0)
-    assert spec._cap(req) == 2  # 3 output tokens at most: 2 drafts + the token every step adds
-    req.output_token_ids = [1, 2]
-    assert spec._cap(req) == 0
-    req = Request("b", "b", 0, None, list(range(17)), SamplingParams(max_tokens=None), None, frozenset(), 0.0)
-    assert spec._cap(req) == 2  # room for 3 more tokens before max_model_len 20
+
+    def view(prompt_len, max_tokens, sampled):
+        state = CachedRequestState("a", list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), frozenset(),
+                                   [], 0, token_ids=list(range(prompt_len)))
+        return WithDrafts(state, sampled)  # the request with the tokens it just sampled
+
+    assert spec._cap(view(10, 3, [1])) == 1  # 3 output tokens at most: 1 sampled, 1 draft + the next step's
+    assert spec._cap(view(10, 3, [1, 2])) == 0
+    assert spec._cap(view(16, None, [1])) == 2  # room for 3 more tokens before max_model_len 20
 
 
 @pytest.mark.parametrize("data, expected", [
@@ -109,7 +115,7 @@ def test_server_refuses_a_bad_config_in_one_line():
 
 
 def make_request(rid, prompt, drafts=()):
-    req = Request(rid, rid, 0, None, list(prompt), SamplingParams(max_tokens=64), None, frozenset(), 0.0)
+    req = Request(rid, list(prompt), SamplingParams(max_tokens=64), frozenset())
     req.spec_token_ids = list(drafts)
     return req
 
@@ -139,7 +145,8 @@ def test_only_verified_blocks_enter_the_prefix_cache():
 
 
 def test_scheduler_gives_drafts_slots_under_the_budget():
-    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10, max_model_len=4096)
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10, max_model_len=4096,
+                      connector=NoKVConnector())
     a, b = make_request("a", range(8)), make_request("b", range(100, 108))
     for req in (a, b):
         sched.add_request(req)
@@ -150,8 +157,9 @@ def test_scheduler_gives_drafts_slots_under_the_budget():
     a.spec_token_ids, b.spec_token_ids = [5, 6, 7, 8], [5, 6, 7, 8]
     out = sched.schedule()
     # a: its 2 tokens (last prompt token + sampled) + 4 drafts; b: the 4 tokens left of the budget
-    assert out.num_new_tokens == [6, 4] and out.total_num_scheduled_tokens == 10
+    assert list(out.num_scheduled_tokens.values()) == [6, 4] and out.total_num_scheduled_tokens == 10
     assert a.spec_token_ids == [5, 6, 7, 8] and b.spec_token_ids == [5, 6]  # b's drafts cut to fit
+    assert out.scheduled_spec_decode_tokens == {"a": [5, 6, 7, 8], "b": [5, 6]}
 
 
 def test_policy_drafts_less_as_the_batch_grows():
