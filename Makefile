@@ -1,5 +1,5 @@
-# `make serve`: set up what serving needs and serve the default model; `make test`: set up, check the import layers and run
-# the tests; `make test-fast`: the layers and the tests not marked slow, without the install step.
+# `make serve`: set up what serving needs and serve the default model; `make test`: set up, check the import layers, lint
+# and format, and run the tests; `make test-fast`: the same checks and the tests not marked slow, without the install.
 PYTHON ?= python3
 
 # What serving needs: torch (the CPU wheel on CPU machines), this package, the default model, xgrammar for
@@ -25,12 +25,15 @@ browser:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	    chromium chromium-driver >/dev/null 2>&1; } || echo "could not install chromium: the dashboard browser test will be skipped"
 
-test: install browser
+check:
 	lint-imports
+	ruff check .
+	ruff format --check .
+
+test: install browser check
 	$(PYTHON) -m pytest -q tests
 
-test-fast:
-	lint-imports
+test-fast: check
 	$(PYTHON) -m pytest -q -m "not slow" tests
 
-.PHONY: install-serve install serve browser test test-fast
+.PHONY: install-serve install serve browser check test test-fast

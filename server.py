@@ -1,4 +1,5 @@
 """OpenAI-compatible server: `python server.py [--model M] [--port 8000] ...`; see `--help`."""
+
 import sys
 
 from api.cli import main

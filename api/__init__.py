@@ -1,4 +1,5 @@
 """OpenAI-compatible HTTP server for the engine: Starlette app, request models, SSE streaming, metrics."""
+
 from importlib.metadata import PackageNotFoundError, version
 
 try:

@@ -1,5 +1,7 @@
 """The Starlette app: routes, middleware, error handlers, and a lifespan that runs the engine loop."""
+
 import contextlib
+import dataclasses
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -11,14 +13,14 @@ from starlette.routing import Route
 
 from api import __version__
 from api.dashboard import DashboardFeed, dashboard_routes
-from api.errors import APIError, JSONResponse, handle_api_error, handle_http_exception, handle_unexpected
 from api.drain import DrainMiddleware
+from api.errors import APIError, JSONResponse, handle_api_error, handle_http_exception, handle_unexpected
 from api.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from api.openapi import docs_routes, openapi_document
 from api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 from api.protocol_anthropic import CountTokensRequest, MessagesRequest
 from api.protocol_responses import ResponsesRequest
-from api.serving import ServerSettings, ServingContext
+from api.serving import ServingContext
 from api.serving_chat import create_chat_completion
 from api.serving_completions import create_completion
 from api.serving_embeddings import create_embedding
@@ -26,15 +28,22 @@ from api.serving_messages import count_message_tokens, create_message
 from api.serving_responses import create_response
 from api.serving_router import get_load, get_server_info, render_chat_completion, render_completion
 from api.serving_tokenize import detokenize, tokenize
+from api.settings import ServerSettings
 
 
 async def list_models(request: Request) -> Response:
     """The served model (OpenAI's model list)."""
     ctx: ServingContext = request.app.state.serving
-    model = {"id": ctx.settings.served_model_name, "object": "model", "created": ctx.created,
-             # "vllm" as vLLM reports it, for clients that expect its /v1/models.
-             "owned_by": "vllm", "root": ctx.engine.model_name, "parent": None,
-             "max_model_len": ctx.engine.max_model_len}
+    model = {
+        "id": ctx.settings.served_model_name,
+        "object": "model",
+        "created": ctx.created,
+        # "vllm" as vLLM reports it, for clients that expect its /v1/models.
+        "owned_by": "vllm",
+        "root": ctx.engine.model_name,
+        "parent": None,
+        "max_model_len": ctx.engine.max_model_len,
+    }
     return JSONResponse({"object": "list", "data": [model]})
 
 
@@ -56,7 +65,10 @@ async def metrics(request: Request) -> Response:
 
 def build_app(engine, settings: ServerSettings) -> Starlette:
     """The app serving `engine` (an AsyncEngine, not yet started): the lifespan starts its step loop
-    on the server's event loop and shuts it down (aborting what still runs) when the server stops."""
+    on the server's event loop and shuts it down (aborting what still runs) when the server stops. The API's
+    model id is `settings.served_model_name`, else the engine's model name."""
+    if settings.served_model_name is None:
+        settings = dataclasses.replace(settings, served_model_name=engine.model_name)
     ctx = ServingContext(engine, settings)
 
     @contextlib.asynccontextmanager
@@ -88,18 +100,33 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
     ]
     if settings.enable_dashboard:
         routes += dashboard_routes()
-    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-              "/v1/embeddings": EmbeddingRequest, "/v1/responses": ResponsesRequest,
-              "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
-              "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+    bodies = {
+        "/v1/completions": CompletionRequest,
+        "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/embeddings": EmbeddingRequest,
+        "/v1/responses": ResponsesRequest,
+        "/v1/messages": MessagesRequest,
+        "/v1/messages/count_tokens": CountTokensRequest,
+        "/tokenize": TokenizeRequest,
+        "/detokenize": DetokenizeRequest,
+    }
     routes += docs_routes(openapi_document(routes, bodies, "minivllm OpenAI-compatible API", __version__))
-    middleware = [Middleware(DrainMiddleware, drain=ctx.drain),
-                  Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)]
+    middleware = [
+        Middleware(DrainMiddleware, drain=ctx.drain),
+        Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes),
+    ]
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                    exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception,
-                                        Exception: handle_unexpected})
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={
+            APIError: handle_api_error,
+            HTTPException: handle_http_exception,
+            Exception: handle_unexpected,
+        },
+    )
     app.state.serving = ctx
     app.state.dashboard = DashboardFeed(ctx) if settings.enable_dashboard else None
     return app

@@ -10,6 +10,7 @@ Each event is one JSON payload: `engine`, the engine's latest snapshot (engine/s
 the way a Grafana panel over /metrics computes them (rate() over 10 s, histogram_quantile() over 60 s),
 so the page shows the same numbers /metrics exports under vLLM's names.
 """
+
 import asyncio
 import time
 from collections import deque
@@ -27,11 +28,18 @@ STATIC_PREFIX = "/dashboard/static/"
 POLL_S = 0.2  # a stream sends at most one event per poll: <= 5 per second
 REFRESH_S = 1.0  # with no new snapshot (an idle engine), the rolling metrics still refresh this often
 RATE_WINDOW_S, LATENCY_WINDOW_S = 10.0, 60.0
-COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total", "generation_tokens": "vllm:generation_tokens_total",
-            "prefix_cache_queries": "vllm:prefix_cache_queries_total",
-            "prefix_cache_hits": "vllm:prefix_cache_hits_total", "preemptions": "vllm:num_preemptions_total"}
-HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "tpot": "vllm:request_time_per_output_token_seconds",
-              "itl": "vllm:inter_token_latency_seconds"}
+COUNTERS = {
+    "prompt_tokens": "vllm:prompt_tokens_total",
+    "generation_tokens": "vllm:generation_tokens_total",
+    "prefix_cache_queries": "vllm:prefix_cache_queries_total",
+    "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+    "preemptions": "vllm:num_preemptions_total",
+}
+HISTOGRAMS = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "tpot": "vllm:request_time_per_output_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+}
 QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -64,8 +72,8 @@ class MetricsWindow:
         values, buckets = {}, {name: [] for name in HISTOGRAMS.values()}
         for family in self._registry.collect():
             for s in family.samples:
-                if s.name.endswith("_bucket") and s.name[:-len("_bucket")] in buckets:
-                    buckets[s.name[:-len("_bucket")]].append((float(s.labels["le"]), s.value))
+                if s.name.endswith("_bucket") and s.name[: -len("_bucket")] in buckets:
+                    buckets[s.name[: -len("_bucket")]].append((float(s.labels["le"]), s.value))
                 else:
                     values[s.name] = s.value
         return values, buckets
@@ -114,9 +122,14 @@ class DashboardFeed:
         seq, built_at = self._built
         if slot.latest is not None and (slot.seq != seq or now - built_at >= REFRESH_S):
             self._built = (slot.seq, now)
-            body = {"engine": slot.latest, "metrics": self._window.sample(now),
-                    "server": {"served_model_name": self._ctx.settings.served_model_name,
-                               "snapshot_interval_s": slot.interval}}
+            body = {
+                "engine": slot.latest,
+                "metrics": self._window.sample(now),
+                "server": {
+                    "served_model_name": self._ctx.settings.served_model_name,
+                    "snapshot_interval_s": slot.interval,
+                },
+            }
             self.payload = orjson.dumps(body).decode()
         return self.payload
 
@@ -142,12 +155,15 @@ async def events(request: Request) -> Response:
 
     # On shutdown the engine stops first, which ends the stream within POLL_S; the grace period lets
     # that happen before sse-starlette cancels it.
-    return EventSourceResponse(stream(), sep="\n", ping=15, send_timeout=10, shutdown_grace_period=2,
-                               headers={"Cache-Control": "no-store"})
+    return EventSourceResponse(
+        stream(), sep="\n", ping=15, send_timeout=10, shutdown_grace_period=2, headers={"Cache-Control": "no-store"}
+    )
 
 
 def dashboard_routes() -> list:
     """The routes to add to the app; `build_app` also sets `app.state.dashboard = DashboardFeed(ctx)`."""
-    return [Route("/dashboard", page, methods=["GET"]),
-            Route("/dashboard/events", events, methods=["GET"]),
-            Mount(STATIC_PREFIX.rstrip("/"), StaticFiles(directory=STATIC_DIR))]
+    return [
+        Route("/dashboard", page, methods=["GET"]),
+        Route("/dashboard/events", events, methods=["GET"]),
+        Mount(STATIC_PREFIX.rstrip("/"), StaticFiles(directory=STATIC_DIR)),
+    ]

@@ -8,6 +8,7 @@ requests that share a prefix on the replica that caches it. The launcher waits f
 /health, restarts none (a replica that dies is logged and the router's health checks take it out),
 and on SIGINT/SIGTERM stops the router and every replica by PID and exits 0.
 """
+
 import importlib.util
 import logging
 import os
@@ -54,23 +55,42 @@ def _placements(n: int) -> list[dict]:
         if n > len(devices):
             raise ValueError(f"--data-parallel-size {n} needs {n} GPUs, {len(devices)} visible")
         per = max(len(cores) // n, 1)
-        return [{"env": {"CUDA_VISIBLE_DEVICES": devices[i]}, "cores": cores[i * per:(i + 1) * per] or cores}
-                for i in range(n)]
+        return [
+            {"env": {"CUDA_VISIBLE_DEVICES": devices[i]}, "cores": cores[i * per : (i + 1) * per] or cores}
+            for i in range(n)
+        ]
     if n > len(cores):
         raise ValueError(f"--data-parallel-size {n} needs {n} CPU cores, {len(cores)} available to this process")
     per = len(cores) // n
-    return [{"env": {}, "cores": cores[i * per:(i + 1) * per]} for i in range(n)]
+    return [{"env": {}, "cores": cores[i * per : (i + 1) * per]} for i in range(n)]
 
 
-def router_command(host: str, port: int, worker_urls: list[str], policy: str, log_level: str = "info",
-                   api_key: str | None = None) -> list[str]:
+def router_command(
+    host: str, port: int, worker_urls: list[str], policy: str, log_level: str = "info", api_key: str | None = None
+) -> list[str]:
     """The vllm-router command line serving `worker_urls` on host:port (its Prometheus port on a free
     127.0.0.1 port; its own logs at warning level unless `log_level` is debug)."""
-    cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", host, "--port", str(port),
-           "--worker-urls", *worker_urls, "--policy", policy,
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-           "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL),
-           "--log-level", "debug" if log_level == "debug" else "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_router.launch_router",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        policy,
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--health-check-interval-secs",
+        str(HEALTH_CHECK_INTERVAL),
+        "--log-level",
+        "debug" if log_level == "debug" else "warning",
+    ]
     return cmd + (["--api-key", api_key] if api_key else [])
 
 
@@ -100,7 +120,7 @@ def serve(args, argv: list[str]) -> int:
     """Runs replicas + router until SIGINT/SIGTERM (returns 0) or until the router or every replica
     dies, or startup fails (returns 1). `argv`: the command line, passed on to every replica."""
     if importlib.util.find_spec("vllm_router") is None:
-        logger.error("--data-parallel-size needs vllm-router: pip install -e \".[router]\"")
+        logger.error('--data-parallel-size needs vllm-router: pip install -e ".[router]"')
         return 1
     n = args.data_parallel_size
     try:
@@ -131,12 +151,30 @@ def _run(args, argv: list[str], placements: list[dict], fleet: _Fleet, stop: thr
         env = os.environ | place["env"] | {"PYTHONPATH": pythonpath}
         cores = place["cores"]
         # later flags win in argparse: these override the launcher's own --host/--port/--data-parallel-size
-        cmd = [sys.executable, "-m", "api.cli", *argv, "--host", "127.0.0.1", "--port", str(port),
-               "--data-parallel-size", "1", "--data-parallel-rank", str(rank)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "api.cli",
+            *argv,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--data-parallel-size",
+            "1",
+            "--data-parallel-rank",
+            str(rank),
+        ]
         bind = (lambda c=cores: os.sched_setaffinity(0, c)) if hasattr(os, "sched_setaffinity") else None
         fleet.replicas.append(subprocess.Popen(cmd, env=env, preexec_fn=bind))
-        logger.info("replica %d: pid %d on %s, cores %s%s", rank, fleet.replicas[-1].pid, urls[-1],
-                    ",".join(map(str, cores)), "".join(f", {k}={v}" for k, v in place["env"].items()))
+        logger.info(
+            "replica %d: pid %d on %s, cores %s%s",
+            rank,
+            fleet.replicas[-1].pid,
+            urls[-1],
+            ",".join(map(str, cores)),
+            "".join(f", {k}={v}" for k, v in place["env"].items()),
+        )
     deadline = time.monotonic() + STARTUP_TIMEOUT
     waiting = set(range(len(urls)))
     while waiting:
@@ -155,8 +193,9 @@ def _run(args, argv: list[str], placements: list[dict], fleet: _Fleet, stop: thr
         stop.wait(0.5)
 
     port = args.port or free_port(args.host)
-    fleet.router = subprocess.Popen(router_command(args.host, port, urls, args.router_policy, args.log_level,
-                                                   args.api_key))
+    fleet.router = subprocess.Popen(
+        router_command(args.host, port, urls, args.router_policy, args.log_level, args.api_key)
+    )
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{port}"
     logger.info("vllm-router: pid %d on %s", fleet.router.pid, url)
@@ -167,8 +206,14 @@ def _run(args, argv: list[str], placements: list[dict], fleet: _Fleet, stop: thr
             logger.error("vllm-router exited with status %d during startup", fleet.router.returncode)
             return 1
         stop.wait(0.2)
-    logger.info("ready: %s (OpenAI base_url %s/v1; vllm-router, policy %s, %d replicas: %s)",
-                url, url, args.router_policy, len(urls), " ".join(urls))
+    logger.info(
+        "ready: %s (OpenAI base_url %s/v1; vllm-router, policy %s, %d replicas: %s)",
+        url,
+        url,
+        args.router_policy,
+        len(urls),
+        " ".join(urls),
+    )
 
     dead: set[int] = set()
     while not stop.wait(0.5):
@@ -178,8 +223,12 @@ def _run(args, argv: list[str], placements: list[dict], fleet: _Fleet, stop: thr
         for rank, proc in enumerate(fleet.replicas):
             if rank not in dead and proc.poll() is not None:
                 dead.add(rank)
-                logger.error("replica %d (pid %d) exited with status %d; not restarted (the router's health "
-                             "checks take it out)", rank, proc.pid, proc.returncode)
+                logger.error(
+                    "replica %d (pid %d) exited with status %d; not restarted (the router's health checks take it out)",
+                    rank,
+                    proc.pid,
+                    proc.returncode,
+                )
         if len(dead) == len(fleet.replicas):
             logger.error("no replica left; stopping the router")
             return 1

@@ -1,5 +1,6 @@
 """Graceful drain on shutdown: count the HTTP requests in flight and, once draining, answer new ones 503
 with Retry-After (so load balancers and clients go elsewhere) while those in flight finish."""
+
 import asyncio
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -56,8 +57,12 @@ class DrainMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if self.drain.draining and scope["path"] not in _SERVED_WHILE_DRAINING:
-            error = APIError(503, "the server is shutting down; retry on another replica or later",
-                             code="shutting_down", headers={"Retry-After": self.retry_after})
+            error = APIError(
+                503,
+                "the server is shutting down; retry on another replica or later",
+                code="shutting_down",
+                headers={"Retry-After": self.retry_after},
+            )
             return await error.response(scope["path"])(scope, receive, send)
         self.drain.enter()
         try:

@@ -5,6 +5,7 @@ and never a traceback; unexpected exceptions are logged here with theirs and ans
 Anthropic's routes (`/v1/messages...`) answer the same errors in Anthropic's shape,
 `{"type": "error", "error": {"type", "message"}}`, which the anthropic SDK reads.
 """
+
 import orjson
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -12,14 +13,28 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 # OpenAI's `type` for each status we send.
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-                500: "server_error", 503: "server_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
 # Anthropic's `type` for each status we send (its API's error types; "invalid_request_error" also covers the
 # other 4xx). 503 (busy, shutting down) is what Anthropic's 529 "overloaded_error" says.
-_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                          405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error",
-                          500: "api_error", 503: "overloaded_error"}
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
 _ANTHROPIC_PATH = "/v1/messages"
 
 
@@ -44,8 +59,14 @@ class APIError(Exception):
     headers: extra response headers, e.g. Retry-After for 503.
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -55,14 +76,22 @@ class APIError(Exception):
 
     def body(self) -> dict:
         """The `{"error": {...}}` body, also used as an SSE event when a stream fails after it started."""
-        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": _ERROR_TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def anthropic_body(self) -> dict:
         """The body in Anthropic's shape (no param or code: Anthropic's has none), also used as the `error`
         event when a Messages stream fails after it started."""
-        return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(self.status, "api_error"),
-                                           "message": self.message}}
+        return {
+            "type": "error",
+            "error": {"type": _ANTHROPIC_ERROR_TYPES.get(self.status, "api_error"), "message": self.message},
+        }
 
     def response(self, path: str = "") -> JSONResponse:
         """The error response to a request for `path`: in Anthropic's shape on its routes, OpenAI's elsewhere."""

@@ -1,5 +1,6 @@
 """`Generation`: an API request's prompts running on the engine, their output streams merged; and
 cancelling work when the client disconnects."""
+
 import asyncio
 
 from starlette.requests import Request
@@ -24,11 +25,13 @@ class Generation:
         self._ctx = ctx
         self._queue: asyncio.Queue = asyncio.Queue()
         ctx.num_queued += len(prompts)
-        self._tasks = [asyncio.create_task(self._pump(i, p, params, f"{request_id}-{i}", pooling))
-                       for i, p in enumerate(prompts)]
+        self._tasks = [
+            asyncio.create_task(self._pump(i, p, params, f"{request_id}-{i}", pooling)) for i, p in enumerate(prompts)
+        ]
 
-    async def _pump(self, index: int, prompt: list[int], params: SamplingParams, request_id: str,
-                    pooling: bool) -> None:
+    async def _pump(
+        self, index: int, prompt: list[int], params: SamplingParams, request_id: str, pooling: bool
+    ) -> None:
         tracker = RequestTracker(self._ctx.metrics, params.n)
         queued = True
         try:
@@ -87,6 +90,7 @@ async def unless_disconnected(request: Request, work):
     Raises ClientDisconnected in that case; starlette delivers the request body before this is called,
     so the next ASGI receive message can only be the disconnect.
     """
+
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":
             pass

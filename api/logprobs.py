@@ -1,6 +1,7 @@
 """Log-probabilities in OpenAI's two wire shapes: the completions API's parallel lists and the chat
 API's per-token objects. Token strings are each token decoded on its own; a logprob of -inf (a token
 the model rules out) is sent as -9999.0, as vLLM does, because JSON has no infinity."""
+
 from typing import Callable
 
 from engine import Logprob
@@ -26,17 +27,23 @@ class CompletionLogprobs:
         null, as OpenAI sends them; all are null if the engine computed none)."""
         tokens = [self._token_text(t) for t in token_ids]
         entries = prompt_logprobs or [None] * len(tokens)
-        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) if lp else None for lp in entries],
-                "top_logprobs": [self._top(lp, token) if lp else None for lp, token in zip(entries, tokens)],
-                "text_offset": self._offsets(tokens)}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(lp.logprob) if lp else None for lp in entries],
+            "top_logprobs": [self._top(lp, token) if lp else None for lp, token in zip(entries, tokens)],
+            "text_offset": self._offsets(tokens),
+        }
 
     def generated(self, logprobs: list[Logprob]) -> dict:
         """Entries for generated tokens; top_logprobs maps token text to logprob for the requested
         top N plus the sampled token (so up to N + 1 entries, as in OpenAI's API)."""
         tokens = [self._token_text(lp.token_id) for lp in logprobs]
-        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-                "top_logprobs": [self._top(lp, token) for lp, token in zip(logprobs, tokens)],
-                "text_offset": self._offsets(tokens)}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+            "top_logprobs": [self._top(lp, token) for lp, token in zip(logprobs, tokens)],
+            "text_offset": self._offsets(tokens),
+        }
 
     def _top(self, lp: Logprob, token: str) -> dict[str, float]:
         top = {self._token_text(t): _finite(v) for t, v in lp.top_logprobs}
@@ -59,22 +66,32 @@ def merge(first: dict, second: dict) -> dict:
 def chat_logprobs(logprobs: list[Logprob], token_text: Callable[[int], str]) -> dict:
     """`choices[i].logprobs` of /v1/chat/completions: {"content": [{token, logprob, bytes,
     top_logprobs: [{token, logprob, bytes}]}]}, top_logprobs holding exactly the requested top N."""
+
     def entry(token_id: int, logprob: float) -> dict:
         text = token_text(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
-    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top_logprobs]}
-                        for lp in logprobs]}
+    return {
+        "content": [
+            entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top_logprobs]}
+            for lp in logprobs
+        ]
+    }
 
 
 def vllm_prompt_logprobs(prompt_logprobs: list[Logprob | None], token_text: Callable[[int], str]) -> list:
     """vLLM's `prompt_logprobs` response field: per prompt token None (the first) or {token id (as a
     JSON key string): {"logprob", "rank", "decoded_token"}} holding the prompt token and the top-k."""
+
     def entry(lp: Logprob) -> dict:
-        out = {str(t): {"logprob": _finite(v), "rank": rank, "decoded_token": token_text(t)}
-               for rank, (t, v) in enumerate(lp.top_logprobs, start=1)}
-        out.setdefault(str(lp.token_id), {"logprob": _finite(lp.logprob), "rank": lp.rank,
-                                     "decoded_token": token_text(lp.token_id)})
+        out = {
+            str(t): {"logprob": _finite(v), "rank": rank, "decoded_token": token_text(t)}
+            for rank, (t, v) in enumerate(lp.top_logprobs, start=1)
+        }
+        out.setdefault(
+            str(lp.token_id),
+            {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": token_text(lp.token_id)},
+        )
         return out
 
     return [entry(lp) if lp else None for lp in prompt_logprobs]

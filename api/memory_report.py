@@ -4,6 +4,7 @@ Python traces allocations (PYTHONTRACEMALLOC=1 in the server's environment), the
 the most. It tells a leak (bytes in use that grow) from allocator high-water marks (free bytes kept in
 the arenas); scripts/soak.py --phases asks for one after each phase.
 """
+
 import ctypes
 import ctypes.util
 import re
@@ -15,8 +16,22 @@ MIB = 2**20
 class _MallInfo2(ctypes.Structure):
     """glibc's `struct mallinfo2` (malloc.h, glibc >= 2.33), every field in bytes or counts, summed over
     all arenas."""
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _glibc_malloc() -> str:
@@ -34,9 +49,11 @@ def _glibc_malloc() -> str:
     xml = ctypes.string_at(buf, size.value).decode()
     libc.free(buf)
     arenas = len(re.findall(r"<heap nr=", xml))
-    return (f"malloc: {arenas} arenas, {(info.arena + info.hblkhd) / MIB:.1f} MiB from the system "
-            f"({info.arena / MIB:.1f} in arenas + {info.hblkhd / MIB:.1f} mmapped), "
-            f"{(info.uordblks + info.hblkhd) / MIB:.1f} MiB in use, {info.fordblks / MIB:.1f} MiB free in arenas")
+    return (
+        f"malloc: {arenas} arenas, {(info.arena + info.hblkhd) / MIB:.1f} MiB from the system "
+        f"({info.arena / MIB:.1f} in arenas + {info.hblkhd / MIB:.1f} mmapped), "
+        f"{(info.uordblks + info.hblkhd) / MIB:.1f} MiB in use, {info.fordblks / MIB:.1f} MiB free in arenas"
+    )
 
 
 def _python_top(top: int) -> str:
@@ -44,8 +61,10 @@ def _python_top(top: int) -> str:
         return "python: not traced (PYTHONTRACEMALLOC=1 to trace)"
     snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
     stats = snapshot.statistics("lineno")
-    lines = ", ".join(f"{s.traceback[0].filename.rsplit('/', 2)[-1]}:{s.traceback[0].lineno} {s.size / MIB:.1f} MiB"
-                      for s in stats[:top])
+    lines = ", ".join(
+        f"{s.traceback[0].filename.rsplit('/', 2)[-1]}:{s.traceback[0].lineno} {s.size / MIB:.1f} MiB"
+        for s in stats[:top]
+    )
     return f"python: {sum(s.size for s in stats) / MIB:.1f} MiB traced; top {lines}"
 
 

@@ -4,6 +4,7 @@ Engine gauges and counters are read from `engine.stats()` at scrape time; per-re
 `vllm:request_success` are recorded by `RequestTracker` as each request's outputs stream through the
 server. Times are in seconds; `vllm:kv_cache_usage_perc` is a fraction in [0, 1], as in vLLM.
 """
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -11,12 +12,74 @@ from prometheus_client.registry import Collector
 from engine import RequestOutput
 
 # vLLM's bucket boundaries, so histograms line up with vLLM's in the same dashboard.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class _EngineCollector(Collector):
@@ -29,29 +92,39 @@ class _EngineCollector(Collector):
     def collect(self):
         s = self._engine.stats()
         for name, doc, value in (
-                ("vllm:num_requests_running", "Requests running on the engine.", s.num_running),
-                ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-                ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", s.kv_cache_usage)):
+            ("vllm:num_requests_running", "Requests running on the engine.", s.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", s.kv_cache_usage),
+        ):
             gauge = GaugeMetricFamily(name, doc, labels=self._names)
             gauge.add_metric(self._labels, value)
             yield gauge
         for name, doc, value in (
-                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
-                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
-                ("vllm:num_preemptions", "Preemptions of running requests.", s.num_preemptions),
-                ("vllm:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens),
-                ("vllm:prompt_tokens_recomputed", "Cached prompt tokens computed again (the last one).",
-                 s.prompt_tokens_recomputed),
-                ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens),
-                ("vllm:nixl_num_failed_transfers", "KV pulls from a prefill server that failed.",
-                 s.kv_transfer_failures),
-                ("vllm:nixl_num_kv_expired_reqs", "Requests whose KV blocks no decode server pulled in time.",
-                 s.kv_expired_requests)):
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            ("vllm:num_preemptions", "Preemptions of running requests.", s.num_preemptions),
+            ("vllm:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens),
+            (
+                "vllm:prompt_tokens_recomputed",
+                "Cached prompt tokens computed again (the last one).",
+                s.prompt_tokens_recomputed,
+            ),
+            ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens),
+            ("vllm:nixl_num_failed_transfers", "KV pulls from a prefill server that failed.", s.kv_transfer_failures),
+            (
+                "vllm:nixl_num_kv_expired_reqs",
+                "Requests whose KV blocks no decode server pulled in time.",
+                s.kv_expired_requests,
+            ),
+        ):
             counter = CounterMetricFamily(name, doc, labels=self._names)
             counter.add_metric(self._labels, value)
             yield counter
-        by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
-                                        labels=[*self._names, "source"])
+        by_source = CounterMetricFamily(
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from.",
+            labels=[*self._names, "source"],
+        )
         for source, value in s.prompt_tokens_by_source.items():
             by_source.add_metric([*self._labels, source], value)
         yield by_source
@@ -61,15 +134,19 @@ class _EngineCollector(Collector):
 
 def _spec_decoding_metrics(spec, names: list[str], labels: list[str]):
     """vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py), `position` 0..k-1."""
-    for name, doc, value in (("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
-                             ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
-                             ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-                              spec.num_accepted_tokens)):
+    for name, doc, value in (
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens),
+    ):
         counter = CounterMetricFamily(name, doc, labels=names)
         counter.add_metric(labels, value)
         yield counter
-    counter = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                  "Number of accepted tokens per draft position.", labels=[*names, "position"])
+    counter = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Number of accepted tokens per draft position.",
+        labels=[*names, "position"],
+    )
     for position, value in enumerate(spec.num_accepted_tokens_per_pos):
         counter.add_metric([*labels, str(position)], value)
     yield counter
@@ -88,19 +165,36 @@ class ServerMetrics:
             labels, values = [*labels, "engine"], [*values, str(data_parallel_rank)]
         self.registry.register(_EngineCollector(engine, labels, values))
         reg = self.registry
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
-                              registry=reg, buckets=_TTFT_BUCKETS).labels(*values)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", labels,
-                             registry=reg, buckets=_ITL_BUCKETS).labels(*values)
-        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
-                              "Per request: time per output token after the first.", labels,
-                              registry=reg, buckets=_ITL_BUCKETS).labels(*values)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
-                             registry=reg, buckets=_REQUEST_BUCKETS).labels(*values)
-        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", labels,
-                               registry=reg, buckets=_REQUEST_BUCKETS).labels(*values)
-        self._success = Counter("vllm:request_success", "Finished samples, by finish reason.",
-                                [*labels, "finished_reason"], registry=reg)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", labels, registry=reg, buckets=_TTFT_BUCKETS
+        ).labels(*values)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between consecutive tokens.",
+            labels,
+            registry=reg,
+            buckets=_ITL_BUCKETS,
+        ).labels(*values)
+        self.tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Per request: time per output token after the first.",
+            labels,
+            registry=reg,
+            buckets=_ITL_BUCKETS,
+        ).labels(*values)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish.", labels, registry=reg, buckets=_REQUEST_BUCKETS
+        ).labels(*values)
+        self.queue = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            labels,
+            registry=reg,
+            buckets=_REQUEST_BUCKETS,
+        ).labels(*values)
+        self._success = Counter(
+            "vllm:request_success", "Finished samples, by finish reason.", [*labels, "finished_reason"], registry=reg
+        )
         self._values = values
 
     def count_finished(self, finish_reason: str) -> None:

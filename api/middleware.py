@@ -1,4 +1,5 @@
 """Plain ASGI middleware (so SSE streams pass through untouched): `--api-key` and the body size limit."""
+
 import secrets
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -29,8 +30,11 @@ class APIKeyMiddleware:
             bearer_ok = secrets.compare_digest(headers.get(b"authorization", b""), self._bearer)
             key_ok = secrets.compare_digest(headers.get(b"x-api-key", b""), self._key)
             if not (bearer_ok or key_ok):
-                response = APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>` or "
-                                         "`x-api-key: <key>`.", code="invalid_api_key").response(path)
+                response = APIError(
+                    401,
+                    "Invalid or missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`.",
+                    code="invalid_api_key",
+                ).response(path)
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
 

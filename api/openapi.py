@@ -1,6 +1,7 @@
 """GET /openapi.json, generated from the routes and the pydantic request models (never written by hand),
 and GET /docs, Swagger UI rendering it from the assets the `swagger-ui-py` package ships (the page
 fetches nothing from a CDN, so it works offline)."""
+
 import importlib.util
 from pathlib import Path
 from typing import Literal
@@ -15,13 +16,16 @@ from api.errors import APIError, JSONResponse, is_anthropic_path
 
 # Status codes any route may answer with the OpenAI error body, Anthropic's on its routes (413 body limit,
 # 415 content type and 401 with --api-key come from middleware and parsing; 503 from admission and shutdown).
-_ERROR_STATUSES = {"400": "Invalid request", "401": "Missing or wrong API key (with --api-key)",
-                   "404": "Unknown model", "413": "Request body too large",
-                   "415": "Body not sent as `Content-Type: application/json`",
-                   "503": "Busy, shutting down or not ready (with Retry-After)"}
+_ERROR_STATUSES = {
+    "400": "Invalid request",
+    "401": "Missing or wrong API key (with --api-key)",
+    "404": "Unknown model",
+    "413": "Request body too large",
+    "415": "Body not sent as `Content-Type: application/json`",
+    "503": "Busy, shutting down or not ready (with Retry-After)",
+}
 # The only Swagger UI files the page loads.
-_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css",
-           "favicon-32x32.png": "image/png"}
+_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css", "favicon-32x32.png": "image/png"}
 
 
 class ErrorInfo(BaseModel):
@@ -49,34 +53,47 @@ class AnthropicErrorResponse(BaseModel):
     error: AnthropicErrorInfo
 
 
-def openapi_document(routes: list[Route], request_bodies: dict[str, type[BaseModel]], title: str,
-                     version: str) -> dict:
+def openapi_document(routes: list[Route], request_bodies: dict[str, type[BaseModel]], title: str, version: str) -> dict:
     """An OpenAPI 3.1 document for `routes` (their methods, and the first docstring line of their
     endpoint as summary); `request_bodies` maps a path to the model its JSON body is validated with.
     """
     models = [*request_bodies.values(), ErrorResponse, AnthropicErrorResponse]
     names, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
-    errors = {body: {code: {"description": text, "content": {"application/json": {
-                  "schema": names[(body, "validation")]}}} for code, text in _ERROR_STATUSES.items()}
-              for body in (ErrorResponse, AnthropicErrorResponse)}
+    errors = {
+        body: {
+            code: {"description": text, "content": {"application/json": {"schema": names[(body, "validation")]}}}
+            for code, text in _ERROR_STATUSES.items()
+        }
+        for body in (ErrorResponse, AnthropicErrorResponse)
+    }
     paths: dict[str, dict] = {}
     for route in routes:
         if not isinstance(route, Route) or not route.include_in_schema:
             continue
         doc = (route.endpoint.__doc__ or "").strip()
         for method in sorted(route.methods - {"HEAD"}):
-            op = {"summary": doc.splitlines()[0] if doc else route.path, "operationId": f"{method.lower()}_{route.name}"}
+            op = {
+                "summary": doc.splitlines()[0] if doc else route.path,
+                "operationId": f"{method.lower()}_{route.name}",
+            }
             model = request_bodies.get(route.path)
             if model is not None:
-                op["requestBody"] = {"required": True, "content": {"application/json": {
-                    "schema": names[(model, "validation")]}}}
-                op["responses"] = {"200": {"description": "Success; `stream: true` answers text/event-stream"}} \
-                    | errors[AnthropicErrorResponse if is_anthropic_path(route.path) else ErrorResponse]
+                op["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": names[(model, "validation")]}},
+                }
+                op["responses"] = {
+                    "200": {"description": "Success; `stream: true` answers text/event-stream"}
+                } | errors[AnthropicErrorResponse if is_anthropic_path(route.path) else ErrorResponse]
             else:
                 op["responses"] = {"200": {"description": "Success"}}
             paths.setdefault(route.path, {})[method.lower()] = op
-    return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
-            "components": {"schemas": defs.get("$defs", {})}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "paths": paths,
+        "components": {"schemas": defs.get("$defs", {})},
+    }
 
 
 def docs_routes(document: dict) -> list[Route]:
@@ -98,9 +115,11 @@ def docs_routes(document: dict) -> list[Route]:
             raise APIError(404, f"Invalid URL (GET {request.url.path})")
         return FileResponse(static / name, media_type=_ASSETS[name])
 
-    return [Route("/openapi.json", openapi_json, methods=["GET"]),
-            Route("/docs", docs, methods=["GET"]),
-            Route("/docs/static/{name}", asset, methods=["GET"], include_in_schema=False)]
+    return [
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route("/docs", docs, methods=["GET"]),
+        Route("/docs/static/{name}", asset, methods=["GET"], include_in_schema=False),
+    ]
 
 
 def _swagger_ui_static() -> Path:

@@ -4,6 +4,7 @@ Types are strict as in OpenAI's API ("0.5" is not a number, true is not an integ
 numbers are rejected, `null` means "use the default", and unknown fields are ignored as vLLM does.
 Checks that need the model (token id ranges, context length) are in `api.serving`.
 """
+
 import json
 from typing import Annotated, Literal
 
@@ -143,15 +144,27 @@ class SamplingRequest(_Body):
             ValueError: SamplingParams rejected a combination (its message names the field).
         """
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=self.stop,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias or None,
-            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, prompt_logprobs=self.engine_prompt_logprobs,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=self.engine_prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None)
+            extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None,
+        )
 
     @property
     def engine_prompt_logprobs(self) -> int | None:
@@ -233,8 +246,14 @@ class ChatMessage(_Body):
         content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or ())
         message = {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
         if self.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
-                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -329,9 +348,12 @@ class EmbeddingRequest(_Body):
     token-id lists; `encoding_format` float (JSON numbers) or base64 (little-endian float32 bytes)."""
 
     model: str | None = None
-    input: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | \
-        Annotated[list[TokenId], Field(min_length=1)] | \
-        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    input: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None

@@ -7,6 +7,7 @@ A request runs as the chat completion it amounts to (`chat_request`): text, `too
 become chat messages, tool calls and "tool" messages; `tools` and `tool_choice` become chat's. Content this
 server cannot read (images, documents, thinking blocks) and server tools (web search, ...) are refused with 400.
 """
+
 import json
 from typing import Annotated, Literal
 
@@ -71,13 +72,24 @@ class Message(_Body):
             return [{"role": self.role, "content": self.content}]
         texts = [b for b in self.content if isinstance(b, TextBlock)]
         if self.role == "assistant":
-            calls = [{"id": b.id, "type": "function",
-                      "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
-                     for b in self.content if isinstance(b, ToolUseBlock)]
-            return [{"role": "assistant", "content": _chat_content(texts) if texts else None}
-                    | ({"tool_calls": calls} if calls else {})]
-        results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _chat_content(b.content)}
-                   for b in self.content if isinstance(b, ToolResultBlock)]
+            calls = [
+                {
+                    "id": b.id,
+                    "type": "function",
+                    "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)},
+                }
+                for b in self.content
+                if isinstance(b, ToolUseBlock)
+            ]
+            return [
+                {"role": "assistant", "content": _chat_content(texts) if texts else None}
+                | ({"tool_calls": calls} if calls else {})
+            ]
+        results = [
+            {"role": "tool", "tool_call_id": b.tool_use_id, "content": _chat_content(b.content)}
+            for b in self.content
+            if isinstance(b, ToolResultBlock)
+        ]
         return results + ([{"role": "user", "content": _chat_content(texts)}] if texts else [])
 
 
@@ -138,14 +150,28 @@ class CountTokensRequest(_Body):
         if choice.type == "none" or (choice.type == "auto" and not self.tools):
             tools, chat_choice = None, None
         else:
-            tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                        "parameters": t.input_schema}} for t in self.tools]
-            chat_choice = {"auto": "auto" if auto_tool_choice else "none", "any": "required",
-                           "tool": {"type": "function", "function": {"name": choice.name}}}[choice.type]
-        return ChatCompletionRequest.model_validate({
-            "messages": messages, "tools": tools or None, "tool_choice": chat_choice,
-            "parallel_tool_calls": not choice.disable_parallel_tool_use,
-            "chat_template_kwargs": self.chat_template_kwargs} | self._output_fields())
+            tools = [
+                {
+                    "type": "function",
+                    "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+                }
+                for t in self.tools
+            ]
+            chat_choice = {
+                "auto": "auto" if auto_tool_choice else "none",
+                "any": "required",
+                "tool": {"type": "function", "function": {"name": choice.name}},
+            }[choice.type]
+        return ChatCompletionRequest.model_validate(
+            {
+                "messages": messages,
+                "tools": tools or None,
+                "tool_choice": chat_choice,
+                "parallel_tool_calls": not choice.disable_parallel_tool_use,
+                "chat_template_kwargs": self.chat_template_kwargs,
+            }
+            | self._output_fields()
+        )
 
     def _output_fields(self) -> dict:
         """The chat request's output settings (sampling, limits), in chat's names: none for counting tokens."""
@@ -174,5 +200,10 @@ class MessagesRequest(CountTokensRequest):
         return thinking
 
     def _output_fields(self) -> dict:
-        return {"max_tokens": self.max_tokens, "stop": self.stop_sequences, "temperature": self.temperature,
-                "top_p": self.top_p, "top_k": self.top_k}
+        return {
+            "max_tokens": self.max_tokens,
+            "stop": self.stop_sequences,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+        }

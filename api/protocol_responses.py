@@ -6,6 +6,7 @@ whole conversation sent as `input` (nothing is stored). A field that would chang
 supported (another tool type, `previous_response_id`, `include`, `reasoning`, ...) is refused with 400, never
 ignored. The field names and shapes are OpenAI's (the openai SDK's `openai/types/responses/`).
 """
+
 from typing import Annotated, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
@@ -66,8 +67,12 @@ def _item_type(item) -> str | None:
     return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
 
 
-InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_type)]
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
 
 
 class FunctionTool(_Body):
@@ -121,8 +126,9 @@ class TextConfig(_Body):
     """`text`: the output's format; `verbosity` only at its default, "medium" (the served models have no
     verbosity setting)."""
 
-    format: Annotated[TextFormatText | TextFormatJsonObject | TextFormatJsonSchema, Field(discriminator="type")] = \
+    format: Annotated[TextFormatText | TextFormatJsonObject | TextFormatJsonSchema, Field(discriminator="type")] = (
         TextFormatText(type="text")
+    )
     verbosity: Literal["low", "medium", "high"] | None = None
 
     @field_validator("verbosity")
@@ -173,8 +179,9 @@ class ResponsesRequest(_Body):
     @field_validator(*_REFUSED)
     @classmethod
     def _refuse_unsupported(cls, value, info: ValidationInfo):
-        inert = value in (False, 0, "disabled", []) or (isinstance(value, dict)
-                                                        and all(v is None for v in value.values()))
+        inert = value in (False, 0, "disabled", []) or (
+            isinstance(value, dict) and all(v is None for v in value.values())
+        )
         if not inert:
             raise ValueError(f"not supported: {_REFUSED[info.field_name]}")  # the error names the field
         return value
@@ -189,40 +196,65 @@ class ResponsesRequest(_Body):
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         for item in items:
             if isinstance(item, MessageItem):
-                messages.append({"role": "system" if item.role == "developer" else item.role,
-                                 "content": _chat_content(item.content)})
+                messages.append(
+                    {
+                        "role": "system" if item.role == "developer" else item.role,
+                        "content": _chat_content(item.content),
+                    }
+                )
             elif isinstance(item, FunctionCallItem):
-                call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
                 if messages and messages[-1]["role"] == "assistant":
                     messages[-1].setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _chat_content(item.output)})
-        tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                 for t in self.tools]
+        tools = [
+            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.tools
+        ]
         choice = self.tool_choice
         if isinstance(choice, NamedFunctionChoice):
             choice = {"type": "function", "function": {"name": choice.name}}
         elif choice == "auto" and not tools:
             choice = None  # OpenAI's default, also without tools; chat would ask for tools
-        return ChatCompletionRequest.model_validate({
-            "messages": messages, "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, "tools": tools or None, "tool_choice": choice,
-            "parallel_tool_calls": self.parallel_tool_calls, "user": self.user,
-            "chat_template_kwargs": self.chat_template_kwargs})
+        return ChatCompletionRequest.model_validate(
+            {
+                "messages": messages,
+                "max_completion_tokens": self.max_output_tokens,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "tools": tools or None,
+                "tool_choice": choice,
+                "parallel_tool_calls": self.parallel_tool_calls,
+                "user": self.user,
+                "chat_template_kwargs": self.chat_template_kwargs,
+            }
+        )
 
     def echo(self) -> dict:
         """The request fields a Response object repeats (OpenAI's `Response` type requires several)."""
         choice = self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
-        return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
-                "metadata": self.metadata, "parallel_tool_calls": self.parallel_tool_calls,
-                "previous_response_id": None, "reasoning": None, "background": False,
-                "temperature": self.temperature, "top_p": self.top_p,
-                "text": self.text.model_dump(by_alias=True, exclude_none=True), "tool_choice": choice,
-                "tools": [t.model_dump(exclude_none=True) for t in self.tools], "truncation": self.truncation,
-                "user": self.user}
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "metadata": self.metadata,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "previous_response_id": None,
+            "reasoning": None,
+            "background": False,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "text": self.text.model_dump(by_alias=True, exclude_none=True),
+            "tool_choice": choice,
+            "tools": [t.model_dump(exclude_none=True) for t in self.tools],
+            "truncation": self.truncation,
+            "user": self.user,
+        }
 
 
 def _chat_content(content: str | list[TextPart]) -> str | list[dict]:

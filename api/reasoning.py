@@ -8,6 +8,7 @@ field), the rest to `content`, whole or streamed delta by delta.
 - `qwen3`: reasoning only when the output starts with `<think>` (with `enable_thinking: false` the
   template closes an empty think block in the prompt and the output is all content).
 """
+
 from api.streaming import held_tail
 
 START, END = "<think>", "</think>"
@@ -43,7 +44,7 @@ class ReasoningParser:
                     return reasoning, content
                 self.at_start = False
                 if stripped.startswith(START):
-                    text = stripped[len(START):]
+                    text = stripped[len(START) :]
                     self.state = "reasoning"
                     continue
                 if self.state == "undecided":
@@ -51,11 +52,11 @@ class ReasoningParser:
                     continue
             end = text.find(END)
             if end >= 0:
-                reasoning, text, self.state = reasoning + text[:end], text[end + len(END):], "content"
+                reasoning, text, self.state = reasoning + text[:end], text[end + len(END) :], "content"
                 continue
             keep = held_tail(text, END)
-            self.pending = text[len(text) - keep:] if keep else ""
-            return reasoning + text[:len(text) - keep], content
+            self.pending = text[len(text) - keep :] if keep else ""
+            return reasoning + text[: len(text) - keep], content
         return reasoning, content
 
     def finish(self) -> tuple[str, str]:

@@ -1,5 +1,5 @@
 """What the endpoints share: settings, parsing, the checks that need the model, and admission."""
-import dataclasses
+
 import functools
 import logging
 import time
@@ -14,36 +14,11 @@ from api.errors import APIError, from_validation_error
 from api.generation import Generation
 from api.metrics import ServerMetrics
 from api.protocol import ChatMessage, SamplingRequest
+from api.settings import ServerSettings
 from engine import EngineStepError, KVTransferError, SamplingParams, StructuredOutputsParams
 from engine.chat_template import encode_chat
 
 logger = logging.getLogger("api")
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerSettings:
-    """Server options beyond the engine's (the flags are in `api.cli`).
-
-    served_model_name: the model id the API reports and accepts. api_key: bearer token required on the
-    API routes, None = open. max_queue_len: new requests get 503 while this many accepted requests have
-    not produced a token yet, None = no limit. chat_template: Jinja source overriding the tokenizer's.
-    max_request_body_bytes: larger bodies get 413. enable_auto_tool_choice, tool_call_parser: tool_choice
-    "auto" parses the model's calls with this parser (vLLM's flags; both are needed). enable_dashboard:
-    serve /dashboard (api/dashboard.py). data_parallel_rank: this replica's rank behind a router
-    (labels /metrics as `engine`), None when serving alone. reasoning_parser: --reasoning-parser
-    (api/reasoning.py), None to leave <think> blocks in the content.
-    """
-
-    served_model_name: str
-    api_key: str | None = None
-    max_queue_len: int | None = None
-    chat_template: str | None = None
-    max_request_body_bytes: int = 8 << 20
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    enable_dashboard: bool = True
-    data_parallel_rank: int | None = None
-    reasoning_parser: str | None = None
 
 
 def is_json_content_type(value: str) -> bool:
@@ -51,8 +26,7 @@ def is_json_content_type(value: str) -> bool:
     application/*+json, any parameters (charset) allowed. A request without the header is read as
     JSON too."""
     media_type = value.split(";", 1)[0].strip().lower()
-    return media_type == "application/json" or (media_type.startswith("application/")
-                                                 and media_type.endswith("+json"))
+    return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
 
 
 class ServingContext:
@@ -78,8 +52,12 @@ class ServingContext:
         that is not declared JSON (see `is_json_content_type`), 400 / 404 for a bad one."""
         content_type = request.headers.get("content-type")
         if content_type and not is_json_content_type(content_type):
-            raise APIError(415, f"unsupported Content-Type {content_type!r}: send the body as JSON with "
-                                f"`Content-Type: application/json`", code="unsupported_media_type")
+            raise APIError(
+                415,
+                f"unsupported Content-Type {content_type!r}: send the body as JSON with "
+                f"`Content-Type: application/json`",
+                code="unsupported_media_type",
+            )
         try:
             data = orjson.loads(await request.body())
         except orjson.JSONDecodeError as e:
@@ -89,8 +67,12 @@ class ServingContext:
         except ValidationError as e:
             raise from_validation_error(e) from None
         if parsed.model is not None and parsed.model != self.settings.served_model_name:
-            raise APIError(404, f"The model `{parsed.model}` does not exist; this server serves "
-                                f"`{self.settings.served_model_name}`.", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{parsed.model}` does not exist; this server serves `{self.settings.served_model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
         return parsed
 
     def check_token_ids(self, ids, param: str) -> None:
@@ -99,15 +81,27 @@ class ServingContext:
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
 
-    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    add_special_tokens: bool = False, tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        add_special_tokens: bool = False,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> list[int]:
         """Token ids of a conversation (and the tool definitions, for templates that render them) through
         the chat template, given `template_kwargs` (e.g. {"enable_thinking": false}). Raises APIError 400
         when the template rejects it (or the model has none and no --chat-template was given)."""
         try:
-            return encode_chat(self.tokenizer, [m.to_template() for m in messages], self.settings.chat_template,
-                               add_generation_prompt, tools, add_special_tokens, **(template_kwargs or {}))
+            return encode_chat(
+                self.tokenizer,
+                [m.to_template() for m in messages],
+                self.settings.chat_template,
+                add_generation_prompt,
+                tools,
+                add_special_tokens,
+                **(template_kwargs or {}),
+            )
         except (TemplateError, ValueError, TypeError) as e:
             raise APIError(400, f"the chat template could not render the messages: {e}", param="messages") from None
 
@@ -116,13 +110,20 @@ class ServingContext:
         Raises APIError 400, with the numbers, when prompt + output exceed max_model_len."""
         limit = self.engine.max_model_len
         if prompt_len >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens, and the prompt has "
-                                f"{prompt_len} tokens, leaving no room for output.", param=prompt_param)
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens, and the prompt has "
+                f"{prompt_len} tokens, leaving no room for output.",
+                param=prompt_param,
+            )
         if requested is not None and prompt_len + requested > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-                                f"completion). Please reduce the length of the prompt or the completion.",
-                           param=max_param)
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                f"completion). Please reduce the length of the prompt or the completion.",
+                param=max_param,
+            )
         return limit - prompt_len if requested is None else requested
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -130,8 +131,11 @@ class ServingContext:
         self.check_token_ids(req.stop_token_ids, "stop_token_ids")
         self.check_token_ids(req.logit_bias, "logit_bias")
         if req.min_tokens > max_tokens:
-            raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= the maximum output tokens ({max_tokens})",
-                           param="min_tokens")
+            raise APIError(
+                400,
+                f"min_tokens ({req.min_tokens}) must be <= the maximum output tokens ({max_tokens})",
+                param="min_tokens",
+            )
         try:
             return req.sampling_params(max_tokens, logprobs)
         except ValueError as e:
@@ -153,8 +157,9 @@ class ServingContext:
             raise APIError(400, f"{param}: {e}", param=param) from None
         params.structured_outputs = spec
 
-    def start(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-              pooling: bool = False) -> Generation:
+    def start(
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str, pooling: bool = False
+    ) -> Generation:
         """Admits an API request and starts its engine requests, one per prompt (embedding requests
         with `pooling`).
 
@@ -166,8 +171,12 @@ class ServingContext:
             raise APIError(400, "kv_transfer_params needs a single prompt", param="kv_transfer_params")
         limit = self.settings.max_queue_len
         if limit is not None and self.num_queued >= limit:
-            raise APIError(503, f"server busy: {self.num_queued} requests are waiting (--max-queue-len {limit}); "
-                                f"retry later", code="queue_full", headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                f"server busy: {self.num_queued} requests are waiting (--max-queue-len {limit}); retry later",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
         return Generation(self, prompts, params, request_id, pooling)
 
     def engine_error(self, error: Exception) -> APIError:
@@ -175,8 +184,12 @@ class ServingContext:
         if isinstance(error, ValueError):
             return APIError(400, str(error))
         if isinstance(error, KVTransferError):
-            return APIError(500, f"the prompt's KV cache could not be pulled from the prefill server: {error.reason}",
-                            param="kv_transfer_params", code="kv_transfer_failed")
+            return APIError(
+                500,
+                f"the prompt's KV cache could not be pulled from the prefill server: {error.reason}",
+                param="kv_transfer_params",
+                code="kv_transfer_failed",
+            )
         if isinstance(error, EngineStepError):
             # The engine logged the traceback; the client learns only that its step failed.
             return APIError(500, "the engine step running this request failed; it was aborted")

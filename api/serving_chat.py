@@ -1,16 +1,17 @@
 """POST /v1/chat/completions: messages through the chat template (the model's or --chat-template),
 then the same sampling as completions; streamed as OpenAI's chat.completion.chunk deltas or not."""
+
 import time
 import uuid
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from api.errors import APIError
 from api.generation import Generation, final_response
 from api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from api.protocol import ChatCompletionRequest
 from api.reasoning import ReasoningParser, split_reasoning
-from api.errors import APIError
 from api.serving import ServingContext
 from api.streaming import sse_response
 from api.structured_outputs import structured_outputs_params
@@ -50,13 +51,15 @@ def render_chat(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[list[i
     tool calling. Raises APIError 400 for bad tools or tool_choice, or a conversation the template rejects."""
     s = ctx.settings
     tools = ToolCalls(req, s.tool_call_parser if s.enable_auto_tool_choice else None)
-    prompt = ctx.encode_chat(req.messages, req.add_generation_prompt, tools=tools.template_tools,
-                             template_kwargs=req.chat_template_kwargs)
+    prompt = ctx.encode_chat(
+        req.messages, req.add_generation_prompt, tools=tools.template_tools, template_kwargs=req.chat_template_kwargs
+    )
     return prompt, tools
 
 
-def output_constraint(tools: ToolCalls, spec: StructuredOutputsParams | None,
-                      param: str | None) -> tuple[StructuredOutputsParams | None, str | None]:
+def output_constraint(
+    tools: ToolCalls, spec: StructuredOutputsParams | None, param: str | None
+) -> tuple[StructuredOutputsParams | None, str | None]:
     """(the constraint, the request field it came from) of a request whose own output constraint is `spec`
     (from field `param`): that, or the grammar of its forced tool calls ("tools"), or (None, None).
 
@@ -64,8 +67,11 @@ def output_constraint(tools: ToolCalls, spec: StructuredOutputsParams | None,
     if tools.constraint is None:
         return spec, param
     if spec is not None:
-        raise APIError(400, f"use either an output constraint ({param}) or tool_choice \"required\" / a named "
-                            f"function, not both", param=param)
+        raise APIError(
+            400,
+            f'use either an output constraint ({param}) or tool_choice "required" / a named function, not both',
+            param=param,
+        )
     return tools.constraint, "tools"
 
 
@@ -78,13 +84,21 @@ class _ChatCompletion:
         self.created = int(time.time())
 
     def _body(self, kind: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created,
-                "model": self.ctx.settings.served_model_name, "choices": choices}
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.ctx.settings.served_model_name,
+            "choices": choices,
+        }
 
     def _usage(self, completion_tokens: int, cached_tokens: int) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        }
 
     def _logprobs(self, logprobs) -> dict | None:
         return chat_logprobs(logprobs, self.ctx.token_text) if self.req.logprobs else None
@@ -96,19 +110,34 @@ class _ChatCompletion:
     def response(self, output: RequestOutput) -> dict:
         choices = []
         for c in output.outputs:
-            reasoning, text = split_reasoning(self.ctx.settings.reasoning_parser, c.text) \
-                if self.ctx.settings.reasoning_parser else (None, c.text)
+            reasoning, text = (
+                split_reasoning(self.ctx.settings.reasoning_parser, c.text)
+                if self.ctx.settings.reasoning_parser
+                else (None, c.text)
+            )
             content, calls = self.tools.parse(text)
             if reasoning is not None and not content:
                 content = None  # all of it was reasoning (cut while thinking), as vLLM reports it
-            message = {"role": "assistant", "content": content} | self._reasoning(reasoning) \
+            message = (
+                {"role": "assistant", "content": content}
+                | self._reasoning(reasoning)
                 | ({"tool_calls": calls} if calls else {})
-            choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
-                            "finish_reason": finish_reason(c.finish_reason, calls, self.tools.mode),
-                            "stop_reason": c.stop_reason})
+            )
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs(c.logprobs),
+                    "finish_reason": finish_reason(c.finish_reason, calls, self.tools.mode),
+                    "stop_reason": c.stop_reason,
+                }
+            )
         usage = self._usage(sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens)
-        return self._body("chat.completion", choices) | {"usage": usage, "timings": output.metrics.timings()} \
+        return (
+            self._body("chat.completion", choices)
+            | {"usage": usage, "timings": output.metrics.timings()}
             | self._prompt_logprobs(output)
+        )
 
     def _prompt_logprobs(self, output: RequestOutput) -> dict:
         """vLLM's top-level `prompt_logprobs` field (in the first content chunk when streaming)."""
@@ -122,8 +151,20 @@ class _ChatCompletion:
         and a final chunk with no choices has it."""
         usage_field = {"usage": None} if self.req.include_usage else {}
         for index in range(self.req.n):
-            yield self._body("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                        "logprobs": None, "finish_reason": None}]) | usage_field
+            yield (
+                self._body(
+                    "chat.completion.chunk",
+                    [
+                        {
+                            "index": index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                )
+                | usage_field
+            )
         sent_chars, sent_logprobs, num_tokens, cached, metrics = {}, {}, {}, 0, None
         prompt_field = None
         streams = [self.tools.streamer() for _ in range(self.req.n)]
@@ -136,23 +177,40 @@ class _ChatCompletion:
                 if prompt_field:
                     yield self._body("chat.completion.chunk", []) | prompt_field | usage_field
             for c in out.outputs:
-                finished, new_text, reasoning = c.finish_reason is not None, c.text[sent_chars.get(c.index, 0):], ""
+                finished, new_text, reasoning = c.finish_reason is not None, c.text[sent_chars.get(c.index, 0) :], ""
                 if thinking[c.index] is not None:
                     reasoning, new_text = thinking[c.index].feed(new_text)
                     if finished:
                         tail_reasoning, tail_text = thinking[c.index].finish()
                         reasoning, new_text = reasoning + tail_reasoning, new_text + tail_text
                 text, calls = streams[c.index].feed(new_text, finished)
-                logprobs = self._logprobs(c.logprobs[sent_logprobs.get(c.index, 0):]) if self.req.logprobs else None
+                logprobs = self._logprobs(c.logprobs[sent_logprobs.get(c.index, 0) :]) if self.req.logprobs else None
                 sent_chars[c.index], num_tokens[c.index] = len(c.text), len(c.token_ids)
                 sent_logprobs[c.index] = len(c.logprobs or ())
                 if text or calls or reasoning or finished or (logprobs and logprobs["content"]):
-                    delta = ({"content": text} if text else {}) | (self._reasoning(reasoning) if reasoning else {}) \
+                    delta = (
+                        ({"content": text} if text else {})
+                        | (self._reasoning(reasoning) if reasoning else {})
                         | ({"tool_calls": calls} if calls else {})
+                    )
                     reason = finish_reason(c.finish_reason, streams[c.index].calls, self.tools.mode)
-                    yield self._body("chat.completion.chunk", [
-                        {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
-                         "stop_reason": c.stop_reason}]) | usage_field
+                    yield (
+                        self._body(
+                            "chat.completion.chunk",
+                            [
+                                {
+                                    "index": c.index,
+                                    "delta": delta,
+                                    "logprobs": logprobs,
+                                    "finish_reason": reason,
+                                    "stop_reason": c.stop_reason,
+                                }
+                            ],
+                        )
+                        | usage_field
+                    )
         if self.req.include_usage:
-            yield self._body("chat.completion.chunk", []) | {"usage": self._usage(sum(num_tokens.values()), cached),
-                                                             "timings": metrics.timings()}
+            yield self._body("chat.completion.chunk", []) | {
+                "usage": self._usage(sum(num_tokens.values()), cached),
+                "timings": metrics.timings(),
+            }

@@ -4,6 +4,7 @@ Choice `index` is prompt index * n + sample index. With echo, a choice's text st
 and with logprobs its prompt tokens are scored too (the first one null, as in OpenAI's API); vLLM's
 `prompt_logprobs` field adds `choices[i].prompt_logprobs` in vLLM's shape.
 """
+
 import time
 import uuid
 
@@ -15,8 +16,8 @@ from api.generation import Generation, final_response
 from api.logprobs import CompletionLogprobs, merge, vllm_prompt_logprobs
 from api.protocol import CompletionRequest
 from api.serving import ServingContext
-from api.structured_outputs import structured_outputs_params
 from api.streaming import sse_response
+from api.structured_outputs import structured_outputs_params
 from engine import RequestOutput, SamplingParams
 from engine.outputs import RequestMetrics
 
@@ -40,8 +41,9 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest) -> tuple[lis
     """The request's prompts as token ids and its sampling parameters (output constraints aside).
     Raises APIError 400."""
     if req.max_tokens == 0 and not req.echo:
-        raise APIError(400, "max_tokens 0 generates nothing; it needs echo: true (to score the prompt)",
-                       param="max_tokens")
+        raise APIError(
+            400, "max_tokens 0 generates nothing; it needs echo: true (to score the prompt)", param="max_tokens"
+        )
     prompts = []
     for prompt in req.prompts:
         if isinstance(prompt, str):
@@ -62,18 +64,29 @@ class _Completion:
         self.ctx, self.req, self.prompts = ctx, req, prompts
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.echo_texts = [p if isinstance(p, str) else ctx.tokenizer.decode(ids)
-                           for p, ids in zip(req.prompts, prompts)] if req.echo else None
+        self.echo_texts = (
+            [p if isinstance(p, str) else ctx.tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)]
+            if req.echo
+            else None
+        )
 
     def _body(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.ctx.settings.served_model_name, "choices": choices}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.ctx.settings.served_model_name,
+            "choices": choices,
+        }
 
     def _usage(self, completion_tokens: int, cached_tokens: int) -> dict:
         prompt_tokens = sum(map(len, self.prompts))
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        }
 
     def response(self, outputs: list[RequestOutput]) -> dict:
         choices = []
@@ -86,9 +99,16 @@ class _Completion:
                     logprobs = builder.generated(c.logprobs)
                     logprobs = merge(prompt_part, logprobs) if prompt_part else logprobs
                 text = self.echo_texts[i] + c.text if self.req.echo else c.text
-                choices.append({"index": i * self.req.n + c.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                               | self._prompt_logprobs(out))
+                choices.append(
+                    {
+                        "index": i * self.req.n + c.index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    | self._prompt_logprobs(out)
+                )
         completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         usage = self._usage(completion_tokens, sum(out.num_cached_tokens for out in outputs))
         return self._body(choices) | {"usage": usage, "timings": _timings(outputs)}
@@ -110,23 +130,39 @@ class _Completion:
             for c in out.outputs:
                 index = i * self.req.n + c.index
                 first = index not in sent_chars
-                text = (self.echo_texts[i] if self.req.echo and first else "") + c.text[sent_chars.get(index, 0):]
+                text = (self.echo_texts[i] if self.req.echo and first else "") + c.text[sent_chars.get(index, 0) :]
                 sent_chars[index], num_tokens[index] = len(c.text), len(c.token_ids)
                 logprobs = None
                 if self.req.logprobs is not None:
                     builder = builders.setdefault(index, CompletionLogprobs(self.ctx.token_text))
-                    prompt_part = builder.prompt(self.prompts[i], out.prompt_logprobs) if self.req.echo and first else None
-                    logprobs = builder.generated(c.logprobs[sent_logprobs.get(index, 0):])
+                    prompt_part = (
+                        builder.prompt(self.prompts[i], out.prompt_logprobs) if self.req.echo and first else None
+                    )
+                    logprobs = builder.generated(c.logprobs[sent_logprobs.get(index, 0) :])
                     logprobs = merge(prompt_part, logprobs) if prompt_part else logprobs
                     sent_logprobs[index] = len(c.logprobs)
                 prompt_field = self._prompt_logprobs(out) if first else {}  # in a choice's first chunk
                 if text or c.finish_reason or (logprobs and logprobs["tokens"]) or prompt_field:
-                    yield self._body([{"index": index, "text": text, "logprobs": logprobs,
-                                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                                      | prompt_field]) | usage_field
+                    yield (
+                        self._body(
+                            [
+                                {
+                                    "index": index,
+                                    "text": text,
+                                    "logprobs": logprobs,
+                                    "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason,
+                                }
+                                | prompt_field
+                            ]
+                        )
+                        | usage_field
+                    )
         if self.req.include_usage:
-            yield self._body([]) | {"usage": self._usage(sum(num_tokens.values()), sum(cached.values())),
-                                    "timings": _timings(list(last.values()))}
+            yield self._body([]) | {
+                "usage": self._usage(sum(num_tokens.values()), sum(cached.values())),
+                "timings": _timings(list(last.values())),
+            }
 
 
 def _timings(outputs: list[RequestOutput]) -> dict:

@@ -1,5 +1,6 @@
 """POST /v1/embeddings: OpenAI's embeddings API, served by the generation engine (each input is a
 prompt-only request whose final hidden states are pooled: engine.worker.pooler)."""
+
 import base64
 import uuid
 
@@ -23,8 +24,11 @@ async def create_embedding(request: Request) -> Response:
     ctx: ServingContext = request.app.state.serving
     req = await ctx.parse(request, EmbeddingRequest)
     if req.dimensions is not None:
-        raise APIError(400, f"dimensions is not supported by this model: its embeddings have "
-                            f"{ctx.engine.hidden_size} dimensions", param="dimensions")
+        raise APIError(
+            400,
+            f"dimensions is not supported by this model: its embeddings have {ctx.engine.hidden_size} dimensions",
+            param="dimensions",
+        )
     inputs = [req.input] if isinstance(req.input, str) or isinstance(req.input[0], int) else req.input
     prompts = [ctx.tokenizer.encode(x) if isinstance(x, str) else x for x in inputs]
     for prompt in prompts:
@@ -33,11 +37,17 @@ async def create_embedding(request: Request) -> Response:
     generation = ctx.start(prompts, SamplingParams(max_tokens=0), f"embd-{uuid.uuid4().hex}", pooling=True)
 
     def body(outputs) -> dict:
-        data = [{"object": "embedding", "index": i, "embedding": _encode(out.embedding, req.encoding_format)}
-                for i, out in enumerate(outputs)]
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encode(out.embedding, req.encoding_format)}
+            for i, out in enumerate(outputs)
+        ]
         tokens = sum(len(p) for p in prompts)
-        return {"object": "list", "data": data, "model": ctx.settings.served_model_name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return {
+            "object": "list",
+            "data": data,
+            "model": ctx.settings.served_model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
 
     return await final_response(request, generation, body)
 

@@ -3,6 +3,7 @@ it. A request runs as the chat completion it amounts to (`MessagesRequest.chat_r
 and tool calls as on /v1/chat/completions) and its output becomes Anthropic content blocks: a `text` block and a
 `tool_use` block per tool call. Streamed, it is Anthropic's events (the anthropic SDK's RawMessageStreamEvent).
 Errors on these routes are in Anthropic's shape (`api.errors`)."""
+
 import logging
 import uuid
 from typing import AsyncIterator
@@ -69,8 +70,12 @@ def _text_block(text: str) -> dict:
 def _tool_use_block(call: dict, arguments: str) -> dict:
     """A `tool_use` block for a call in chat's shape; `arguments` is its JSON input so far. Input cut by
     max_tokens keeps what parsed (as the anthropic SDK's stream accumulator does)."""
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-            "input": from_json(arguments or "{}", allow_partial=True)}
+    return {
+        "type": "tool_use",
+        "id": call["id"],
+        "name": call["function"]["name"],
+        "input": from_json(arguments or "{}", allow_partial=True),
+    }
 
 
 class _Message:
@@ -80,12 +85,20 @@ class _Message:
         self.ctx, self.prompt_tokens, self.tools = ctx, prompt_tokens, tools
         self.id = f"msg_{uuid.uuid4().hex}"
 
-    def _body(self, content: list[dict], stop_reason: str | None, stop_sequence: str | None,
-              output_tokens: int) -> dict:
+    def _body(
+        self, content: list[dict], stop_reason: str | None, stop_sequence: str | None, output_tokens: int
+    ) -> dict:
         """The Message object (the anthropic SDK's `Message` type)."""
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.ctx.settings.served_model_name,
-                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": output_tokens}}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.ctx.settings.served_model_name,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": output_tokens},
+        }
 
     def message(self, completion: CompletionOutput) -> dict:
         """The whole Message of a finished output: a text block (also for an empty answer, unless there are
@@ -105,7 +118,7 @@ class _Message:
         try:
             async for _, out in generation:
                 completion = out.outputs[0]
-                text, calls = streamer.feed(completion.text[len(streamer.text):], completion.finish_reason is not None)
+                text, calls = streamer.feed(completion.text[len(streamer.text) :], completion.finish_reason is not None)
                 for event in (blocks.text(text) if text else []) + [e for c in calls for e in blocks.tool_call(c)]:
                     yield event
             stop_reason, stop_sequence = _stop(completion, streamer.calls)
@@ -117,10 +130,13 @@ class _Message:
             yield APIError(500, "internal server error; the server log has the details").anthropic_body()
             return
         # an empty answer is an empty text block, as in `message`
-        for event in (blocks.close() if blocks.count else blocks.text("") + blocks.close()):
+        for event in blocks.close() if blocks.count else blocks.text("") + blocks.close():
             yield event
-        yield {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-               "usage": {"output_tokens": len(completion.token_ids)}}
+        yield {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "usage": {"output_tokens": len(completion.token_ids)},
+        }
         yield {"type": "message_stop"}
 
 

@@ -2,6 +2,7 @@
 it amounts to (`ResponsesRequest.chat_request`: chat template, sampling, tool calls and output constraints as on
 /v1/chat/completions) and its output becomes Response items: an assistant `message` with `output_text`, and a
 `function_call` item per tool call. Streamed, it is OpenAI's typed events (`openai/types/responses/`)."""
+
 import copy
 import itertools
 import logging
@@ -59,13 +60,24 @@ def _text_part(text: str) -> dict:
 
 
 def _message_item(text: str, status: str) -> dict:
-    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant", "status": status,
-            "content": [_text_part(text)]}
+    return {
+        "type": "message",
+        "id": f"msg_{uuid.uuid4().hex}",
+        "role": "assistant",
+        "status": status,
+        "content": [_text_part(text)],
+    }
 
 
 def _function_call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
+    return {
+        "type": "function_call",
+        "id": f"fc_{uuid.uuid4().hex}",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 class _Response:
@@ -78,16 +90,28 @@ class _Response:
 
     def body(self, status: str, output: list[dict], details: dict | None = None, usage: dict | None = None) -> dict:
         """The Response object (OpenAI's `Response` type) with these output items."""
-        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                "completed_at": int(time.time()) if status == "completed" else None, "error": None,
-                "incomplete_details": details, "model": self.ctx.settings.served_model_name, "output": output,
-                "usage": usage} | self.req.echo()
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None,
+            "incomplete_details": details,
+            "model": self.ctx.settings.served_model_name,
+            "output": output,
+            "usage": usage,
+        } | self.req.echo()
 
     def _usage(self, output: RequestOutput) -> dict:
         output_tokens = len(output.outputs[0].token_ids)
-        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": output.num_cached_tokens},
-                "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": self.prompt_tokens + output_tokens}
+        return {
+            "input_tokens": self.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": output.num_cached_tokens},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.prompt_tokens + output_tokens,
+        }
 
     def response(self, output: RequestOutput) -> dict:
         """The whole Response of a finished request. Every item is "completed" but the last, which has the
@@ -97,8 +121,9 @@ class _Response:
         status, details = _status(completion.finish_reason)
         items = [_message_item(content or "", "completed")] if content or not calls else []
         # a tool call's id in chat's shape becomes the item's call_id
-        items += [_function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
-                  for c in calls]
+        items += [
+            _function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed") for c in calls
+        ]
         items[-1]["status"] = status
         return self.body(status, items, details, self._usage(output))
 
@@ -115,7 +140,7 @@ class _Response:
         try:
             async for _, last in generation:
                 completion = last.outputs[0]
-                text, calls = streamer.feed(completion.text[len(streamer.text):], completion.finish_reason is not None)
+                text, calls = streamer.feed(completion.text[len(streamer.text) :], completion.finish_reason is not None)
                 for event in events.text(text):
                     yield event
                 for call in calls:
@@ -126,8 +151,9 @@ class _Response:
             return
         except Exception:
             logger.exception("stream failed")
-            yield events.event("error", code=None, message="internal server error; the server log has the details",
-                               param=None)
+            yield events.event(
+                "error", code=None, message="internal server error; the server log has the details", param=None
+            )
             return
         status, details = _status(last.outputs[0].finish_reason)
         if not events.items:
@@ -160,8 +186,9 @@ class _OutputEvents:
         events = self.close("completed")
         self.items.append(item)
         self._open = True
-        return events + [self.event("response.output_item.added", output_index=len(self.items) - 1,
-                                    item=copy.deepcopy(item))]
+        return events + [
+            self.event("response.output_item.added", output_index=len(self.items) - 1, item=copy.deepcopy(item))
+        ]
 
     def text(self, delta: str, force: bool = False) -> list[dict]:
         """Events for more text of the answer (a message item is opened for it; `force` opens one for none)."""
@@ -170,18 +197,23 @@ class _OutputEvents:
         events = []
         if not (self._open and self.items[-1]["type"] == "message"):
             events += self._add(_message_item("", "in_progress"))
-            events.append(self.event("response.content_part.added", **self._ids(), content_index=0,
-                                     part=_text_part("")))
+            events.append(
+                self.event("response.content_part.added", **self._ids(), content_index=0, part=_text_part(""))
+            )
         if delta:
             self.items[-1]["content"][0]["text"] += delta
-            events.append(self.event("response.output_text.delta", **self._ids(), content_index=0, delta=delta,
-                                     logprobs=[]))
+            events.append(
+                self.event("response.output_text.delta", **self._ids(), content_index=0, delta=delta, logprobs=[])
+            )
         return events
 
     def call(self, delta: dict) -> list[dict]:
         """Events for a tool-call delta of `ToolCallStream.feed` (one with an `id` starts a call)."""
-        events = self._add(_function_call_item(delta["id"], delta["function"]["name"], "", "in_progress")) \
-            if "id" in delta else []
+        events = (
+            self._add(_function_call_item(delta["id"], delta["function"]["name"], "", "in_progress"))
+            if "id" in delta
+            else []
+        )
         if arguments := delta["function"].get("arguments"):
             self.items[-1]["arguments"] += arguments
             events.append(self.event("response.function_call_arguments.delta", **self._ids(), delta=arguments))
@@ -196,10 +228,12 @@ class _OutputEvents:
         item["status"] = status
         if item["type"] == "message":
             part = item["content"][0]
-            events = [self.event("response.output_text.done", **self._ids(), content_index=0, text=part["text"],
-                                 logprobs=[]),
-                      self.event("response.content_part.done", **self._ids(), content_index=0, part=dict(part))]
+            events = [
+                self.event("response.output_text.done", **self._ids(), content_index=0, text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", **self._ids(), content_index=0, part=dict(part)),
+            ]
         else:
             events = [self.event("response.function_call_arguments.done", **self._ids(), arguments=item["arguments"])]
-        return events + [self.event("response.output_item.done", output_index=len(self.items) - 1,
-                                    item=copy.deepcopy(item))]
+        return events + [
+            self.event("response.output_item.done", output_index=len(self.items) - 1, item=copy.deepcopy(item))
+        ]

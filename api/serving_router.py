@@ -1,6 +1,7 @@
 """What a router in front of several engines asks of each one (vllm-router; also SGLang's router):
 vLLM's render endpoints (a request's prompt token ids, for prefix-aware routing without a /tokenize
 round trip), the engine's load, and its serving facts."""
+
 import dataclasses
 
 from starlette.requests import Request
@@ -15,8 +16,13 @@ from api.serving_completions import prepare_completion
 
 def _generate_request(ctx: ServingContext, request_id: str, token_ids: list[int], params, stream: bool) -> dict:
     """vLLM's GenerateRequest: what the engine would run for one prompt."""
-    return {"request_id": request_id, "model": ctx.settings.served_model_name, "token_ids": token_ids,
-            "sampling_params": dataclasses.asdict(params), "stream": stream}
+    return {
+        "request_id": request_id,
+        "model": ctx.settings.served_model_name,
+        "token_ids": token_ids,
+        "sampling_params": dataclasses.asdict(params),
+        "stream": stream,
+    }
 
 
 async def render_completion(request: Request) -> Response:
@@ -26,8 +32,9 @@ async def render_completion(request: Request) -> Response:
     req = await ctx.parse(request, CompletionRequest)
     prompts, params = prepare_completion(ctx, req)
     request_id = request.headers.get("x-request-id", "render")
-    return JSONResponse([_generate_request(ctx, f"cmpl-{request_id}-{i}", p, params, req.stream)
-                         for i, p in enumerate(prompts)])
+    return JSONResponse(
+        [_generate_request(ctx, f"cmpl-{request_id}-{i}", p, params, req.stream) for i, p in enumerate(prompts)]
+    )
 
 
 async def render_chat_completion(request: Request) -> Response:
@@ -46,9 +53,16 @@ async def get_load(request: Request) -> Response:
     ctx: ServingContext = request.app.state.serving
     stats, engine = ctx.engine.stats(), ctx.engine
     tokens = round(stats.kv_cache_usage * engine.num_kv_blocks) * engine.block_size
-    return JSONResponse([{"dp_rank": ctx.settings.data_parallel_rank or 0,
-                          "num_reqs": stats.num_running + stats.num_waiting,
-                          "num_waiting_reqs": stats.num_waiting, "num_tokens": tokens}])
+    return JSONResponse(
+        [
+            {
+                "dp_rank": ctx.settings.data_parallel_rank or 0,
+                "num_reqs": stats.num_running + stats.num_waiting,
+                "num_waiting_reqs": stats.num_waiting,
+                "num_tokens": tokens,
+            }
+        ]
+    )
 
 
 async def get_server_info(request: Request) -> Response:
@@ -56,8 +70,15 @@ async def get_server_info(request: Request) -> Response:
     ctx: ServingContext = request.app.state.serving
     engine = ctx.engine
     kv_transfer = engine.config.kv_transfer_config
-    return JSONResponse({"model_id": ctx.settings.served_model_name, "model_path": engine.model_dir,
-                         "max_model_len": engine.max_model_len, "kv_block_size": engine.block_size,
-                         "num_kv_blocks": engine.num_kv_blocks, "dtype": str(engine.dtype).removeprefix("torch."),
-                         "data_parallel_rank": ctx.settings.data_parallel_rank,
-                         "kv_role": kv_transfer.kv_role if kv_transfer else None})
+    return JSONResponse(
+        {
+            "model_id": ctx.settings.served_model_name,
+            "model_path": engine.model_dir,
+            "max_model_len": engine.max_model_len,
+            "kv_block_size": engine.block_size,
+            "num_kv_blocks": engine.num_kv_blocks,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "data_parallel_rank": ctx.settings.data_parallel_rank,
+            "kv_role": kv_transfer.kv_role if kv_transfer else None,
+        }
+    )

@@ -1,4 +1,5 @@
 """POST /tokenize and POST /detokenize, in vLLM's request and response shapes."""
+
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -24,8 +25,9 @@ async def tokenize(request: Request) -> Response:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         tokens = ctx.tokenizer.encode(req.prompt, add_special_tokens=add_special)
     token_strs = ctx.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
-    return JSONResponse({"count": len(tokens), "max_model_len": ctx.engine.max_model_len, "tokens": tokens,
-                         "token_strs": token_strs})
+    return JSONResponse(
+        {"count": len(tokens), "max_model_len": ctx.engine.max_model_len, "tokens": tokens, "token_strs": token_strs}
+    )
 
 
 async def detokenize(request: Request) -> Response:

@@ -1,6 +1,7 @@
 """Server-Sent Events as OpenAI sends them: `data: {json}\\n\\n` per chunk, then `data: [DONE]`; and typed
 events (`event: <type>` before each `data:` line), as Anthropic's Messages API (and OpenAI's Responses API)
 send them."""
+
 import logging
 from typing import AsyncIterator
 
@@ -35,8 +36,14 @@ def sse_response(chunks: AsyncIterator[dict], generation: Generation) -> EventSo
     # On shutdown the engine aborts every request, which ends each stream with finish_reason "abort"
     # and [DONE]; the grace period lets that reach the client before sse-starlette cancels the stream.
     # A client that stops reading for `send_timeout` seconds is dropped, which aborts its request.
-    return EventSourceResponse(events(), sep="\n", ping=0, background=BackgroundTask(generation.aclose),
-                               shutdown_grace_period=5, send_timeout=30)
+    return EventSourceResponse(
+        events(),
+        sep="\n",
+        ping=0,
+        background=BackgroundTask(generation.aclose),
+        shutdown_grace_period=5,
+        send_timeout=30,
+    )
 
 
 def typed_event_response(events: AsyncIterator[dict], generation: Generation) -> EventSourceResponse:
@@ -50,8 +57,14 @@ def typed_event_response(events: AsyncIterator[dict], generation: Generation) ->
         async for event in events:
             yield ServerSentEvent(orjson.dumps(event).decode(), event=event["type"], sep="\n")
 
-    return EventSourceResponse(encoded(), sep="\n", ping=0, background=BackgroundTask(generation.aclose),
-                               shutdown_grace_period=5, send_timeout=30)
+    return EventSourceResponse(
+        encoded(),
+        sep="\n",
+        ping=0,
+        background=BackgroundTask(generation.aclose),
+        shutdown_grace_period=5,
+        send_timeout=30,
+    )
 
 
 def held_tail(text: str, marker: str) -> int:

@@ -1,5 +1,6 @@
 """The request fields that constrain the output (OpenAI's `response_format`, vLLM's `structured_outputs` and its
 older `guided_*` names) turned into the engine's `StructuredOutputsParams`."""
+
 from api.errors import APIError
 from api.protocol import SamplingRequest
 from engine import StructuredOutputsParams
@@ -24,9 +25,19 @@ def structured_outputs_params(req: SamplingRequest) -> tuple[StructuredOutputsPa
         found.append(("response_format", kwargs))
     if req.structured_outputs is not None:
         so = req.structured_outputs
-        found.append(("structured_outputs", {"json": so.json_schema, "regex": so.regex, "choice": so.choice,
-                                             "grammar": so.grammar, "json_object": so.json_object,
-                                             "disable_any_whitespace": so.disable_any_whitespace}))
+        found.append(
+            (
+                "structured_outputs",
+                {
+                    "json": so.json_schema,
+                    "regex": so.regex,
+                    "choice": so.choice,
+                    "grammar": so.grammar,
+                    "json_object": so.json_object,
+                    "disable_any_whitespace": so.disable_any_whitespace,
+                },
+            )
+        )
     found += [(name, {kind: getattr(req, name)}) for name, kind in _GUIDED.items() if getattr(req, name) is not None]
     if not found:
         return None, None

@@ -1,4 +1,5 @@
 """The asyncio front of the engine: one step coroutine, per-request queues (what the server uses)."""
+
 import asyncio
 import contextlib
 import logging
@@ -10,8 +11,7 @@ from typing import AsyncIterator, Iterator
 from engine.config import EngineConfig
 from engine.llm_engine import EngineStepError, KVTransferError, LLMEngine
 from engine.outputs import EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sampling_params import StructuredOutputsParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.snapshot import SnapshotSlot
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,9 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       pooling: bool = False) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, pooling: bool = False
+    ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs, one RequestOutput per step that changed it, the last with
         `finished` True. Leaving the loop early (or a client disconnect cancelling it) aborts it.
         `pooling`: an embedding request (LLMEngine.add_request); its last output has the embedding.

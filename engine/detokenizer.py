@@ -13,11 +13,17 @@ class IncrementalDetokenizer:
 
     CONTEXT = 6  # prompt tokens of left context
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 include_stop_str_in_output: bool, skip_special_tokens: bool):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_token_ids[-self.CONTEXT:])
+        self.ids = list(prompt_token_ids[-self.CONTEXT :])
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.prefix_text = self._decode(self.ids)
         self.stop, self.include_stop = stop, include_stop_str_in_output
@@ -33,12 +39,12 @@ class IncrementalDetokenizer:
         """Adds one token; if `check_stop` and a stop string appears, truncates `text` at it and sets
         `stop_string`."""
         self.ids.append(token_id)
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         if len(new_text) <= len(self.prefix_text) or new_text.endswith("\ufffd"):
             return
-        delta = new_text[len(self.prefix_text):]
+        delta = new_text[len(self.prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        self.prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         old_len = len(self.text)
         self.text += delta
         if check_stop and self.stop:
@@ -49,7 +55,7 @@ class IncrementalDetokenizer:
             idx = self.text.find(s, start)
             if idx != -1:
                 self.stop_string = s
-                self.text = self.text[:idx + len(s) if self.include_stop else idx]
+                self.text = self.text[: idx + len(s) if self.include_stop else idx]
                 return
 
     def output_text(self, finished: bool) -> str:
@@ -57,7 +63,7 @@ class IncrementalDetokenizer:
         become a stop string."""
         if finished or not self.stop:
             return self.text
-        tail = self.text[-(self.max_stop_len - 1):] if self.max_stop_len > 1 else ""
+        tail = self.text[-(self.max_stop_len - 1) :] if self.max_stop_len > 1 else ""
         for k in range(len(tail), 0, -1):
             if any(s.startswith(tail[-k:]) for s in self.stop):
                 return self.text[:-k]

@@ -1,6 +1,7 @@
 """The engine core: the scheduler, the executor and the step's hooks (vLLM v1's EngineCore). Requests come in
 from the input processor as scheduler `Request`s; each step's news goes out as EngineCoreOutputs to the
 output processor."""
+
 import logging
 import time
 
@@ -52,13 +53,22 @@ class EngineCore:
         runner = self.executor.runner  # rank 0's: the KV cache size and limits are the engine's
         self.max_model_len, self.num_blocks = runner.max_model_len, runner.num_blocks
         self.kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.kv_connector = NixlConnector(config.kv_transfer_config, runner.kv_cache, config.block_size) \
-            if config.kv_transfer_config else NoKVConnector()
+        self.kv_connector = (
+            NixlConnector(config.kv_transfer_config, runner.kv_cache, config.block_size)
+            if config.kv_transfer_config
+            else NoKVConnector()
+        )
         spec = config.speculative_config
         k = spec.num_speculative_tokens if spec is not None else 0
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   self.kv_connector, num_speculative_tokens=k,
-                                   num_lookahead_tokens=k if spec is not None and spec.method == "draft_model" else 0)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            self.kv_connector,
+            num_speculative_tokens=k,
+            num_lookahead_tokens=k if spec is not None and spec.method == "draft_model" else 0,
+        )
         self.structured = structured
         stats = self.scheduler.spec_decoding_stats
         self.spec_logging = SpecDecodingLogging(stats) if stats is not None else None
@@ -86,8 +96,9 @@ class EngineCore:
         failed = self.scheduler.update_from_kv_connector()
         if failed:
             self.step_log.record_finished(self.scheduler.pop_finished())
-            raise KVTransferError([req.request_id for req, _ in failed],
-                                  "; ".join(dict.fromkeys(reason for _, reason in failed)))
+            raise KVTransferError(
+                [req.request_id for req, _ in failed], "; ".join(dict.fromkeys(reason for _, reason in failed))
+            )
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.num_scheduled_tokens:
             if scheduler_output.finished_req_ids:  # nothing to run, but the workers can forget these now

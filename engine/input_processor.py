@@ -1,5 +1,6 @@
 """Everything a request goes through before the engine core (vLLM v1's InputProcessor): validation,
 tokenization, structured-output compilation and the fan-out of n > 1 into n scheduler requests."""
+
 import dataclasses
 import time
 
@@ -17,8 +18,16 @@ class InputProcessor:
     (engine.kv_transfer); pooling_type: what an embedding request pools (--pooler-config).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 structured: StructuredOutputManager, kv_connector, pooling_type: str):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+        structured: StructuredOutputManager,
+        kv_connector,
+        pooling_type: str,
+    ):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.eos_token_ids, self.structured, self.kv_connector = eos_token_ids, structured, kv_connector
         self.pooling_type = pooling_type
@@ -38,13 +47,20 @@ class InputProcessor:
         if not ids:
             raise ValueError("prompt must not be empty")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                             f"(prompt + at least 1 output token)")
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len} (prompt + at least 1 output token)"
+            )
         return ids
 
-    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                arrival_time: float | None = None, prompt_token_ids: list[int] | None = None,
-                pooling: bool = False) -> tuple[list[int], list[Request]]:
+    def process(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
+        pooling: bool = False,
+    ) -> tuple[list[int], list[Request]]:
         """The prompt's token ids and the request's samples as scheduler Requests: one, or for n > 1 n of
         them (ids "<request_id>#<i>"), each with its own params: n 1, the seed offset by its index (so the
         samples of a seeded request differ and each stays reproducible), prompt logprobs asked of the first
@@ -61,15 +77,31 @@ class InputProcessor:
             raise ValueError("an embedding request computes its prompt alone: max_tokens 0 and n 1")
         ids = prompt_token_ids or self.tokenize(prompt)
         self.kv_connector.check_request((params.extra_args or {}).get("kv_transfer_params"), len(ids), params.n)
-        compiled = self.structured.compile_and_wait([params.structured_outputs])[0] \
-            if params.structured_outputs else None
+        compiled = (
+            self.structured.compile_and_wait([params.structured_outputs])[0] if params.structured_outputs else None
+        )
         arrival = arrival_time or time.monotonic()
         requests = []
         for i in range(params.n):
-            child = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i,
-                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            requests.append(Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, child,
-                                    self.eos_token_ids, arrival, RequestGrammar(compiled) if compiled else None,
-                                    self.pooling_type if pooling else None))
+            child = (
+                params
+                if params.n == 1
+                else dataclasses.replace(
+                    params,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                )
+            )
+            requests.append(
+                Request(
+                    request_id if params.n == 1 else f"{request_id}#{i}",
+                    ids,
+                    child,
+                    self.eos_token_ids,
+                    arrival,
+                    RequestGrammar(compiled) if compiled else None,
+                    self.pooling_type if pooling else None,
+                )
+            )
         return ids, requests

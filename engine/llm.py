@@ -1,4 +1,5 @@
 """The offline API: `LLM(model=...).generate(prompts, sampling_params)`, as in vLLM."""
+
 from tqdm import tqdm
 
 from engine.chat_template import encode_chat
@@ -22,8 +23,12 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.model_dir = self.engine.model_dir
 
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in input order.
 
         prompts: a string, a list of token ids, a dict with "prompt" or "prompt_token_ids", or a list
@@ -50,16 +55,23 @@ class LLM:
         """Empties the prefix cache, so repeated prompts are computed again."""
         self.engine.reset_prefix_cache()
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """Applies the model's chat template (or `chat_template`) to one conversation or a list of
         them, then generates. A conversation is a list of {"role", "content"} dicts."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         token_ids = [encode_chat(self.tokenizer, c, chat_template, add_generation_prompt) for c in conversations]
         return self.generate(token_ids, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
-             pooling: bool = False) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool, pooling: bool = False
+    ) -> list[RequestOutput]:
         ids = []
         try:
             for prompt, p in zip(prompts, params):

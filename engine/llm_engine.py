@@ -1,6 +1,7 @@
 """The synchronous engine: requests in, one scheduled model step at a time, outputs out. It wires vLLM v1's
 three parts: the input processor (validation, tokenization, n fan-out, grammar compilation), the engine core
 (scheduler and executor) and the output processor (text, stop strings, logprobs, metrics)."""
+
 import itertools
 import logging
 import time
@@ -37,8 +38,10 @@ class LLMEngine:
         start = time.perf_counter()
         self.model_dir = resolve_model(config.model)
         if config.quantization == "gguf" and config.tensor_parallel_size > 1:
-            raise ValueError("quantization gguf runs in one process: tensor_parallel_size > 1 needs the "
-                             "weights dequantized at load (quantization none, the default with tensor parallelism)")
+            raise ValueError(
+                "quantization gguf runs in one process: tensor_parallel_size > 1 needs the "
+                "weights dequantized at load (quantization none, the default with tensor parallelism)"
+            )
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         hf_config = load_config(self.model_dir)
         config_done = time.perf_counter()
@@ -49,26 +52,44 @@ class LLMEngine:
         if spec is not None and spec.method == "draft_model":
             check_draft_model(spec.model, self.vocab_size, self.tokenizer)
         self.eos_token_ids = self._eos_token_ids(hf_config)
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                                  config.structured_outputs_config)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, config.structured_outputs_config
+        )
         self.engine_core = EngineCore(config, hf_config, self.model_dir, self.structured)
         runner = self.engine_core.executor.runner
-        logger.info("engine built in %.2fs: model config %.2fs, tokenizer %.2fs, model and KV cache %.2fs",
-                    time.perf_counter() - start, config_done - start, tokenizer_done - config_done,
-                    time.perf_counter() - tokenizer_done)
+        logger.info(
+            "engine built in %.2fs: model config %.2fs, tokenizer %.2fs, model and KV cache %.2fs",
+            time.perf_counter() - start,
+            config_done - start,
+            tokenizer_done - config_done,
+            time.perf_counter() - tokenizer_done,
+        )
         self.max_model_len = self.engine_core.max_model_len
         self.num_kv_blocks = self.engine_core.num_blocks
         self.hidden_size = runner.shape.hidden_size  # of an embedding
         self.device, self.dtype = runner.device, runner.dtype
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
-                                              self.eos_token_ids, self.structured, self.engine_core.kv_connector,
-                                              config.pooler_config.pooling_type)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            self.eos_token_ids,
+            self.structured,
+            self.engine_core.kv_connector,
+            config.pooler_config.pooling_type,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        logger.info("model %s: %s on %s, %s attention, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
-                    self.model_name, str(self.dtype).removeprefix("torch."), self.device,
-                    type(runner.backend).__name__, self.num_kv_blocks, config.block_size,
-                    self.num_kv_blocks * config.block_size, self.max_model_len)
+        logger.info(
+            "model %s: %s on %s, %s attention, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
+            self.model_name,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            type(runner.backend).__name__,
+            self.num_kv_blocks,
+            config.block_size,
+            self.num_kv_blocks * config.block_size,
+            self.max_model_len,
+        )
 
     def _eos_token_ids(self, hf_config) -> frozenset[int]:
         try:
@@ -86,9 +107,15 @@ class LLMEngine:
         """Token ids of a prompt; raises ValueError as InputProcessor.tokenize does."""
         return self.input_processor.tokenize(prompt)
 
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, prompt_token_ids: list[int] | None = None,
-                    pooling: bool = False) -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
+        pooling: bool = False,
+    ) -> str:
         """Queues a request (n sequences); returns its id. `prompt_token_ids`: the prompt already
         tokenized by `tokenize` (else it is tokenized here). With `pooling`, an embedding request: the
         prompt alone is computed (params must have max_tokens 0) and its final output carries the
@@ -101,10 +128,12 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival_time = arrival_time or time.monotonic()
-        ids, requests = self.input_processor.process(request_id, prompt, params, arrival_time, prompt_token_ids,
-                                                     pooling)
-        self.output_processor.add_request(request_id, prompt, ids, [(r.request_id, r.params) for r in requests],
-                                          arrival_time)
+        ids, requests = self.input_processor.process(
+            request_id, prompt, params, arrival_time, prompt_token_ids, pooling
+        )
+        self.output_processor.add_request(
+            request_id, prompt, ids, [(r.request_id, r.params) for r in requests], arrival_time
+        )
         for req in requests:
             self.engine_core.add_request(req)
         return request_id
@@ -158,15 +187,21 @@ class LLMEngine:
         core = self.engine_core
         s, connector = core.scheduler, core.kv_connector
         stats = s.spec_decoding_stats
-        return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting) + connector.num_loading,
-                           kv_cache_usage=core.kv.usage, prefix_cache_queries=core.kv.prefix_cache_queries,
-                           prefix_cache_hits=core.kv.prefix_cache_hits, num_preemptions=s.num_preemptions,
-                           prompt_tokens=s.num_prompt_tokens, generation_tokens=s.num_generation_tokens,
-                           prompt_tokens_by_source=dict(s.prompt_tokens_by_source),
-                           prompt_tokens_recomputed=s.num_prompt_tokens_recomputed,
-                           kv_transfer_failures=connector.num_failed_transfers,
-                           kv_expired_requests=connector.num_expired_requests,
-                           spec_decoding=stats.copy() if stats is not None else None)
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting) + connector.num_loading,
+            kv_cache_usage=core.kv.usage,
+            prefix_cache_queries=core.kv.prefix_cache_queries,
+            prefix_cache_hits=core.kv.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens=s.num_prompt_tokens,
+            generation_tokens=s.num_generation_tokens,
+            prompt_tokens_by_source=dict(s.prompt_tokens_by_source),
+            prompt_tokens_recomputed=s.num_prompt_tokens_recomputed,
+            kv_transfer_failures=connector.num_failed_transfers,
+            kv_expired_requests=connector.num_expired_requests,
+            spec_decoding=stats.copy() if stats is not None else None,
+        )
 
     def shutdown(self) -> None:
         """Stops the KV connector, the grammar compile pool and the executor's processes."""

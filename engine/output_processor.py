@@ -1,6 +1,7 @@
 """Everything a request's results go through after the engine core (vLLM v1's OutputProcessor):
 detokenization, stop strings, logprobs, metrics, the embedding, and the merge of an n > 1 request's samples
 (ParentRequest) into the RequestOutputs the API and LLM.generate stream."""
+
 import time
 
 from engine.core.outputs import EngineCoreOutput
@@ -17,8 +18,16 @@ class RequestState:
     told to finish it (OutputProcessor.process_outputs).
     """
 
-    def __init__(self, request_id: str, parent_id: str, index: int, params: SamplingParams,
-                 prompt_token_ids: list[int], detokenizer: IncrementalDetokenizer, arrival_time: float):
+    def __init__(
+        self,
+        request_id: str,
+        parent_id: str,
+        index: int,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        detokenizer: IncrementalDetokenizer,
+        arrival_time: float,
+    ):
         self.request_id, self.parent_id, self.index, self.params = request_id, parent_id, index, params
         self.detokenizer = detokenizer
         self.output_token_ids: list[int] = []
@@ -40,8 +49,11 @@ class RequestState:
         """Applies one step's news. Returns True when a stop string ended the sample here while the engine
         core still runs it (tokens after the stop string are dropped)."""
         m = self.metrics
-        m.num_cached_tokens, m.first_scheduled_time, m.num_preemptions = \
-            out.num_cached_tokens, out.first_scheduled_time, out.num_preemptions
+        m.num_cached_tokens, m.first_scheduled_time, m.num_preemptions = (
+            out.num_cached_tokens,
+            out.first_scheduled_time,
+            out.num_preemptions,
+        )
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(out.new_prompt_logprobs)
         if out.pooling_output is not None:
@@ -80,10 +92,14 @@ class RequestState:
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
-            index=self.index, text=self.detokenizer.output_text(self.finished), token_ids=list(self.output_token_ids),
+            index=self.index,
+            text=self.detokenizer.output_text(self.finished),
+            token_ids=list(self.output_token_ids),
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
 
 
 class ParentRequest:
@@ -109,9 +125,18 @@ class ParentRequest:
         if prompt_logprobs is not None and len(prompt_logprobs) < len(self.prompt_token_ids):
             prompt_logprobs = None  # aborted before its prompt was computed
         embedding = first.embedding if finished and first.finish_reason == "length" else None
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [s.completion() for s in changed],
-                             finished, first.metrics.num_cached_tokens, metrics, prompt_logprobs,
-                             first.kv_transfer_params if finished else None, embedding)
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [s.completion() for s in changed],
+            finished,
+            first.metrics.num_cached_tokens,
+            metrics,
+            prompt_logprobs,
+            first.kv_transfer_params if finished else None,
+            embedding,
+        )
 
 
 class OutputProcessor:
@@ -122,16 +147,32 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}
         self.samples: dict[str, RequestState] = {}
 
-    def add_request(self, request_id: str, prompt: str | list[int], prompt_token_ids: list[int],
-                    samples: list[tuple[str, SamplingParams]], arrival_time: float) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        prompt_token_ids: list[int],
+        samples: list[tuple[str, SamplingParams]],
+        arrival_time: float,
+    ) -> None:
         """Registers a request and its samples: (engine-core id, its params) each, in index order."""
-        states = [RequestState(sample_id, request_id, i, p, prompt_token_ids,
-                               IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p.stop,
-                                                      p.include_stop_str_in_output, p.skip_special_tokens),
-                               arrival_time)
-                  for i, (sample_id, p) in enumerate(samples)]
-        self.parents[request_id] = ParentRequest(request_id, prompt if isinstance(prompt, str) else None,
-                                                 prompt_token_ids, states)
+        states = [
+            RequestState(
+                sample_id,
+                request_id,
+                i,
+                p,
+                prompt_token_ids,
+                IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens
+                ),
+                arrival_time,
+            )
+            for i, (sample_id, p) in enumerate(samples)
+        ]
+        self.parents[request_id] = ParentRequest(
+            request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, states
+        )
         self.samples.update({s.request_id: s for s in states})
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:

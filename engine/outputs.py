@@ -1,4 +1,5 @@
 """What the engine hands back: per-request outputs (vLLM's shapes), and engine-wide statistics."""
+
 from dataclasses import dataclass, field, replace
 
 
@@ -63,19 +64,23 @@ class RequestMetrics:
     def merge(cls, metrics: list["RequestMetrics"]) -> "RequestMetrics":
         """One set for several sequences (the n samples of a request, the prompts of one API call):
         counts add up, times run from the earliest start to the latest end (finished once all are)."""
+
         def earliest(values):
             values = [v for v in values if v is not None]
             return min(values) if values else None
 
         finished = [m.finished_time for m in metrics]
-        return cls(arrival_time=min(m.arrival_time for m in metrics),
-                   first_scheduled_time=earliest(m.first_scheduled_time for m in metrics),
-                   first_token_time=earliest(m.first_token_time for m in metrics),
-                   last_token_time=max((m.last_token_time for m in metrics if m.last_token_time is not None),
-                                       default=None),
-                   finished_time=None if None in finished else max(finished),
-                   **{f: sum(getattr(m, f) for m in metrics) for f in
-                      ("num_prompt_tokens", "num_cached_tokens", "num_generation_tokens", "num_preemptions")})
+        return cls(
+            arrival_time=min(m.arrival_time for m in metrics),
+            first_scheduled_time=earliest(m.first_scheduled_time for m in metrics),
+            first_token_time=earliest(m.first_token_time for m in metrics),
+            last_token_time=max((m.last_token_time for m in metrics if m.last_token_time is not None), default=None),
+            finished_time=None if None in finished else max(finished),
+            **{
+                f: sum(getattr(m, f) for m in metrics)
+                for f in ("num_prompt_tokens", "num_cached_tokens", "num_generation_tokens", "num_preemptions")
+            },
+        )
 
     def timings(self) -> dict[str, int | float]:
         """llama.cpp server's `timings` object (its field names and definitions; times in ms), plus
@@ -86,6 +91,7 @@ class RequestMetrics:
         token. predicted_n: tokens generated; predicted_ms: first token to last, divided by
         predicted_n as llama.cpp does. Rates of an empty span are 0.
         """
+
         def span(start, end):
             return (end - start) * 1e3 if start is not None and end is not None else 0.0
 
@@ -93,15 +99,20 @@ class RequestMetrics:
         prompt_ms = span(self.first_scheduled_time, self.first_token_time)
         predicted_n = self.num_generation_tokens
         predicted_ms = span(self.first_token_time, self.last_token_time)
-        return {"queue_ms": span(self.arrival_time, self.first_scheduled_time),
-                "cache_n": self.num_cached_tokens, "cached_n": self.num_cached_tokens,
-                "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-                "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
-                "prompt_per_second": prompt_n * 1e3 / prompt_ms if prompt_ms else 0.0,
-                "predicted_n": predicted_n, "predicted_ms": predicted_ms,
-                "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
-                "predicted_per_second": predicted_n * 1e3 / predicted_ms if predicted_ms else 0.0,
-                "preemptions": self.num_preemptions}
+        return {
+            "queue_ms": span(self.arrival_time, self.first_scheduled_time),
+            "cache_n": self.num_cached_tokens,
+            "cached_n": self.num_cached_tokens,
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": prompt_n * 1e3 / prompt_ms if prompt_ms else 0.0,
+            "predicted_n": predicted_n,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+            "predicted_per_second": predicted_n * 1e3 / predicted_ms if predicted_ms else 0.0,
+            "preemptions": self.num_preemptions,
+        }
 
 
 @dataclass

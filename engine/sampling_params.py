@@ -1,4 +1,5 @@
 """Sampling parameters of one request, with vLLM's names and validation."""
+
 import json
 from dataclasses import dataclass
 
@@ -28,12 +29,15 @@ class StructuredOutputsParams:
     def __post_init__(self):
         given = [f for f in _KINDS if getattr(self, f) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured outputs need exactly one of json, regex, choice, grammar and json_object; "
-                             + (f"got {', '.join(given)}" if given else "none was given"))
+            raise ValueError(
+                "structured outputs need exactly one of json, regex, choice, grammar and json_object; "
+                + (f"got {', '.join(given)}" if given else "none was given")
+            )
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"json must be a JSON schema (an object or its JSON text), got {type(self.json).__name__}")
-        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
-                                        or not all(isinstance(c, str) for c in self.choice)):
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
             raise ValueError("choice must be a non-empty list of strings")
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
@@ -61,8 +65,6 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return "grammar", "root ::= " + " | ".join(json.dumps(c) for c in self.choice), any_ws
         return "grammar", self.grammar, any_ws
-
-
 
 
 @dataclass
@@ -146,7 +148,8 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20]")
         if self.prompt_logprobs is not None and (
-                not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+        ):
             bad("prompt_logprobs", "must be an integer in [0, 20]")
         if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")

@@ -8,6 +8,7 @@ snapshotting takes more than `max_overhead` of the time (a 100k-block pool costs
 keeps only the latest one. Readers poll the slot, so a slow reader skips snapshots instead of slowing
 the engine, and nothing on the hot path takes a lock.
 """
+
 import base64
 import itertools
 import time
@@ -39,8 +40,7 @@ class StepLog:
         self.finished: deque[tuple[float, Request]] = deque(maxlen=256)
         self._preemptions = 0
 
-    def record(self, batch: SchedulerOutput, requests: dict[str, Request], start: float,
-               num_preemptions: int) -> None:
+    def record(self, batch: SchedulerOutput, requests: dict[str, Request], start: float, num_preemptions: int) -> None:
         """Records a step that began at `start` (time.monotonic()) and whose model step just ended; call
         before its requests' `num_computed_tokens` advance. `requests`: the scheduler's, by id;
         `num_preemptions`: the scheduler's running total."""
@@ -86,8 +86,9 @@ class Snapshotter:
         """The engine now, as JSON-ready data (times in seconds, sizes in tokens and blocks):
 
         requests: running then waiting requests, each with its kind ("generate", or "embed" for an
-            embedding request), state ("prefilling", "decoding", "waiting", "preempted"), token counts, latencies and block table (`blocks`, block ids
-            in hash-chain order); finished: requests finished in the last few seconds.
+            embedding request), state ("prefilling", "decoding", "waiting", "preempted"), token counts,
+            latencies and block table (`blocks`, block ids in hash-chain order); finished: requests finished
+            in the last few seconds.
         kv: block counts by state, and per block `state` (uint8, FREE/CACHED/USED/SHARED) and `pos`
             (its hash-chain position, `pos_unknown` if not known), little-endian arrays in base64.
         steps: the step log as columns (`end`: time.monotonic() at each step's end, like `time`).
@@ -106,9 +107,12 @@ class Snapshotter:
         refs = np.bincount(ids, minlength=n)  # a request holds each of its blocks once
         pos = np.full(n, self._unknown, self._pos_dtype)
         pos[ids] = np.arange(len(ids)) - np.repeat(starts, lengths)
-        rows = [self._row(req, ids[s:s + k].tolist(), now) for req, s, k in zip(reqs, starts, lengths)]
-        finished = [dict(self._row(req, [], now), state="finished", reason=req.finish_reason, age=now - t)
-                    for t, req in core.step_log.finished if now - t < FINISHED_SHOWN_S]
+        rows = [self._row(req, ids[s : s + k].tolist(), now) for req, s, k in zip(reqs, starts, lengths)]
+        finished = [
+            dict(self._row(req, [], now), state="finished", reason=req.finish_reason, age=now - t)
+            for t, req in core.step_log.finished
+            if now - t < FINISHED_SHOWN_S
+        ]
 
         # blocks registered in the prefix cache: the ones no request holds are evictable
         cached = kv.pool.cached
@@ -131,19 +135,36 @@ class Snapshotter:
         steps = list(core.step_log.steps)
         return {
             "time": now,
-            "config": {"max_num_seqs": sched.max_num_seqs,
-                       "max_num_batched_tokens": sched.max_num_batched_tokens, "max_model_len": eng.max_model_len},
-            "requests": rows, "finished": finished,
-            "num_running": len(sched.running), "num_waiting": len(sched.waiting),
+            "config": {
+                "max_num_seqs": sched.max_num_seqs,
+                "max_num_batched_tokens": sched.max_num_batched_tokens,
+                "max_model_len": eng.max_model_len,
+            },
+            "requests": rows,
+            "finished": finished,
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
             "num_preemptions": sched.num_preemptions,
-            "kv": {"num_blocks": n, "block_size": kv.block_size, "usage": kv.usage,
-                   "free": int(counts[FREE]), "cached": int(counts[CACHED]), "used": int(counts[USED]),
-                   "shared": int(counts[SHARED]), "state": _b64(state),
-                   "pos": _b64(pos.astype(pos.dtype.newbyteorder("<"))),
-                   "pos_bytes": pos.itemsize, "pos_unknown": int(self._unknown)},
-            "steps": {"end": [s[0] for s in steps], "prefill": [s[1] for s in steps],
-                      "decode": [s[2] for s in steps], "seconds": [s[3] for s in steps],
-                      "preemptions": [s[4] for s in steps]},
+            "kv": {
+                "num_blocks": n,
+                "block_size": kv.block_size,
+                "usage": kv.usage,
+                "free": int(counts[FREE]),
+                "cached": int(counts[CACHED]),
+                "used": int(counts[USED]),
+                "shared": int(counts[SHARED]),
+                "state": _b64(state),
+                "pos": _b64(pos.astype(pos.dtype.newbyteorder("<"))),
+                "pos_bytes": pos.itemsize,
+                "pos_unknown": int(self._unknown),
+            },
+            "steps": {
+                "end": [s[0] for s in steps],
+                "prefill": [s[1] for s in steps],
+                "decode": [s[2] for s in steps],
+                "seconds": [s[3] for s in steps],
+                "preemptions": [s[4] for s in steps],
+            },
         }
 
     def _row(self, req: Request, block_ids: list[int], now: float) -> dict:
@@ -164,13 +185,22 @@ class Snapshotter:
             total = max(1, -(-(req.num_tokens - start) // budget))
             chunk = [min(total, max(0, req.num_computed_tokens - start) // budget + 1), total]
         decode_s = (req.last_token_time or 0.0) - (req.first_token_time or 0.0)
-        return {"id": req.request_id, "kind": "embed" if req.pooling else "generate", "state": state, "chunk": chunk,
-                "prompt": req.num_prompt_tokens, "computed": min(req.num_computed_tokens, req.num_prompt_tokens),
-                "cached": max(req.num_cached_tokens, 0), "output": num_out, "max_tokens": req.params.max_tokens,
-                "queue": (req.first_scheduled_time or now) - req.arrival_time,
-                "ttft": req.first_token_time - req.arrival_time if req.first_token_time is not None else None,
-                "tokens_per_s": (num_out - 1) / decode_s if num_out > 1 and decode_s > 0 else None,
-                "preemptions": req.num_preemptions, "blocks": block_ids}
+        return {
+            "id": req.request_id,
+            "kind": "embed" if req.pooling else "generate",
+            "state": state,
+            "chunk": chunk,
+            "prompt": req.num_prompt_tokens,
+            "computed": min(req.num_computed_tokens, req.num_prompt_tokens),
+            "cached": max(req.num_cached_tokens, 0),
+            "output": num_out,
+            "max_tokens": req.params.max_tokens,
+            "queue": (req.first_scheduled_time or now) - req.arrival_time,
+            "ttft": req.first_token_time - req.arrival_time if req.first_token_time is not None else None,
+            "tokens_per_s": (num_out - 1) / decode_s if num_out > 1 and decode_s > 0 else None,
+            "preemptions": req.num_preemptions,
+            "blocks": block_ids,
+        }
 
 
 class SnapshotSlot:

@@ -1,4 +1,5 @@
 """Where built kernels and converted models are kept between runs: $MINIVLLM_CACHE, else ~/.cache/minivllm."""
+
 import os
 from pathlib import Path
 

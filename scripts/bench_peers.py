@@ -36,6 +36,7 @@ Usage:
   python scripts/bench_peers.py --repeats 3 --skip static continuous --llama-server $B/llama-server --with-vllm  # W64
   python scripts/bench_peers.py --latency --repeats 3 --llama-bench $B/llama-bench --with-vllm
 """
+
 import argparse
 import contextlib
 import json
@@ -58,8 +59,9 @@ from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, Generat
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from api.cli import byte_size  # noqa: E402
 from bench_common import DEFAULT_WORKLOAD, REPO, Request, load_jsonl, random_requests, run_info  # noqa: E402
+
+from api.cli import byte_size  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from models.gguf import is_gguf, read_header  # noqa: E402
 from models.loader import default_model_path, export_hf_directory  # noqa: E402
@@ -80,15 +82,21 @@ def run_hf_static(model, tokenizer, reqs: list[Request], batch_size: int) -> lis
     """`generate` on batches of similar prompt lengths (sorting spares it most of the padding, which a
     user batching offline would do too); min_new_tokens = max_new_tokens makes it ignore EOS."""
     n = reqs[0].max_tokens
-    config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                              pad_token_id=tokenizer.pad_token_id, eos_token_id=model.generation_config.eos_token_id)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=model.generation_config.eos_token_id,
+    )
     order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt_token_ids))
     outputs: list[list[int]] = [[] for _ in reqs]
     for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
-        inputs = tokenizer.pad({"input_ids": [reqs[i].prompt_token_ids for i in batch]}, padding_side="left",
-                               return_tensors="pt")
-        generated = model.generate(**inputs, generation_config=config)[:, inputs["input_ids"].shape[1]:]
+        batch = order[start : start + batch_size]
+        inputs = tokenizer.pad(
+            {"input_ids": [reqs[i].prompt_token_ids for i in batch]}, padding_side="left", return_tensors="pt"
+        )
+        generated = model.generate(**inputs, generation_config=config)[:, inputs["input_ids"].shape[1] :]
         for i, row in zip(batch, generated.tolist()):
             outputs[i] = row
     return outputs
@@ -97,10 +105,18 @@ def run_hf_static(model, tokenizer, reqs: list[Request], batch_size: int) -> lis
 def run_hf_continuous(model, reqs: list[Request], cb_config: ContinuousBatchingConfig) -> list[list[int]]:
     """`generate_batch`; eos_token_id=-1 turns EOS off (its scheduler has no min_new_tokens). The manager is
     kept between calls, so its KV-cache allocation is paid once, like our engine's."""
-    config = GenerationConfig(do_sample=False, max_new_tokens=reqs[0].max_tokens, eos_token_id=-1,
-                              pad_token_id=model.generation_config.pad_token_id)
-    results = model.generate_batch([r.prompt_token_ids for r in reqs], generation_config=config,
-                                   continuous_batching_config=cb_config, persistent_manager=True)
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=reqs[0].max_tokens,
+        eos_token_id=-1,
+        pad_token_id=model.generation_config.pad_token_id,
+    )
+    results = model.generate_batch(
+        [r.prompt_token_ids for r in reqs],
+        generation_config=config,
+        continuous_batching_config=cb_config,
+        persistent_manager=True,
+    )
     return [list(r.generated_tokens) for r in results.values()]  # in input order
 
 
@@ -111,8 +127,11 @@ def run_vllm(script: Path, model_dir: str, dtype: str, reqs: list[Request]) -> f
         for r in reqs:
             f.write(json.dumps({"prompt_token_ids": r.prompt_token_ids}) + "\n")
         f.flush()
-        proc = subprocess.run([str(script), "--model", model_dir, "--dtype", dtype, "--repeats", "1",
-                               "--workload", f.name], capture_output=True, text=True)
+        proc = subprocess.run(
+            [str(script), "--model", model_dir, "--dtype", dtype, "--repeats", "1", "--workload", f.name],
+            capture_output=True,
+            text=True,
+        )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -133,6 +152,7 @@ def ours_latency(llm: LLM, prompts: list[list[int]], n: int) -> list[float]:
         start = time.perf_counter()
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True), use_tqdm=False)
         return time.perf_counter() - start
+
     return [ms_per_token(run, p, n) for p in prompts]
 
 
@@ -144,9 +164,22 @@ def vllm_latency(script: Path, model_dir: str, dtype: str, prompts: list[list[in
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as f:
         f.writelines(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts)
         f.flush()
-        proc = subprocess.run([str(venv / "bin" / "python"), str(REPO / "scripts" / "vllm_latency.py"), "--model",
-                               model_dir, "--dtype", dtype, "--prompts", f.name, "--max-tokens", str(n)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                str(venv / "bin" / "python"),
+                str(REPO / "scripts" / "vllm_latency.py"),
+                "--model",
+                model_dir,
+                "--dtype",
+                dtype,
+                "--prompts",
+                f.name,
+                "--max-tokens",
+                str(n),
+            ],
+            capture_output=True,
+            text=True,
+        )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vllm_latency.py failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -156,9 +189,27 @@ def vllm_latency(script: Path, model_dir: str, dtype: str, prompts: list[list[in
 def llama_bench(binary: str, gguf: str, n: int) -> list[float]:
     """llama.cpp's llama-bench: decode ms per token at a context depth of LATENCY_PROMPT_LEN, our threads
     (the depth is filled before the timed decode, so it adds no prefill to the time)."""
-    proc = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", str(n), "-d", str(LATENCY_PROMPT_LEN),
-                           "-t", str(torch.get_num_threads()), "-r", "1", "-o", "json"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            binary,
+            "-m",
+            gguf,
+            "-p",
+            "0",
+            "-n",
+            str(n),
+            "-d",
+            str(LATENCY_PROMPT_LEN),
+            "-t",
+            str(torch.get_num_threads()),
+            "-r",
+            "1",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{binary} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return [1e3 / json.loads(proc.stdout)[0]["avg_ts"]]
@@ -183,10 +234,32 @@ class LlamaServer:
         self.log = tempfile.TemporaryFile()  # its output, shown if it fails to start
         # -ub 512 is its default micro-batch; --cache-ram 0 turns off its host-memory prompt cache, which
         # would copy every finished slot's KV for a reuse that cache_prompt false forbids anyway.
-        self.proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-                                      "-np", str(slots), "-c", str(slots * ctx), "-b", str(batch), "-ub", "512",
-                                      "--cache-ram", "0", "--no-webui", "-t", str(torch.get_num_threads())],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "-m",
+                gguf,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "-np",
+                str(slots),
+                "-c",
+                str(slots * ctx),
+                "-b",
+                str(batch),
+                "-ub",
+                "512",
+                "--cache-ram",
+                "0",
+                "--no-webui",
+                "-t",
+                str(torch.get_num_threads()),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 120
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -208,8 +281,16 @@ class LlamaServer:
         """Greedy completion of `k` tokens (temperature 0 keeps only the top logit; EOS ignored); returns
         the token ids. cache_prompt false makes it compute the whole prompt even when a slot still holds
         its KV from an earlier round, so no cache needs erasing between rounds."""
-        body = json.dumps({"prompt": prompt, "n_predict": k, "temperature": 0, "cache_prompt": False,
-                           "ignore_eos": True, "return_tokens": True}).encode()
+        body = json.dumps(
+            {
+                "prompt": prompt,
+                "n_predict": k,
+                "temperature": 0,
+                "cache_prompt": False,
+                "ignore_eos": True,
+                "return_tokens": True,
+            }
+        ).encode()
         request = urllib.request.Request(f"{self.url}/completion", body, {"Content-Type": "application/json"})
         # the answer comes whole at the end, after every request ahead of it in a big round
         with urllib.request.urlopen(request, timeout=3600) as r:
@@ -263,13 +344,14 @@ def gguf_type(path: str) -> str:
 def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
     """The --latency mode: batch-1 ms per output token of every engine, alternating over rounds."""
     long = [r.prompt_token_ids[:LATENCY_PROMPT_LEN] for r in reqs if len(r.prompt_token_ids) >= LATENCY_PROMPT_LEN]
-    prompts = long[:args.latency_prompts]
+    prompts = long[: args.latency_prompts]
     n = args.output_len or 64
     engines = {"ours": lambda: ours_latency(llm, prompts, n)}
     if args.with_vllm:
         vllm_model = args.vllm_model or export_hf_directory(llm.model_dir)
-        engines["vllm-cpu (subprocess, bf16 directory)"] = lambda: vllm_latency(args.vllm_script, vllm_model,
-                                                                               args.dtype, prompts, n)
+        engines["vllm-cpu (subprocess, bf16 directory)"] = lambda: vllm_latency(
+            args.vllm_script, vllm_model, args.dtype, prompts, n
+        )
     results: dict[str, list[float]] = {}
     with contextlib.ExitStack() as stack:  # stops llama-server at the end, on errors too
         if args.llama_bench or args.llama_server:
@@ -282,8 +364,10 @@ def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
             server.complete(prompts[0], 4)  # warm-up
             engines[f"llama.cpp llama-server ({label})"] = lambda: [ms_per_token(server.run, p, n) for p in prompts]
         ours_latency(llm, prompts[:1], 4)  # warm-up
-        print(f"batch 1: {len(prompts)} prompts of {LATENCY_PROMPT_LEN} tokens, {n} output tokens, {args.dtype}, "
-              f"{torch.get_num_threads()} threads")
+        print(
+            f"batch 1: {len(prompts)} prompts of {LATENCY_PROMPT_LEN} tokens, {n} output tokens, {args.dtype}, "
+            f"{torch.get_num_threads()} threads"
+        )
         for rnd in range(args.repeats):
             for name, fn in engines.items():
                 ms = fn()
@@ -294,9 +378,14 @@ def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
     for name, m in medians.items():
         print(f"{name:<40} {m:20.2f} {m / medians['ours']:9.2f}x")
     if args.output_json:
-        record = {**run_info(), "mode": "latency", "args": {k: str(v) for k, v in vars(args).items()},
-                  "engines": {name: {"ms_per_token_median": medians[name], "ms_per_token_runs": results[name]}
-                              for name in engines}}
+        record = {
+            **run_info(),
+            "mode": "latency",
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "engines": {
+                name: {"ms_per_token_median": medians[name], "ms_per_token_runs": results[name]} for name in engines
+            },
+        }
         Path(args.output_json).write_text(json.dumps(record, indent=1))
         print(f"wrote {args.output_json}")
 
@@ -332,13 +421,24 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="rounds; each engine runs once per round")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--model", help="as in bench_throughput.py (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--kv-cache-memory", type=byte_size, default=2 << 30,
-                    help="KV-cache size, e.g. 256M or 2G (ours and transformers CB)")
+    ap.add_argument(
+        "--kv-cache-memory",
+        type=byte_size,
+        default=2 << 30,
+        help="KV-cache size, e.g. 256M or 2G (ours and transformers CB)",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=128, help="requests per step (ours and transformers CB)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (ours and transformers CB)")
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per step (ours and transformers CB)"
+    )
     ap.add_argument("--hf-batch-size", type=int, default=8, help="batch size of transformers' static generate")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["static", "continuous"],
-                    help="leave out transformers' static generate or its continuous batching (slow on CPU)")
+    ap.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["static", "continuous"],
+        help="leave out transformers' static generate or its continuous batching (slow on CPU)",
+    )
     ap.add_argument("--with-vllm", action="store_true", help=f"also run {VLLM_SCRIPT} (installs vLLM-CPU once)")
     ap.add_argument("--vllm-script", type=Path, default=VLLM_SCRIPT)
     ap.add_argument("--output-json", help="write the config and every measurement here")
@@ -347,10 +447,14 @@ def main():
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary, run on the model's GGUF")
     ap.add_argument("--llama-slots", type=int, default=64, help="llama-server's slots in throughput mode")
     ap.add_argument("--llama-bench", help="--latency: llama.cpp's llama-bench binary, run on the model's GGUF")
-    ap.add_argument("--gguf", help="the GGUF llama.cpp runs when --model is not one (default without --model: "
-                                   "the default model's)")
-    ap.add_argument("--vllm-model", help="the bfloat16 Hugging Face directory of the same weights for vLLM (and "
-                                         "transformers) (default: ours, a GGUF dequantized)")
+    ap.add_argument(
+        "--gguf", help="the GGUF llama.cpp runs when --model is not one (default without --model: the default model's)"
+    )
+    ap.add_argument(
+        "--vllm-model",
+        help="the bfloat16 Hugging Face directory of the same weights for vLLM (and "
+        "transformers) (default: ours, a GGUF dequantized)",
+    )
     ap.add_argument("--quantization", choices=["gguf", "none"], help="ours, as the server's flag")
     args = ap.parse_args()
     if args.latency:
@@ -360,8 +464,10 @@ def main():
 
     reqs = load_jsonl(args.dataset, args.num_requests, args.output_len)
     if len({r.max_tokens for r in reqs}) != 1:
-        ap.error("transformers' generate_batch takes one max_new_tokens: give every request the same "
-                 "max_tokens (or --output-len)")
+        ap.error(
+            "transformers' generate_batch takes one max_new_tokens: give every request the same "
+            "max_tokens (or --output-len)"
+        )
     if args.with_vllm and reqs[0].max_tokens != 128:
         ap.error("vllm_cpu_offline.py always generates 128 tokens; use a 128-token workload with --with-vllm")
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # its per-call warnings are noise here
@@ -370,8 +476,14 @@ def main():
     # Every round repeats the same prompts: ours keeps its default prefix caching (hashing cost
     # included) but empties the cache before each round; transformers' continuous batching, which
     # cannot, runs without block sharing.
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        quantization=args.quantization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     # transformers and vLLM cannot read GGUF on the CPU: they get the same weights as a directory
     hf_dir = lambda: args.vllm_model or export_hf_directory(llm.model_dir)  # noqa: E731
     engines = {"ours": lambda rs: timed(lambda r: run_ours(llm, r), rs)}  # name -> fn(reqs) -> (tok/s, outputs)
@@ -380,14 +492,18 @@ def main():
         page_size = ContinuousBatchingConfig.page_size  # transformers' default page (block) size, in tokens
         cb_config = ContinuousBatchingConfig(
             num_blocks=args.kv_cache_memory // (page_size * kv_bytes_per_token(model.config, dtype)),
-            max_batch_tokens=args.max_num_batched_tokens, max_requests_per_batch=args.max_num_seqs,
-            allow_block_sharing=False)
+            max_batch_tokens=args.max_num_batched_tokens,
+            max_requests_per_batch=args.max_num_seqs,
+            allow_block_sharing=False,
+        )
         if "static" not in args.skip:
-            engines[f"transformers generate (static, batch {args.hf_batch_size})"] = \
-                lambda rs: timed(lambda r: run_hf_static(model, llm.tokenizer, r, args.hf_batch_size), rs)
+            engines[f"transformers generate (static, batch {args.hf_batch_size})"] = lambda rs: timed(
+                lambda r: run_hf_static(model, llm.tokenizer, r, args.hf_batch_size), rs
+            )
         if "continuous" not in args.skip:
-            engines["transformers generate_batch (continuous)"] = \
-                lambda rs: timed(lambda r: run_hf_continuous(model, r, cb_config), rs)
+            engines["transformers generate_batch (continuous)"] = lambda rs: timed(
+                lambda r: run_hf_continuous(model, r, cb_config), rs
+            )
     # Warm-up on two short prompts outside the workload: first-call costs (allocations, the CB manager)
     # are not throughput. vLLM warms itself up.
     warm = random_requests(2, 32, 4, llm.tokenizer, seed=1)
@@ -401,13 +517,23 @@ def main():
     with contextlib.ExitStack() as stack:  # stops llama-server at the end, on errors too
         if args.llama_server:
             gguf = gguf_of(args)
-            server = stack.enter_context(LlamaServer(args.llama_server, gguf, slots=args.llama_slots,
-                                                     ctx=slot_context(reqs), batch=args.max_num_batched_tokens))
+            server = stack.enter_context(
+                LlamaServer(
+                    args.llama_server,
+                    gguf,
+                    slots=args.llama_slots,
+                    ctx=slot_context(reqs),
+                    batch=args.max_num_batched_tokens,
+                )
+            )
             server.run_all(warm)
-            engines[f"llama.cpp llama-server (GGUF {gguf_type(gguf)}, {args.llama_slots} slots)"] = \
-                lambda rs: timed(server.run_all, rs)
-        print(f"{len(reqs)} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
-              f"{reqs[0].max_tokens} output tokens each, {args.dtype}, {torch.get_num_threads()} threads")
+            engines[f"llama.cpp llama-server (GGUF {gguf_type(gguf)}, {args.llama_slots} slots)"] = lambda rs: timed(
+                server.run_all, rs
+            )
+        print(
+            f"{len(reqs)} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
+            f"{reqs[0].max_tokens} output tokens each, {args.dtype}, {torch.get_num_threads()} threads"
+        )
         for rnd in range(args.repeats):
             for name, fn in engines.items():
                 rate, outs = fn(reqs)
@@ -427,15 +553,28 @@ def main():
     print(f"\n{'engine':<48} {'output tok/s':>12} {'ours / it':>10} {'same first 16':>14}   all runs")
     for name, median in medians.items():
         match = same_prefix(name)
-        print(f"{name:<48} {median:12.1f} {medians['ours'] / median:9.2f}x "
-              f"{'-' if match is None else f'{100 * match:.0f}%':>14}   {' '.join(f'{r:.1f}' for r in rates[name])}")
+        print(
+            f"{name:<48} {median:12.1f} {medians['ours'] / median:9.2f}x "
+            f"{'-' if match is None else f'{100 * match:.0f}%':>14}   {' '.join(f'{r:.1f}' for r in rates[name])}"
+        )
     if args.output_json:
-        record = {**run_info(), "args": {k: str(v) for k, v in vars(args).items()}, "model_dir": llm.model_dir,
-                  "num_requests": len(reqs), "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs),
-                  "output_tokens_per_request": reqs[0].max_tokens,
-                  "engines": {name: {"output_tok_s_median": medians[name], "output_tok_s_runs": rates[name],
-                                     "ours_over_it": medians["ours"] / medians[name],
-                                     "same_first_16": same_prefix(name)} for name in engines}}
+        record = {
+            **run_info(),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "model_dir": llm.model_dir,
+            "num_requests": len(reqs),
+            "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs),
+            "output_tokens_per_request": reqs[0].max_tokens,
+            "engines": {
+                name: {
+                    "output_tok_s_median": medians[name],
+                    "output_tok_s_runs": rates[name],
+                    "ours_over_it": medians["ours"] / medians[name],
+                    "same_first_16": same_prefix(name),
+                }
+                for name in engines
+            },
+        }
         Path(args.output_json).write_text(json.dumps(record, indent=1))
         print(f"wrote {args.output_json}")
 

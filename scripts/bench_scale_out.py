@@ -20,6 +20,7 @@ Usage:
   python scripts/bench_scale_out.py --dataset scripts/data/prefix_workload.jsonl --request-rate 2
   python scripts/bench_scale_out.py --configs 2x1:cache_aware --num-prompts 8 --request-rate inf   # a quick check
 """
+
 import argparse
 import asyncio
 import json
@@ -33,10 +34,9 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 from bench_common import DATA_DIR, REPO, load_jsonl, run_info
 from bench_serving import print_result, run_at_rate, served_model, summarize
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(REPO))
 from api.data_parallel import free_port, router_command  # noqa: E402
@@ -55,17 +55,45 @@ class Deployment:
         self.url = f"http://127.0.0.1:{port}"
         if config in ("1x2", "1p1d"):
             roles = ["kv_producer", "kv_consumer"] if config == "1p1d" else [None]
-            servers = [self._start([sys.executable, "server.py", "--port", "0", *server_args,
-                                    *(["--kv-transfer-config", KV_ROLE.format(role)] if role else [])])
-                       for role in roles]
+            servers = [
+                self._start(
+                    [
+                        sys.executable,
+                        "server.py",
+                        "--port",
+                        "0",
+                        *server_args,
+                        *(["--kv-transfer-config", KV_ROLE.format(role)] if role else []),
+                    ]
+                )
+                for role in roles
+            ]
             self.engines = [self._wait(r"ready: (http://127\.0\.0\.1:\d+)", s, timeout) for s in servers]
             if config == "1x2":
                 self._start(router_command("127.0.0.1", port, self.engines, "cache_aware"))
             else:
-                self._start([sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port",
-                             str(port), "--vllm-pd-disaggregation", "--prefill", self.engines[0], "--decode",
-                             self.engines[1], "--prometheus-host", "127.0.0.1", "--prometheus-port",
-                             str(free_port()), "--log-level", "warning"])
+                self._start(
+                    [
+                        sys.executable,
+                        "-m",
+                        "vllm_router.launch_router",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--vllm-pd-disaggregation",
+                        "--prefill",
+                        self.engines[0],
+                        "--decode",
+                        self.engines[1],
+                        "--prometheus-host",
+                        "127.0.0.1",
+                        "--prometheus-port",
+                        str(free_port()),
+                        "--log-level",
+                        "warning",
+                    ]
+                )
             deadline = time.monotonic() + 60
             while not self._healthy(self.url):
                 if time.monotonic() > deadline:
@@ -73,8 +101,19 @@ class Deployment:
                 time.sleep(0.2)
         else:
             policy = config.split(":")[1]
-            launcher = self._start([sys.executable, "server.py", "--port", str(port), "--data-parallel-size", "2",
-                                    "--router-policy", policy, *server_args])
+            launcher = self._start(
+                [
+                    sys.executable,
+                    "server.py",
+                    "--port",
+                    str(port),
+                    "--data-parallel-size",
+                    "2",
+                    "--router-policy",
+                    policy,
+                    *server_args,
+                ]
+            )
             self._wait(r"ready: (http://127\.0\.0\.1:\d+) \(OpenAI base_url .*vllm-router", launcher, timeout)
             self.engines = re.findall(r"replica \d: pid \d+ on (http://127\.0\.0\.1:\d+)", self.log(launcher))
 
@@ -120,8 +159,11 @@ def scrape(engines: list[str]) -> list[dict[str, float]]:
         counts = {"queries": 0.0, "hits": 0.0, "requests": 0.0, "pulled": 0.0}
         for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
             for s in family.samples:
-                key = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits",
-                       "vllm:request_success_total": "requests"}.get(s.name)
+                key = {
+                    "vllm:prefix_cache_queries_total": "queries",
+                    "vllm:prefix_cache_hits_total": "hits",
+                    "vllm:request_success_total": "requests",
+                }.get(s.name)
                 if s.name == "vllm:prompt_tokens_by_source_total" and s.labels["source"] == "external_kv_transfer":
                     key = "pulled"
                 if key:
@@ -138,13 +180,20 @@ def main():
     ap.add_argument("--output-len", type=int, help="override every request's max_tokens")
     ap.add_argument("--request-rate", type=float, default=2.0, help="requests/s, Poisson arrivals; inf = all at once")
     ap.add_argument("--max-concurrency", type=int)
-    ap.add_argument("--server-args", default="--kv-cache-memory 1G",
-                    help="flags for every engine (default: %(default)s)")
+    ap.add_argument(
+        "--server-args", default="--kv-cache-memory 1G", help="flags for every engine (default: %(default)s)"
+    )
     ap.add_argument("--result-dir", help="write one JSON per configuration here")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    bench_args = argparse.Namespace(seed=args.seed, max_concurrency=args.max_concurrency, ignore_eos=True,
-                                    disable_tqdm=True, dashboards=0, base_url=None)
+    bench_args = argparse.Namespace(
+        seed=args.seed,
+        max_concurrency=args.max_concurrency,
+        ignore_eos=True,
+        disable_tqdm=True,
+        dashboards=0,
+        base_url=None,
+    )
     reqs = load_jsonl(args.dataset, args.num_prompts, args.output_len)
     rows = []
     for config in args.configs:
@@ -158,8 +207,9 @@ def main():
                 httpx.post(f"{engine}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=120)
             before = scrape(deployment.engines)
             bench_args.base_url = deployment.url
-            results, duration, _ = asyncio.run(run_at_rate(bench_args, deployment.url + "/v1/completions", model,
-                                                           reqs, args.request_rate))
+            results, duration, _ = asyncio.run(
+                run_at_rate(bench_args, deployment.url + "/v1/completions", model, reqs, args.request_rate)
+            )
             after = scrape(deployment.engines)
         finally:
             deployment.stop()
@@ -173,19 +223,34 @@ def main():
         if args.result_dir:
             path = Path(args.result_dir) / f"{config.replace(':', '-')}-rate{args.request_rate:g}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({**run_info(), "config": config, "dataset": args.dataset,
-                                        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
-                                        "server_args": args.server_args, "prefix_cache_hit_rate": hit_rate,
-                                        "requests_per_engine": per_engine, "pulled_prompt_tokens": pulled,
-                                        **summary}, indent=1))
+            path.write_text(
+                json.dumps(
+                    {
+                        **run_info(),
+                        "config": config,
+                        "dataset": args.dataset,
+                        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+                        "server_args": args.server_args,
+                        "prefix_cache_hit_rate": hit_rate,
+                        "requests_per_engine": per_engine,
+                        "pulled_prompt_tokens": pulled,
+                        **summary,
+                    },
+                    indent=1,
+                )
+            )
     print(f"\n{Path(args.dataset).name}, {len(reqs)} requests at {args.request_rate:g} req/s")
-    print("| config | req/s | output tok/s | prefix-cache hit rate | mean TTFT (ms) | median TTFT (ms) "
-          "| P99 TTFT (ms) | median TPOT (ms) | requests per engine | pulled tokens | failed |")
+    print(
+        "| config | req/s | output tok/s | prefix-cache hit rate | mean TTFT (ms) | median TTFT (ms) "
+        "| P99 TTFT (ms) | median TPOT (ms) | requests per engine | pulled tokens | failed |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for config, s, hit_rate, per_engine, pulled in rows:
-        print(f"| {config} | {s['request_throughput']:.2f} | {s['output_throughput']:.1f} | {hit_rate:.1%} "
-              f"| {s['mean_ttft_ms']:.0f} | {s['median_ttft_ms']:.0f} | {s['p99_ttft_ms']:.0f} "
-              f"| {s['median_tpot_ms']:.1f} | {'/'.join(map(str, per_engine))} | {pulled} | {s['failed']} |")
+        print(
+            f"| {config} | {s['request_throughput']:.2f} | {s['output_throughput']:.1f} | {hit_rate:.1%} "
+            f"| {s['mean_ttft_ms']:.0f} | {s['median_ttft_ms']:.0f} | {s['p99_ttft_ms']:.0f} "
+            f"| {s['median_tpot_ms']:.1f} | {'/'.join(map(str, per_engine))} | {pulled} | {s['failed']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ Usage:
   python scripts/bench_serving.py --plot latency.png results/serving/*.json   # only plots
   python scripts/bench_serving.py --dashboards 4 --label ours-dash4 ...      # with 4 dashboards open
 """
+
 import argparse
 import asyncio
 import json
@@ -29,9 +30,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from tqdm import tqdm
-
 from bench_common import DEFAULT_WORKLOAD, Request, load_jsonl, run_info
+from tqdm import tqdm
 
 
 @dataclass
@@ -59,7 +59,7 @@ async def send(client: httpx.AsyncClient, url: str, payload: dict, prompt_len: i
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     break
                 now = time.perf_counter()
@@ -88,9 +88,14 @@ async def send(client: httpx.AsyncClient, url: str, payload: dict, prompt_len: i
 def payload_for(req: Request, model: str, ignore_eos: bool) -> dict:
     """The /v1/completions body: greedy, streamed, with usage in the last chunk. The prompt goes as text
     when the workload has it (every server takes text), else as token ids."""
-    body = {"model": model, "prompt": req.prompt if req.prompt is not None else req.prompt_token_ids,
-            "max_tokens": req.max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": req.prompt if req.prompt is not None else req.prompt_token_ids,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if ignore_eos:  # a vLLM and llama.cpp extension: generate exactly max_tokens
         body["ignore_eos"] = True
     return body
@@ -105,7 +110,9 @@ async def watch_dashboard(client: httpx.AsyncClient, url: str, events: list[int]
             events[i] += line.startswith("data:")
 
 
-async def run_at_rate(args, url: str, model: str, reqs: list[Request], rate: float) -> tuple[list[RequestResult], float, list[int]]:
+async def run_at_rate(
+    args, url: str, model: str, reqs: list[Request], rate: float
+) -> tuple[list[RequestResult], float, list[int]]:
     """Sends every request, Poisson arrivals at `rate` req/s, with `args.dashboards` dashboard streams
     open; returns the results in request order, the benchmark's wall time in seconds (first send to
     last response) and the events each dashboard stream received."""
@@ -118,9 +125,12 @@ async def run_at_rate(args, url: str, model: str, reqs: list[Request], rate: flo
     events = [0] * args.dashboards
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         dashboard_url = args.base_url.rstrip("/") + "/dashboard/events"
-        watchers = [asyncio.create_task(watch_dashboard(client, dashboard_url, events, i)) for i in range(args.dashboards)]
+        watchers = [
+            asyncio.create_task(watch_dashboard(client, dashboard_url, events, i)) for i in range(args.dashboards)
+        ]
         await asyncio.sleep(1.0 if watchers else 0.0)  # connected, first snapshot sent
         with tqdm(total=len(reqs), desc=f"rate {rate}", unit="req", disable=args.disable_tqdm) as pbar:
+
             async def one(req: Request, at: float) -> RequestResult:
                 await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
                 async with limit:
@@ -143,30 +153,42 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[f
     """vLLM's metrics: throughputs over the whole run, latencies (ms) over the successful requests;
     TPOT only over requests with more than one output token. Key names follow vLLM's result JSON."""
     ok = [r for r in results if r.error is None]
-    out = {"duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
-           "total_input_tokens": sum(r.prompt_len for r in ok),
-           "total_output_tokens": sum(r.output_len for r in ok)}
+    out = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": sum(r.prompt_len for r in ok),
+        "total_output_tokens": sum(r.output_len for r in ok),
+    }
     out["request_throughput"] = len(ok) / duration
     out["output_throughput"] = out["total_output_tokens"] / duration
     out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / duration
-    per_metric = {"ttft": [r.ttft for r in ok],
-                  "tpot": [(r.e2el - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1],
-                  "itl": [gap for r in ok for gap in r.itl],
-                  "e2el": [r.e2el for r in ok]}
+    per_metric = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [(r.e2el - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1],
+        "itl": [gap for r in ok for gap in r.itl],
+        "e2el": [r.e2el for r in ok],
+    }
     for name, values in per_metric.items():
         ms = np.asarray(values or [0.0]) * 1000
         out[f"mean_{name}_ms"], out[f"median_{name}_ms"], out[f"std_{name}_ms"] = ms.mean(), np.median(ms), ms.std()
         for p in percentiles:
             out[f"p{p:g}_{name}_ms"] = np.percentile(ms, p)
     out = {k: float(v) if isinstance(v, np.floating) else v for k, v in out.items()}
-    out.update(input_lens=[r.prompt_len for r in ok], output_lens=[r.output_len for r in ok],
-               ttfts=[r.ttft for r in ok], itls=[r.itl for r in ok], e2els=[r.e2el for r in ok],
-               errors=[r.error for r in results if r.error])
+    out.update(
+        input_lens=[r.prompt_len for r in ok],
+        output_lens=[r.output_len for r in ok],
+        ttfts=[r.ttft for r in ok],
+        itls=[r.itl for r in ok],
+        e2els=[r.e2el for r in ok],
+        errors=[r.error for r in results if r.error],
+    )
     return out
 
 
 def print_result(s: dict, rate: float, max_concurrency: int | None, percentiles: list[float]):
     """Prints the block in vLLM's layout, so results can be read (and parsed) side by side with vLLM's."""
+
     def row(name, value):
         print(f"{name:<40} {value:<10}")
 
@@ -183,8 +205,12 @@ def print_result(s: dict, rate: float, max_concurrency: int | None, percentiles:
     row("Request throughput (req/s):", f"{s['request_throughput']:.2f}")
     row("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}")
     row("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")
-    for name, header in [("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                         ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")]:
+    for name, header in [
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ]:
         print("{:-^50}".format(header))
         row(f"Mean {name.upper()} (ms):", f"{s[f'mean_{name}_ms']:.2f}")
         row(f"Median {name.upper()} (ms):", f"{s[f'median_{name}_ms']:.2f}")
@@ -197,6 +223,7 @@ def plot(paths: list[str], out: str):
     """Latency against achieved load (request throughput, req/s): one line per label, median solid and
     P99 dashed, one panel per metric. Reads result JSONs written by this script."""
     import matplotlib
+
     matplotlib.use("Agg")  # files only; no display on a server
     import matplotlib.pyplot as plt
 
@@ -209,7 +236,7 @@ def plot(paths: list[str], out: str):
         for label, rs in sorted(runs.items()):
             rs = sorted(rs, key=lambda r: r["request_throughput"])
             x = [r["request_throughput"] for r in rs]
-            line, = ax.plot(x, [r[f"median_{name}_ms"] for r in rs], "o-", label=f"{label} median")
+            (line,) = ax.plot(x, [r[f"median_{name}_ms"] for r in rs], "o-", label=f"{label} median")
             if all("p99_" + name + "_ms" in r for r in rs):
                 ax.plot(x, [r[f"p99_{name}_ms"] for r in rs], "s--", color=line.get_color(), label=f"{label} P99")
         ax.set_title(f"{title} (ms)")
@@ -235,7 +262,6 @@ def safe(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
 
 
-
 async def probe(url: str, payload: dict) -> RequestResult:
     """Sends one request on its own connection."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
@@ -250,20 +276,35 @@ def main():
     ap.add_argument("--dataset", default=str(DEFAULT_WORKLOAD), help="JSONL workload (see scripts/bench_common.py)")
     ap.add_argument("--num-prompts", type=int, help="use the first N requests (default: all)")
     ap.add_argument("--output-len", type=int, help="override every request's max_tokens")
-    ap.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
-                    help="requests/s of the Poisson arrivals, one run per value; inf = all at once")
+    ap.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[math.inf],
+        help="requests/s of the Poisson arrivals, one run per value; inf = all at once",
+    )
     ap.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
-    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                    help="ask for exactly max_tokens tokens (vLLM/llama.cpp `ignore_eos`)")
+    ap.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for exactly max_tokens tokens (vLLM/llama.cpp `ignore_eos`)",
+    )
     ap.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
     ap.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     ap.add_argument("--label", help="name of this server in results and plots (default: the base URL)")
     ap.add_argument("--result-dir", help="write one JSON per rate here")
-    ap.add_argument("--plot", metavar="PNG", help="draw latency-vs-load curves to PNG (from RESULTS, "
-                    "else from this run's results)")
+    ap.add_argument(
+        "--plot", metavar="PNG", help="draw latency-vs-load curves to PNG (from RESULTS, else from this run's results)"
+    )
     ap.add_argument("results", nargs="*", help="result JSONs to plot; with them, no benchmark is run")
-    ap.add_argument("--dashboards", type=int, default=0, metavar="N",
-                    help="keep N streams of the server's /dashboard/events open during each run (ours only)")
+    ap.add_argument(
+        "--dashboards",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep N streams of the server's /dashboard/events open during each run (ours only)",
+    )
     ap.add_argument("--disable-tqdm", action="store_true")
     args = ap.parse_args()
     if args.results:
@@ -277,8 +318,9 @@ def main():
     reqs = load_jsonl(args.dataset, args.num_prompts, args.output_len)
     url = base_url + args.endpoint
     # One short request first: fails fast on a wrong URL or model, and warms the server up.
-    test = asyncio.run(probe(url, payload_for(Request(reqs[0].prompt_token_ids, 4, reqs[0].prompt), model,
-                                              args.ignore_eos)))
+    test = asyncio.run(
+        probe(url, payload_for(Request(reqs[0].prompt_token_ids, 4, reqs[0].prompt), model, args.ignore_eos))
+    )
     if test.error:
         raise SystemExit(f"test request to {url} failed: {test.error}")
     written = []
@@ -296,10 +338,19 @@ def main():
             print(f"WARNING: the server generated {summary['total_output_tokens']} tokens, expected {expected}")
         if args.result_dir:
             label = args.label or base_url
-            record = {**run_info(), "label": label,
-                      "base_url": base_url, "model": model, "dataset": args.dataset, "num_prompts": len(reqs),
-                      "request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": args.max_concurrency,
-                      "dashboards": args.dashboards, "dashboard_events": events, **summary}
+            record = {
+                **run_info(),
+                "label": label,
+                "base_url": base_url,
+                "model": model,
+                "dataset": args.dataset,
+                "num_prompts": len(reqs),
+                "request_rate": "inf" if math.isinf(rate) else rate,
+                "max_concurrency": args.max_concurrency,
+                "dashboards": args.dashboards,
+                "dashboard_events": events,
+                **summary,
+            }
             path = Path(args.result_dir) / f"{safe(label)}-rate{rate:g}-conc{args.max_concurrency or 'none'}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(record, indent=1))
@@ -309,6 +360,7 @@ def main():
         if not written:
             ap.error("--plot after a run needs --result-dir (the curves are drawn from the JSONs)")
         plot(written, args.plot)
+
 
 if __name__ == "__main__":
     main()

@@ -19,6 +19,7 @@ Usage:
   python scripts/bench_spec_decode.py --dtype bfloat16 --repeats 3 --with-vllm
   python scripts/bench_spec_decode.py --batch-sizes 1 --num-requests 2 --output-len 32 --repeats 1   # smoke
 """
+
 import argparse
 import json
 import os
@@ -30,7 +31,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
-WORKLOADS = {"copy": os.path.join(HERE, "data", "copy_workload.jsonl"), "w64": os.path.join(HERE, "data", "workload.jsonl")}
+WORKLOADS = {
+    "copy": os.path.join(HERE, "data", "copy_workload.jsonl"),
+    "w64": os.path.join(HERE, "data", "workload.jsonl"),
+}
 REQUESTS_PER_BATCH = {1: 8, 8: 32, 64: 64}  # default number of requests at each batch size
 VLLM_PYTHON = os.environ.get("VLLM_VENV", "/tmp/venv-vllm-cpu") + "/bin/python"
 
@@ -42,11 +46,15 @@ def run_ours(llm, reqs, batch_size: int) -> dict:
 
     engine = llm.engine
     llm.reset_prefix_cache()
-    engine.scheduler.max_num_seqs = batch_size
+    engine.engine_core.scheduler.max_num_seqs = batch_size
     before = engine.stats().spec_decoding
     start = time.perf_counter()
-    ids = [engine.add_request(None, r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=r.max_tokens,
-                                                                       ignore_eos=True)) for r in reqs]
+    ids = [
+        engine.add_request(
+            None, r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
+        )
+        for r in reqs
+    ]
     final = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -54,16 +62,24 @@ def run_ours(llm, reqs, batch_size: int) -> dict:
                 final[out.request_id] = out
     elapsed = time.perf_counter() - start
     outs = [final[i] for i in ids]
-    tpots = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
-             for o in outs if len(o.outputs[0].token_ids) > 1]
-    result = {"elapsed_s": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-              "tpot_s": statistics.mean(tpots) if tpots else None,
-              "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    tpots = [
+        (o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+        for o in outs
+        if len(o.outputs[0].token_ids) > 1
+    ]
+    result = {
+        "elapsed_s": elapsed,
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        "tpot_s": statistics.mean(tpots) if tpots else None,
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+    }
     after = engine.stats().spec_decoding
     if after is not None:
-        result |= {"drafts": after.num_drafts - before.num_drafts,
-                   "draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
-                   "accepted": after.num_accepted_tokens - before.num_accepted_tokens}
+        result |= {
+            "drafts": after.num_drafts - before.num_drafts,
+            "draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
+            "accepted": after.num_accepted_tokens - before.num_accepted_tokens,
+        }
     return result
 
 
@@ -74,31 +90,60 @@ def run_vllm(model_dir: str, dtype: str, reqs, batch_size: int, spec: str | None
         for r in reqs:
             f.write(json.dumps({"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}) + "\n")
         f.flush()
-        cmd = [VLLM_PYTHON, os.path.abspath(__file__), "--vllm-driver", "--model", model_dir, "--dtype", dtype,
-               "--workload", f.name, "--max-num-seqs", str(batch_size), "--speculative-config", spec or ""]
+        cmd = [
+            VLLM_PYTHON,
+            os.path.abspath(__file__),
+            "--vllm-driver",
+            "--model",
+            model_dir,
+            "--dtype",
+            dtype,
+            "--workload",
+            f.name,
+            "--max-num-seqs",
+            str(batch_size),
+            "--speculative-config",
+            spec or "",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         # the exception's line, not the warnings that follow it at shutdown
-        err = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line] or \
-              [line for line in proc.stderr.splitlines() if line.strip()]
+        err = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line] or [
+            line for line in proc.stderr.splitlines() if line.strip()
+        ]
         return {"error": err[-1].strip()[:300] if err else f"exit {proc.returncode}"}
     return json.loads(lines[-1])
 
 
 def vllm_driver(args) -> None:
     """Runs inside vLLM's venv: LLM(...) with the speculative config, one timed generate; prints JSON."""
-    for k, v in {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HOST_IP": "127.0.0.1",
-                 "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}.items():
+    for k, v in {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    }.items():
         os.environ.setdefault(k, v)
     from vllm import LLM, SamplingParams
 
     reqs = [json.loads(line) for line in open(args.workload) if line.strip()]
     spec = json.loads(args.speculative_config) if args.speculative_config else None
-    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, seed=0, max_num_seqs=args.max_num_seqs,
-              speculative_config=spec, disable_log_stats=False)
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], min_tokens=r["max_tokens"], ignore_eos=True)
-              for r in reqs]
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        enforce_eager=True,
+        seed=0,
+        max_num_seqs=args.max_num_seqs,
+        speculative_config=spec,
+        disable_log_stats=False,
+    )
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], min_tokens=r["max_tokens"], ignore_eos=True)
+        for r in reqs
+    ]
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
@@ -106,20 +151,29 @@ def vllm_driver(args) -> None:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    tpots = [(o.metrics.last_token_ts - o.metrics.first_token_ts) / (len(o.outputs[0].token_ids) - 1)
-             for o in outs if getattr(o, "metrics", None) is not None and len(o.outputs[0].token_ids) > 1]
+    tpots = [
+        (o.metrics.last_token_ts - o.metrics.first_token_ts) / (len(o.outputs[0].token_ids) - 1)
+        for o in outs
+        if getattr(o, "metrics", None) is not None and len(o.outputs[0].token_ids) > 1
+    ]
     after = _vllm_spec_counters(llm)
-    result = {"elapsed_s": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-              "tpot_s": statistics.mean(tpots) if tpots else None,
-              "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    result = {
+        "elapsed_s": elapsed,
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        "tpot_s": statistics.mean(tpots) if tpots else None,
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+    }
     if spec:
         result |= {k: after[k] - counters[k] for k in after}
     print(json.dumps(result))
 
 
 def _vllm_spec_counters(llm) -> dict:
-    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted",
+    }
     out = dict.fromkeys(names.values(), 0)
     for metric in llm.get_metrics():
         if metric.name in names:
@@ -131,8 +185,10 @@ def summarize(runs: list[dict], base_tokens: list[list[int]] | None) -> dict:
     """Medians over rounds of output tok/s and ms/token, plus acceptance and the share equal to base."""
     if any("error" in r for r in runs):
         return {"error": next(r["error"] for r in runs if "error" in r)}
-    row = {"output_tok_s": statistics.median(r["output_tokens"] / r["elapsed_s"] for r in runs),
-           "runs_tok_s": [round(r["output_tokens"] / r["elapsed_s"], 1) for r in runs]}
+    row = {
+        "output_tok_s": statistics.median(r["output_tokens"] / r["elapsed_s"] for r in runs),
+        "runs_tok_s": [round(r["output_tokens"] / r["elapsed_s"], 1) for r in runs],
+    }
     tpots = [r["tpot_s"] for r in runs if r["tpot_s"] is not None]
     row["ms_per_token"] = 1000 * statistics.median(tpots) if tpots else None
     drafts = sum(r.get("drafts", 0) for r in runs)
@@ -166,8 +222,9 @@ def main():
 
     sys.path.insert(0, os.path.dirname(HERE))  # the repository root
     sys.path.insert(0, HERE)
-    from api.cli import byte_size
     from bench_common import load_jsonl, run_info
+
+    from api.cli import byte_size
     from engine import LLM
 
     spec_config = json.loads(args.speculative_config)
@@ -208,8 +265,10 @@ def main():
 
 def print_table(results: list[dict]) -> None:
     base = {(r["workload"], r["batch_size"], r["engine"]): r for r in results}
-    print("| workload | batch | requests | engine | output tok/s | ms/token | speed-up | mean acceptance length | "
-          "acceptance rate | same tokens | all runs (tok/s) |")
+    print(
+        "| workload | batch | requests | engine | output tok/s | ms/token | speed-up | mean acceptance length | "
+        "acceptance rate | same tokens | all runs (tok/s) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
@@ -217,10 +276,19 @@ def print_table(results: list[dict]) -> None:
             continue
         ref = base.get((r["workload"], r["batch_size"], r["engine"].removesuffix("+spec")))
         speedup = r["output_tok_s"] / ref["output_tok_s"] if ref and "error" not in ref else None
-        cells = [r["workload"], r["batch_size"], r["requests"], r["engine"], f"{r['output_tok_s']:.1f}",
-                 _fmt(r.get("ms_per_token"), ".1f"), _fmt(speedup, ".2f", "×") if r["engine"].endswith("+spec") else "",
-                 _fmt(r.get("mean_acceptance_length"), ".2f"), _fmt(r.get("acceptance_rate"), ".0%"),
-                 _fmt(r.get("same"), ".0%"), " ".join(map(str, r["runs_tok_s"]))]
+        cells = [
+            r["workload"],
+            r["batch_size"],
+            r["requests"],
+            r["engine"],
+            f"{r['output_tok_s']:.1f}",
+            _fmt(r.get("ms_per_token"), ".1f"),
+            _fmt(speedup, ".2f", "×") if r["engine"].endswith("+spec") else "",
+            _fmt(r.get("mean_acceptance_length"), ".2f"),
+            _fmt(r.get("acceptance_rate"), ".0%"),
+            _fmt(r.get("same"), ".0%"),
+            " ".join(map(str, r["runs_tok_s"])),
+        ]
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 

@@ -13,6 +13,7 @@ kernel's build check, model build, weights, KV-cache allocation); run it after a
 compiled kernel and the page cache are warm. Warm starts only: for a first start, run once on
 a fresh machine or venv and read the first number.
 """
+
 import argparse
 import re
 import statistics
@@ -21,13 +22,14 @@ import time
 from datetime import datetime
 
 import httpx
-
 from server_process import REPO, ServerProcess
 
 sys.path.insert(0, str(REPO))  # --breakdown imports this checkout's engine, as server.py does
 
-ENGINE_LINE = re.compile(r"engine built in ([\d.]+)s: model config ([\d.]+)s, tokenizer ([\d.]+)s, "
-                         r"model and KV cache ([\d.]+)s")
+ENGINE_LINE = re.compile(
+    r"engine built in ([\d.]+)s: model config ([\d.]+)s, tokenizer ([\d.]+)s, "
+    r"model and KV cache ([\d.]+)s"
+)
 
 
 def log_time(log: str, pattern: str) -> float:
@@ -54,8 +56,13 @@ def one_start(server_args: list[str]) -> dict[str, float]:
     if engine:  # this revision logs the engine's phases
         built = log_time(log, "engine built in")
         total, cfg, tok, model = map(float, engine.groups())
-        phases |= {"python + imports": built - total - spawned, "model config": cfg, "tokenizer": tok,
-                   "model and KV cache": model, "app + uvicorn": ready - built}
+        phases |= {
+            "python + imports": built - total - spawned,
+            "model config": cfg,
+            "tokenizer": tok,
+            "model and KV cache": model,
+            "app + uvicorn": ready - built,
+        }
     phases["first /health"] = healthy - ready
     return phases
 
@@ -70,17 +77,19 @@ def breakdown() -> dict[str, float]:
         t = time.perf_counter()
 
     import torch
+
     lap("import torch")
     import transformers  # noqa: F401
+
     lap("import transformers")
     import api.cli  # noqa: F401
     from engine.worker import host_memory
-    from models.loader import materialize
     from models.attention import make_backend
-    from models.quantization.gguf import GGUFConfig
     from models.config import ModelShape
-    from models.loader import iter_weights, load_config, load_tokenizer, resolve_model
+    from models.loader import iter_weights, load_config, load_tokenizer, materialize, resolve_model
+    from models.quantization.gguf import GGUFConfig
     from models.registry import get_model_class
+
     lap("import the server")
     model_path = resolve_model(None)
     cfg = load_config(model_path)

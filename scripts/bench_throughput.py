@@ -17,6 +17,7 @@ Usage:
   python scripts/bench_throughput.py --dataset random --num-prompts 64 --input-len 256 --output-len 128
   python scripts/bench_throughput.py --dtype float32 --tensor-parallel-size 3       # 3 processes
 """
+
 import argparse
 import dataclasses
 import json
@@ -28,9 +29,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from api.cli import byte_size  # noqa: E402
 from bench_common import DEFAULT_WORKLOAD, load_jsonl, random_requests, run_info  # noqa: E402
+
 import engine.sample.rejection_sampler  # noqa: E402
+from api.cli import byte_size  # noqa: E402
 from engine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 # --structured json: a record with nested objects, an array, an enum and bounded numbers
@@ -42,15 +44,19 @@ BENCH_SCHEMA = {
         "sentiment": {"enum": ["positive", "negative", "neutral"]},
         "score": {"type": "number", "minimum": 0, "maximum": 10},
         "keywords": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 5},
-        "author": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
-                   "required": ["name"]},
+        "author": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+            "required": ["name"],
+        },
     },
     "required": ["title", "summary", "sentiment", "score", "keywords"],
 }
 
 
-def run(llm, reqs, use_tqdm: bool = True, ignore_eos: bool = True,
-        structured: StructuredOutputsParams | None = None) -> dict:
+def run(
+    llm, reqs, use_tqdm: bool = True, ignore_eos: bool = True, structured: StructuredOutputsParams | None = None
+) -> dict:
     """Runs `reqs` through the engine's step loop (what `LLM.generate` does), reading the engine's
     stats after every step. Returns token counts, wall time (s), peak KV usage (0..1) and the prefix-cache
     counters of this run."""
@@ -59,8 +65,13 @@ def run(llm, reqs, use_tqdm: bool = True, ignore_eos: bool = True,
     peak_kv, finished, output_tokens = 0.0, 0, 0
     start = time.perf_counter()
     for r in reqs:
-        engine.add_request(None, r.prompt_token_ids, SamplingParams(
-            temperature=0.0, max_tokens=r.max_tokens, ignore_eos=ignore_eos, structured_outputs=structured))
+        engine.add_request(
+            None,
+            r.prompt_token_ids,
+            SamplingParams(
+                temperature=0.0, max_tokens=r.max_tokens, ignore_eos=ignore_eos, structured_outputs=structured
+            ),
+        )
     with tqdm(total=len(reqs), desc="requests", disable=not use_tqdm) as bar:
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -71,12 +82,18 @@ def run(llm, reqs, use_tqdm: bool = True, ignore_eos: bool = True,
             peak_kv = max(peak_kv, engine.stats().kv_cache_usage)
     elapsed = time.perf_counter() - start
     after = engine.stats()
-    return {"elapsed_s": elapsed, "num_requests": finished,
-            "input_tokens": sum(len(r.prompt_token_ids) for r in reqs), "output_tokens": output_tokens,
-            "expected_output_tokens": sum(r.max_tokens for r in reqs), "peak_kv_cache_usage": peak_kv,
-            "prefix_cache_queries": after.prefix_cache_queries - before.prefix_cache_queries,
-            "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits,
-            "num_preemptions": after.num_preemptions - before.num_preemptions, "ignore_eos": ignore_eos}
+    return {
+        "elapsed_s": elapsed,
+        "num_requests": finished,
+        "input_tokens": sum(len(r.prompt_token_ids) for r in reqs),
+        "output_tokens": output_tokens,
+        "expected_output_tokens": sum(r.max_tokens for r in reqs),
+        "peak_kv_cache_usage": peak_kv,
+        "prefix_cache_queries": after.prefix_cache_queries - before.prefix_cache_queries,
+        "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits,
+        "num_preemptions": after.num_preemptions - before.num_preemptions,
+        "ignore_eos": ignore_eos,
+    }
 
 
 def report(m: dict) -> dict:
@@ -119,33 +136,42 @@ def run_structured(llm, reqs, use_tqdm: bool) -> dict:
     llm.reset_prefix_cache()
     mask_calls = []  # (seconds, constrained rows) of every step's mask fill + apply
     structured, sampler_module = llm.engine.structured, engine.sample.rejection_sampler
-    fill, apply = structured.fill_bitmask, sampler_module.apply_token_bitmask
+    fill, apply = structured.grammar_bitmask, sampler_module.apply_token_bitmask
 
-    def timed_fill(scheduler_output):
+    def timed_fill(requests, scheduler_output):
         t = time.perf_counter()
-        fill(scheduler_output)
-        mask_calls.append([time.perf_counter() - t, len(scheduler_output.structured_rows)])
+        grammar_output = fill(requests, scheduler_output)
+        rows = len(grammar_output.structured_output_request_ids) if grammar_output is not None else 0
+        mask_calls.append([time.perf_counter() - t, rows])
+        return grammar_output
 
     def timed_apply(logits, bitmask, rows):
         t = time.perf_counter()
         apply(logits, bitmask, rows)
         mask_calls[-1][0] += time.perf_counter() - t
 
-    structured.fill_bitmask, sampler_module.apply_token_bitmask = timed_fill, timed_apply
+    structured.grammar_bitmask, sampler_module.apply_token_bitmask = timed_fill, timed_apply
     try:
         print("constrained to a JSON schema:")
         constrained = report(run(llm, reqs, use_tqdm, ignore_eos=False, structured=spec))
     finally:
-        structured.fill_bitmask, sampler_module.apply_token_bitmask = fill, apply
+        structured.grammar_bitmask, sampler_module.apply_token_bitmask = fill, apply
     full = [t for t, rows in mask_calls if rows >= 0.9 * len(reqs)] or [t for t, _ in mask_calls]
     ratio = constrained["output_tok_per_s"] / plain["output_tok_per_s"]
     mask_ms = 1e3 * sum(full) / len(full)
     steps_s = constrained["elapsed_s"] / max(len(mask_calls), 1)
     print(f"{'Constrained / unconstrained output tok/s:':<40} {100 * ratio:.1f}%")
-    print(f"{'Mask fill+apply per step, full batch (ms):':<40} {mask_ms:.2f}  ({max(r for _, r in mask_calls)} rows; "
-          f"{100 * mask_ms / 1e3 / steps_s:.1f}% of a mean step)")
-    return {"unconstrained": plain, "structured": constrained, "output_tok_per_s_ratio": ratio,
-            "mask_ms_per_full_step": mask_ms, "mask_steps": len(mask_calls)}
+    print(
+        f"{'Mask fill+apply per step, full batch (ms):':<40} {mask_ms:.2f}  ({max(r for _, r in mask_calls)} rows; "
+        f"{100 * mask_ms / 1e3 / steps_s:.1f}% of a mean step)"
+    )
+    return {
+        "unconstrained": plain,
+        "structured": constrained,
+        "output_tok_per_s_ratio": ratio,
+        "mask_ms_per_full_step": mask_ms,
+        "mask_steps": len(mask_calls),
+    }
 
 
 def add_engine_args(ap: argparse.ArgumentParser):
@@ -157,14 +183,24 @@ def add_engine_args(ap: argparse.ArgumentParser):
     ap.add_argument("--block-size", type=int)
     ap.add_argument("--kv-cache-memory", type=byte_size, help="KV-cache size, e.g. 268435456, 256M or 2G")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    ap.add_argument("--num-threads", type=int, help="torch CPU threads per rank (default: the cores / tensor-parallel size)")
+    ap.add_argument(
+        "--num-threads", type=int, help="torch CPU threads per rank (default: the cores / tensor-parallel size)"
+    )
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, help="ranks the model is split over (default: 1)")
 
 
 def engine_kwargs(args) -> dict:
     """The LLM(...) keyword arguments set on the command line."""
-    names = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
-             "enable_prefix_caching", "num_threads", "tensor_parallel_size"]
+    names = [
+        "dtype",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "kv_cache_memory",
+        "enable_prefix_caching",
+        "num_threads",
+        "tensor_parallel_size",
+    ]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
@@ -173,13 +209,19 @@ def main():
     ap.add_argument("--dataset", default=str(DEFAULT_WORKLOAD), help="JSONL workload, or 'random'")
     ap.add_argument("--num-prompts", type=int, help="first N requests of the JSONL (random: default 64)")
     ap.add_argument("--input-len", type=int, default=256, help="random: prompt tokens per request")
-    ap.add_argument("--output-len", type=int, help="tokens to generate per request (random: default 128; "
-                    "JSONL: overrides max_tokens)")
+    ap.add_argument(
+        "--output-len",
+        type=int,
+        help="tokens to generate per request (random: default 128; JSONL: overrides max_tokens)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="random: seed of the prompts")
     ap.add_argument("--output-json", help="write the config and results here")
     ap.add_argument("--disable-tqdm", action="store_true")
-    ap.add_argument("--structured", choices=["json"], help="compare with every request constrained to a JSON "
-                    "schema (EOS honoured in both runs)")
+    ap.add_argument(
+        "--structured",
+        choices=["json"],
+        help="compare with every request constrained to a JSON schema (EOS honoured in both runs)",
+    )
     add_engine_args(ap)
     args = ap.parse_args()
 

@@ -8,6 +8,7 @@ Usage:
   python scripts/check_agreement.py                          # default model, W64, first 16 tokens
   python scripts/check_agreement.py --model ~/.cache/minivllm/models/llama-1b-random/model-Q4_K_M.gguf
 """
+
 import argparse
 import gc
 import json
@@ -45,20 +46,31 @@ def main():
 
     with open(args.workload) as f:
         prompts = [json.loads(line)["prompt_token_ids"] for line in f]
-    ref = greedy_tokens(prompts, args.tokens, model=args.model, dtype=args.ref_dtype,
-                        quantization=args.ref_quantization)
-    ours = greedy_tokens(prompts, args.tokens, model=args.model, dtype=args.dtype,
-                         quantization=args.quantization)
+    ref = greedy_tokens(
+        prompts, args.tokens, model=args.model, dtype=args.ref_dtype, quantization=args.ref_quantization
+    )
+    ours = greedy_tokens(prompts, args.tokens, model=args.model, dtype=args.dtype, quantization=args.quantization)
     same = sum(a == b for a, b in zip(ours, ref))
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(ours, ref)]
-    print(f"first {args.tokens} greedy tokens equal to the reference ({args.ref_dtype}, quantization "
-          f"{args.ref_quantization}): {same}/{len(ref)} requests = {same / len(ref):.1%}")
+    print(
+        f"first {args.tokens} greedy tokens equal to the reference ({args.ref_dtype}, quantization "
+        f"{args.ref_quantization}): {same}/{len(ref)} requests = {same / len(ref):.1%}"
+    )
     print("first differing position of the others:", sorted(i for i in first_diff if i is not None))
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"model": args.model, "tokens": args.tokens, "requests": len(ref), "equal": same,
-                       "reference": {"dtype": args.ref_dtype, "quantization": args.ref_quantization},
-                       "candidate": {"dtype": args.dtype, "quantization": args.quantization}}, f, indent=1)
+            json.dump(
+                {
+                    "model": args.model,
+                    "tokens": args.tokens,
+                    "requests": len(ref),
+                    "equal": same,
+                    "reference": {"dtype": args.ref_dtype, "quantization": args.ref_quantization},
+                    "candidate": {"dtype": args.dtype, "quantization": args.quantization},
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

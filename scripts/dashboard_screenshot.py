@@ -8,18 +8,20 @@ Usage (Debian's chromium and chromium-driver, and selenium, installed):
   python server.py --port 8000 --kv-cache-memory 256M --max-num-seqs 16 --max-num-batched-tokens 256 &
   python scripts/dashboard_screenshot.py --base-url http://127.0.0.1:8000 --out docs/dashboard.png
 """
+
 import argparse
 import asyncio
 import shutil
 import time
 
 import httpx
+from bench_common import DEFAULT_WORKLOAD, load_jsonl
 from selenium import webdriver
 
-from bench_common import DEFAULT_WORKLOAD, load_jsonl
-
-SYSTEM = ("You are a careful assistant for a small research team. Answer clearly, cite the facts you rely "
-          "on, keep answers short unless asked otherwise, and say so when you do not know. ") * 3
+SYSTEM = (
+    "You are a careful assistant for a small research team. Answer clearly, cite the facts you rely "
+    "on, keep answers short unless asked otherwise, and say so when you do not know. "
+) * 3
 
 
 async def stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> None:
@@ -36,15 +38,16 @@ async def main(args) -> None:
         options.add_argument(arg)
     driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
     if args.dark:
-        driver.execute_cdp_cmd("Emulation.setEmulatedMedia",
-                               {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
+        driver.execute_cdp_cmd(
+            "Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": "dark"}]}
+        )
     try:
         key = f"#key={args.api_key}" if args.api_key else ""
         driver.get(f"{args.base_url}/dashboard{key}")
         while not driver.execute_script("return window.dashboard.events > 0"):
             time.sleep(0.2)
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        reqs = [r for r in load_jsonl(DEFAULT_WORKLOAD) if r.prompt][:args.requests]
+        reqs = [r for r in load_jsonl(DEFAULT_WORKLOAD) if r.prompt][: args.requests]
         async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None) as client:
             load = asyncio.gather(*(stream(client, r.prompt[:1500], 48 + 8 * i) for i, r in enumerate(reqs)))
             state = "return [window.dashboard.payload.engine.num_running, window.dashboard.payload.engine.num_waiting]"

@@ -10,6 +10,7 @@ running or waiting, KV blocks not freed).
 The server started here has a short context (--max-model-len 64) so that generated requests (n up to
 128, max_tokens up to the context) stay cheap; pass other flags after `--`.
 """
+
 import argparse
 import os
 import shutil
@@ -21,7 +22,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from server_process import ServerProcess, is_idle, wait_idle
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -55,9 +55,26 @@ class HealthWatch(threading.Thread):
 
 def schemathesis_command(url: str, args) -> list[str]:
     exe = shutil.which("schemathesis") or str(Path(sys.executable).parent / "schemathesis")
-    return [exe, "run", f"{url}/openapi.json", "--checks", "not_a_server_error,openai_error_body",
-            "--max-examples", str(args.max_examples), "--phases", args.phases, "--seed", str(args.seed),
-            "--request-timeout", "300", "--workers", str(args.workers), "--no-shrink", "--warnings", "off"]
+    return [
+        exe,
+        "run",
+        f"{url}/openapi.json",
+        "--checks",
+        "not_a_server_error,openai_error_body",
+        "--max-examples",
+        str(args.max_examples),
+        "--phases",
+        args.phases,
+        "--seed",
+        str(args.seed),
+        "--request-timeout",
+        "300",
+        "--workers",
+        str(args.workers),
+        "--no-shrink",
+        "--warnings",
+        "off",
+    ]
 
 
 def fuzz(url: str, args) -> bool:
@@ -65,18 +82,22 @@ def fuzz(url: str, args) -> bool:
     watch = HealthWatch(url)
     watch.start()
     start = time.monotonic()
-    env = os.environ | {"SCHEMATHESIS_HOOKS": "fuzz_checks",
-                        "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")]))}
+    env = os.environ | {
+        "SCHEMATHESIS_HOOKS": "fuzz_checks",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")])),
+    }
     with tempfile.TemporaryDirectory() as workdir:  # schemathesis keeps a .schemathesis/ cache in its cwd
         run = subprocess.run(schemathesis_command(url, args), env=env, capture_output=True, text=True, cwd=workdir)
     watch.stop()
     print(run.stdout[-6000:], run.stderr[-2000:], sep="\n")
     metrics = wait_idle(url)
     ok = run.returncode == 0 and not watch.failures and watch.checks > 0 and is_idle(metrics)
-    print(f"schemathesis exit {run.returncode} in {time.monotonic() - start:.0f}s; /health {watch.checks} checks, "
-          f"{len(watch.failures)} not 200 {watch.failures[:5]}; afterwards running "
-          f"{metrics['vllm:num_requests_running']:.0f}, waiting {metrics['vllm:num_requests_waiting']:.0f}, "
-          f"KV usage {metrics['vllm:kv_cache_usage_perc']:.3f}: {'PASS' if ok else 'FAIL'}")
+    print(
+        f"schemathesis exit {run.returncode} in {time.monotonic() - start:.0f}s; /health {watch.checks} checks, "
+        f"{len(watch.failures)} not 200 {watch.failures[:5]}; afterwards running "
+        f"{metrics['vllm:num_requests_running']:.0f}, waiting {metrics['vllm:num_requests_waiting']:.0f}, "
+        f"KV usage {metrics['vllm:kv_cache_usage_perc']:.3f}: {'PASS' if ok else 'FAIL'}"
+    )
     return ok
 
 

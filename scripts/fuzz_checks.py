@@ -1,5 +1,6 @@
 """Schemathesis hooks for scripts/fuzz.py (loaded through SCHEMATHESIS_HOOKS): every error response
 must carry OpenAI's error body (Anthropic's on Anthropic's routes)."""
+
 import schemathesis
 
 
@@ -15,7 +16,11 @@ def openai_error_body(ctx, response, case):
         error = body["error"]
     except Exception:
         raise AssertionError(f"{response.status_code} without an error body: {response.text[:200]!r}")
-    if not (isinstance(error, dict) and isinstance(error.get("message"), str) and isinstance(error.get("type"), str)
-            and (body.get("type") == "error" if anthropic else {"param", "code"} <= error.keys())):
+    if not (
+        isinstance(error, dict)
+        and isinstance(error.get("message"), str)
+        and isinstance(error.get("type"), str)
+        and (body.get("type") == "error" if anthropic else {"param", "code"} <= error.keys())
+    ):
         raise AssertionError(f"{response.status_code} with a malformed error body: {body!r}")
     return None

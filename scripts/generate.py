@@ -1,7 +1,8 @@
 """Answer one chat prompt with the default model (or --model).
 
-    python scripts/generate.py "What is the capital of France?"
+python scripts/generate.py "What is the capital of France?"
 """
+
 import argparse
 import os
 import sys
@@ -19,8 +20,11 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
     llm = LLM(model=args.model, kv_cache_memory=256 << 20)
-    out = llm.chat([{"role": "user", "content": args.prompt}],
-                   SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens), use_tqdm=False)
+    out = llm.chat(
+        [{"role": "user", "content": args.prompt}],
+        SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens),
+        use_tqdm=False,
+    )
     print(out[0].outputs[0].text)
 
 

@@ -36,6 +36,7 @@ meant to fit one call's 10 minutes (`--batch-sizes 1 8 32` shortens the benchmar
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail;
     PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py 2>&1 | tee $OUT/gpu_check.log
 """
+
 import argparse
 import itertools
 import logging
@@ -45,19 +46,32 @@ import time
 import torch
 from transformers import LlamaConfig
 
+from engine.worker.cuda_graph import CUDAGraphRunner
 from models.attention.base import AttentionMetadata
 from models.attention.flashinfer import FlashInferBackend, flashinfer_available
 from models.attention.torch_native import TorchNativeBackend
-from engine.worker.cuda_graph import CUDAGraphRunner
 from models.config import ModelShape
 from models.llama import LlamaForCausalLM
 
 BLOCK, MAX_LEN, DTYPE, DEVICE = 16, 2048, torch.bfloat16, "cuda"
 LLAMA_31_8B = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, rms_norm_eps=1e-5, max_position_embeddings=131072,
-    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                         high_freq_factor=4.0, original_max_position_embeddings=8192))
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    rope_parameters=dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+)
 
 
 def hbm_bandwidth() -> float:
@@ -76,8 +90,9 @@ def hbm_bandwidth() -> float:
 
 def new_cache(cfg, num_blocks: int):
     """The model runner's layout: one tensor, per layer a (k, v) pair of [blocks, BLOCK, kv heads, head dim]."""
-    kv = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim,
-                     dtype=DTYPE, device=DEVICE)
+    kv = torch.zeros(
+        cfg.num_hidden_layers, 2, num_blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim, dtype=DTYPE, device=DEVICE
+    )
     return [(layer[0], layer[1]) for layer in kv]
 
 
@@ -89,7 +104,7 @@ def step_inputs(rows, tokens):
     """
     ids, pos, slots, qsl, lens = [], [], [], [0], []
     for (table, start, n), toks in zip(rows, tokens):
-        ids += toks[start:start + n]
+        ids += toks[start : start + n]
         pos += range(start, start + n)
         slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
         qsl.append(qsl[-1] + n)
@@ -98,9 +113,14 @@ def step_inputs(rows, tokens):
     tables = [table + [0] * (width - len(table)) for table, _, _ in rows]
     i32 = dict(dtype=torch.int32, device=DEVICE)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, **i32), seq_lens=torch.tensor(lens, **i32),
-        block_tables=torch.tensor(tables, **i32), slot_mapping=torch.tensor(slots, device=DEVICE),
-        num_decodes=sum(n == 1 for _, _, n in rows), query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+        query_start_loc=torch.tensor(qsl, **i32),
+        seq_lens=torch.tensor(lens, **i32),
+        block_tables=torch.tensor(tables, **i32),
+        slot_mapping=torch.tensor(slots, device=DEVICE),
+        num_decodes=sum(n == 1 for _, _, n in rows),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=lens,
+    )
     return torch.tensor(ids, device=DEVICE), torch.tensor(pos, device=DEVICE), meta
 
 
@@ -128,9 +148,13 @@ def check_mixed(model, cfg, fi, native) -> bool:
 
     donor = rand(256)
     # name: (token ids, tokens in the cache before the checked step, tokens in it); decodes first
-    seqs = {"decode a": (rand(301), 300, 1), "decode b": (rand(1001), 1000, 1),
-            "chunk 2 of a prefill": (rand(450), 200, 250), "after prefix hit": (donor + rand(100), 256, 100),
-            "fresh prompt": (rand(120), 0, 120)}
+    seqs = {
+        "decode a": (rand(301), 300, 1),
+        "decode b": (rand(1001), 1000, 1),
+        "chunk 2 of a prefill": (rand(450), 200, 250),
+        "after prefix hit": (donor + rand(100), 256, 100),
+        "fresh prompt": (rand(120), 0, 120),
+    }
     donor_table = take(256)
     tables = {name: take(len(toks)) for name, (toks, _, _) in seqs.items()}
     # A prefix-cache hit: the first 16 blocks are the donor's, which hold the same 256 tokens.
@@ -138,12 +162,15 @@ def check_mixed(model, cfg, fi, native) -> bool:
     kv = new_cache(cfg, next(blocks))
     # Fill the cache as earlier steps would have: the donor's prompt and the other cached prefixes.
     cached = [name for name, (_, c, _) in seqs.items() if c and name != "after prefix hit"]
-    setup = step_inputs([(donor_table, 0, 256)] + [(tables[name], 0, seqs[name][1]) for name in cached],
-                        [donor] + [seqs[name][0] for name in cached])
+    setup = step_inputs(
+        [(donor_table, 0, 256)] + [(tables[name], 0, seqs[name][1]) for name in cached],
+        [donor] + [seqs[name][0] for name in cached],
+    )
     use_backend(model, native)
     eager(model, native, *setup[:2], kv, setup[2])
-    ids, pos, meta = step_inputs([(tables[name], c, n) for name, (_, c, n) in seqs.items()],
-                                 [toks for toks, _, _ in seqs.values()])
+    ids, pos, meta = step_inputs(
+        [(tables[name], c, n) for name, (_, c, n) in seqs.items()], [toks for toks, _, _ in seqs.values()]
+    )
     logits = {}
     for name, backend in (("torch_native", native), ("flashinfer", fi)):
         t = time.perf_counter()
@@ -161,8 +188,10 @@ def check_mixed(model, cfg, fi, native) -> bool:
         same = (a[hi - 1].argmax() == b[hi - 1].argmax()).item()
         print(f"  {name:22s} {hi - lo:4d} tokens  rel err {row:.2e}  same last greedy token: {same}")
     ok = rel < 2e-2
-    print(f"(b) flashinfer vs torch_native logits, mixed step of {len(ids)} tokens: rel err {rel:.2e} "
-          f"{'PASS' if ok else 'FAIL'} (< 2e-2)")
+    print(
+        f"(b) flashinfer vs torch_native logits, mixed step of {len(ids)} tokens: rel err {rel:.2e} "
+        f"{'PASS' if ok else 'FAIL'} (< 2e-2)"
+    )
     return ok
 
 
@@ -191,19 +220,24 @@ def check_graphs(model, cfg, fi, graphs, kv, steps: int = 16) -> bool:
             unexplained += int((diff & ~tie).sum())
             nxt = e.argmax(-1).tolist()
         ok &= unexplained == 0
-        print(f"(c) graphs vs eager, {n} sequences x {steps} steps: {total - mismatches}/{total} greedy tokens "
-              f"equal, {mismatches - unexplained} near-tie mismatches, {unexplained} others "
-              f"{'PASS' if unexplained == 0 else 'FAIL'}")
+        print(
+            f"(c) graphs vs eager, {n} sequences x {steps} steps: {total - mismatches}/{total} greedy tokens "
+            f"equal, {mismatches - unexplained} near-tie mismatches, {unexplained} others "
+            f"{'PASS' if unexplained == 0 else 'FAIL'}"
+        )
     return ok
 
 
 def bench(model, cfg, fi, graphs, kv, bandwidth, batch_sizes, context, iters):
-    weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                       if not name.startswith("embed_tokens"))  # a lookup reads only B rows of it
+    weight_bytes = sum(
+        p.numel() * p.element_size() for name, p in model.named_parameters() if not name.startswith("embed_tokens")
+    )  # a lookup reads only B rows of it
     token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE.itemsize
     per_seq = context // BLOCK
-    print(f"(d, e) decode step, context {context}: weights read {weight_bytes / 1e9:.2f} GB, "
-          f"KV {token_bytes * context / 2**20:.0f} MiB per sequence, HBM {bandwidth / 1e12:.2f} TB/s")
+    print(
+        f"(d, e) decode step, context {context}: weights read {weight_bytes / 1e9:.2f} GB, "
+        f"KV {token_bytes * context / 2**20:.0f} MiB per sequence, HBM {bandwidth / 1e12:.2f} TB/s"
+    )
     print("| batch | floor ms | graphs ms | graphs / floor | eager ms | eager / floor | eager / graphs |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for b in batch_sizes:
@@ -235,11 +269,13 @@ def main():
         sys.exit("flashinfer is not importable: carry and install its wheels as this script's docstring says")
     import flashinfer
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {flashinfer.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {flashinfer.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
     bandwidth = hbm_bandwidth()
     cfg = LlamaConfig(**LLAMA_31_8B)
-    dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, BLOCK, cfg.head_dim ** -0.5)
+    dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, BLOCK, cfg.head_dim**-0.5)
     native, fi = TorchNativeBackend(*dims), FlashInferBackend(*dims, dtype=DTYPE, device=DEVICE)
     t = time.perf_counter()
     torch.manual_seed(0)
@@ -247,8 +283,10 @@ def main():
     with torch.device(DEVICE):
         model = LlamaForCausalLM(cfg, ModelShape.from_hf(cfg), fi, MAX_LEN).to(DTYPE).eval()
     torch.set_default_dtype(torch.float32)
-    print(f"(a) Llama-3.1-8B-shaped model, random weights: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
-          f"parameters in {time.perf_counter() - t:.1f} s")
+    print(
+        f"(a) Llama-3.1-8B-shaped model, random weights: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
+        f"parameters in {time.perf_counter() - t:.1f} s"
+    )
     with torch.inference_mode():
         ok = check_mixed(model, cfg, fi, native)
         torch.cuda.empty_cache()

@@ -13,6 +13,7 @@ every engine runs the same model.
 
 Outputs that exist are kept. Q4_K_M needs llama-quantize (scripts/build_llama_server.sh builds it).
 """
+
 import argparse
 import json
 import os
@@ -29,16 +30,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from models.cache_dir import CACHE_DIR  # noqa: E402
 from models.loader import default_model_path, load_tokenizer  # noqa: E402
 
-SHAPE = dict(layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, intermediate=8192, vocab=49152,
-             rope_theta=500000.0, eps=1e-5, context=8192)
+SHAPE = dict(
+    layers=16,
+    hidden=2048,
+    heads=32,
+    kv_heads=8,
+    head_dim=64,
+    intermediate=8192,
+    vocab=49152,
+    rope_theta=500000.0,
+    eps=1e-5,
+    context=8192,
+)
 GGUF_TYPES = {"F16": "MOSTLY_F16", "Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0"}
 
 
 def hf_tensors(shape: dict, seed: int):
     """(Hugging Face name, bfloat16 tensor) of every weight, drawn one by one (peak memory: one tensor)."""
     g = torch.Generator().manual_seed(seed)
-    h, i, q, kv = shape["hidden"], shape["intermediate"], shape["heads"] * shape["head_dim"], \
-        shape["kv_heads"] * shape["head_dim"]
+    h, i, q, kv = (
+        shape["hidden"],
+        shape["intermediate"],
+        shape["heads"] * shape["head_dim"],
+        shape["kv_heads"] * shape["head_dim"],
+    )
     rand = lambda *size: (torch.randn(*size, generator=g) * 0.02).bfloat16()  # noqa: E731
     yield "model.embed_tokens.weight", rand(shape["vocab"], h)
     for n in range(shape["layers"]):
@@ -60,12 +75,23 @@ def write_hf(out: Path, shape: dict, seed: int) -> None:
     from transformers import LlamaConfig
 
     out.mkdir(parents=True, exist_ok=True)
-    LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-                num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"], rms_norm_eps=shape["eps"],
-                rope_theta=shape["rope_theta"], max_position_embeddings=shape["context"], tie_word_embeddings=True,
-                bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
-                architectures=["LlamaForCausalLM"]).save_pretrained(out)
+    LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        rms_norm_eps=shape["eps"],
+        rope_theta=shape["rope_theta"],
+        max_position_embeddings=shape["context"],
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     load_tokenizer(default_model_path()).save_pretrained(out)
     save_file(dict(hf_tensors(shape, seed)), out / "model.safetensors", metadata={"format": "pt"})
@@ -77,12 +103,20 @@ def gguf_name(hf: str) -> str:
     if hf in fixed:
         return fixed[hf]
     layer, rest = hf.removeprefix("model.layers.").split(".", 1)
-    return f"blk.{layer}." + {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-                              "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-                              "self_attn.o_proj.weight": "attn_output.weight",
-                              "post_attention_layernorm.weight": "ffn_norm.weight",
-                              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-                              "mlp.down_proj.weight": "ffn_down.weight"}[rest]
+    return (
+        f"blk.{layer}."
+        + {
+            "input_layernorm.weight": "attn_norm.weight",
+            "self_attn.q_proj.weight": "attn_q.weight",
+            "self_attn.k_proj.weight": "attn_k.weight",
+            "self_attn.v_proj.weight": "attn_v.weight",
+            "self_attn.o_proj.weight": "attn_output.weight",
+            "post_attention_layernorm.weight": "ffn_norm.weight",
+            "mlp.gate_proj.weight": "ffn_gate.weight",
+            "mlp.up_proj.weight": "ffn_up.weight",
+            "mlp.down_proj.weight": "ffn_down.weight",
+        }[rest]
+    )
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -112,8 +146,9 @@ def write_gguf(path: Path, kind: str, shape: dict, seed: int) -> None:
     for key, field in GGUFReader(default_model_path()).fields.items():  # the tokenizer, as the default model has it
         if key.startswith("tokenizer."):
             vtype = field.types[0]
-            w.add_key_value(key, field.contents(), vtype,
-                            sub_type=field.types[-1] if vtype == GGUFValueType.ARRAY else None)
+            w.add_key_value(
+                key, field.contents(), vtype, sub_type=field.types[-1] if vtype == GGUFValueType.ARRAY else None
+            )
     qtype = getattr(GGMLQuantizationType, kind)
     for name, tensor in hf_tensors(shape, seed):
         data = tensor.float().numpy()
@@ -136,8 +171,12 @@ def write_gguf(path: Path, kind: str, shape: dict, seed: int) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=CACHE_DIR / "models" / "llama-1b-random")
-    ap.add_argument("--formats", nargs="+", default=["hf", "F16", "Q8_0", "Q4_0", "Q4_K_M"],
-                    choices=["hf", "F16", "Q8_0", "Q4_0", "Q4_K_M"])
+    ap.add_argument(
+        "--formats",
+        nargs="+",
+        default=["hf", "F16", "Q8_0", "Q4_0", "Q4_K_M"],
+        choices=["hf", "F16", "Q8_0", "Q4_0", "Q4_K_M"],
+    )
     ap.add_argument("--llama-bin", type=Path, default=CACHE_DIR / "llama.cpp" / "build" / "bin")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=SHAPE["layers"], help="fewer layers for a quick check")
@@ -160,8 +199,9 @@ def main():
             if not quantizer.exists():
                 print(f"{quantizer} is missing (scripts/build_llama_server.sh builds it): no Q4_K_M file")
                 continue
-            subprocess.run([str(quantizer), str(args.out / "model-F16.gguf"), str(path), "Q4_K_M"], check=True,
-                           capture_output=True)
+            subprocess.run(
+                [str(quantizer), str(args.out / "model-F16.gguf"), str(path), "Q4_K_M"], check=True, capture_output=True
+            )
         else:
             write_gguf(path, kind, shape, args.seed)
         size = sum(f.stat().st_size for f in path.rglob("*")) if path.is_dir() else path.stat().st_size

@@ -8,6 +8,7 @@ Usage:
   python scripts/make_tiny_model.py /tmp/tiny-qwen2 --arch qwen2 --num-key-value-heads 1
   python server.py --model /tmp/tiny-llama3 --tensor-parallel-size 2      # random weights: gibberish
 """
+
 import argparse
 import os
 import sys
@@ -15,12 +16,28 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
 CONFIGS = {
-    "llama3": lambda: LlamaConfig(**COMMON, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama3": lambda: LlamaConfig(
+        **COMMON,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "qwen2": lambda: Qwen2Config(**COMMON),
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),  # head_dim is not hidden_size / heads there
@@ -58,8 +75,9 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
     from models.loader import load_tokenizer, resolve_model
 
-    save_tiny_model(args.arch, args.path, load_tokenizer(resolve_model(None)),
-                    num_key_value_heads=args.num_key_value_heads)
+    save_tiny_model(
+        args.arch, args.path, load_tokenizer(resolve_model(None)), num_key_value_heads=args.num_key_value_heads
+    )
     print(f"wrote {args.path}")
 
 

@@ -10,6 +10,7 @@ torch.profiler run over decode steps gives the share of aten::mm.
 
     python scripts/profile_step.py [--dtype bfloat16] [--num-requests 64]
 """
+
 import argparse
 import collections
 import os
@@ -21,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 from bench_common import DEFAULT_WORKLOAD, load_jsonl  # noqa: E402
-import engine.worker.model_runner as model_runner  # noqa: E402
+
 from engine import LLM, SamplingParams  # noqa: E402
 
 PARTS = ["schedule", "prepare", "attention", "forward", "lm_head", "sampling", "step"]
@@ -34,6 +35,7 @@ def timed(fn, totals, name):
             return fn(*args, **kwargs)
         finally:
             totals[name] += time.perf_counter() - start
+
     return wrapper
 
 
@@ -45,13 +47,14 @@ def main():
     args = ap.parse_args()
     reqs = load_jsonl(DEFAULT_WORKLOAD, args.num_requests, args.output_len)
     llm = LLM(dtype=args.dtype, kv_cache_memory=2 << 30)
-    eng, runner = llm.engine, llm.engine.runner
+    eng, runner = llm.engine, llm.engine.engine_core.executor.runner
+    sched = eng.engine_core.scheduler
     llm.generate([r.prompt_token_ids for r in reqs[:2]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
 
     step_totals = collections.defaultdict(float)
-    eng.scheduler.schedule = timed(eng.scheduler.schedule, step_totals, "schedule")
-    model_runner.prepare_inputs = timed(model_runner.prepare_inputs, step_totals, "prepare")
+    sched.schedule = timed(sched.schedule, step_totals, "schedule")
+    runner.input_batch.prepare = timed(runner.input_batch.prepare, step_totals, "prepare")
     runner.backend.forward = timed(runner.backend.forward, step_totals, "attention")
     runner.model.forward = timed(runner.model.forward, step_totals, "forward")
     runner.model.compute_logits = timed(runner.model.compute_logits, step_totals, "lm_head")
@@ -59,12 +62,17 @@ def main():
     step = timed(eng.step, step_totals, "step")
 
     for r in reqs:
-        eng.add_request(None, r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+        eng.add_request(
+            None, r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
+        )
     kinds = {"decode": collections.defaultdict(float), "mixed/prefill": collections.defaultdict(float)}
     steps = collections.Counter()
     while eng.has_unfinished_requests():
-        full_decode = (not eng.scheduler.waiting and len(eng.scheduler.running) == len(reqs)
-                       and all(r.num_computed_tokens == r.num_tokens - 1 for r in eng.scheduler.running))
+        full_decode = (
+            not sched.waiting
+            and len(sched.running) == len(reqs)
+            and all(r.num_computed_tokens == r.num_tokens - 1 for r in sched.running)
+        )
         step_totals.clear()
         step()
         kind = "decode" if full_decode else "mixed/prefill"
@@ -74,11 +82,19 @@ def main():
 
     print(f"{len(reqs)} requests, {args.dtype}, {torch.get_num_threads()} threads; milliseconds per step")
     print(f"{'part':<34}" + "".join(f"{k:>22}" for k in kinds))
-    rows = [("scheduling", ["schedule"]), ("input preparation", ["prepare"]),
-            ("model forward: attention", ["attention"]), ("model forward: rest (matmuls, ...)", ["forward", "-attention"]),
-            ("LM head", ["lm_head"]), ("sampling", ["sampling"]),
-            ("output processing (detokenize, stops)", ["step", "-schedule", "-prepare", "-forward", "-lm_head", "-sampling"]),
-            ("total step", ["step"])]
+    rows = [
+        ("scheduling", ["schedule"]),
+        ("input preparation", ["prepare"]),
+        ("model forward: attention", ["attention"]),
+        ("model forward: rest (matmuls, ...)", ["forward", "-attention"]),
+        ("LM head", ["lm_head"]),
+        ("sampling", ["sampling"]),
+        (
+            "output processing (detokenize, stops)",
+            ["step", "-schedule", "-prepare", "-forward", "-lm_head", "-sampling"],
+        ),
+        ("total step", ["step"]),
+    ]
     for label, terms in rows:
         cells = []
         for kind, t in kinds.items():
@@ -87,13 +103,15 @@ def main():
         print(f"{label:<34}" + "".join(f"{c:>22}" for c in cells))
     for kind, t in kinds.items():
         overhead = t["step"] - t["forward"] - t["lm_head"]
-        print(f"{kind}: {steps[kind]} steps; engine overhead outside the model forward and LM head: "
-              f"{100 * overhead / max(t['step'], 1e-9):.1f}% of step time")
+        print(
+            f"{kind}: {steps[kind]} steps; engine overhead outside the model forward and LM head: "
+            f"{100 * overhead / max(t['step'], 1e-9):.1f}% of step time"
+        )
 
     # aten-level split of full-batch decode steps
     for r in reqs:
         eng.add_request(None, r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         eng.step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(3):
@@ -103,8 +121,10 @@ def main():
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     mm = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm", "aten::linear"))
-    print(f"torch.profiler over 3 decode steps at batch {len(reqs)}: aten::mm is {100 * mm / total:.0f}% of the "
-          f"aten time ({mm / 3e3:.1f} ms/step); the C decode-attention kernel is outside aten")
+    print(
+        f"torch.profiler over 3 decode steps at batch {len(reqs)}: aten::mm is {100 * mm / total:.0f}% of the "
+        f"aten time ({mm / 3e3:.1f} ms/step); the C decode-attention kernel is outside aten"
+    )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ With --device h100 / h200 the floors use the published peaks (bf16 dense tensor-
 bandwidth) and nothing is measured unless CUDA is there, so the GPU roofline is one command once a
 device is lent.
 """
+
 import argparse
 import os
 import sys
@@ -77,8 +78,10 @@ def measure_quantized(model, m: int, dtype: torch.dtype, repeats: int = 10) -> f
     """FLOP/s of the model's own quantized linears (layer 0's qkv, o, gate_up and down, and the LM head) at
     `m` rows, FLOP-weighted as measure_gemm; None when the model's weights are not quantized."""
     layer = model.layers[0]
-    methods = [mod.quant_method for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    methods = [
+        mod.quant_method
+        for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]
     head = (model.lm_head or model.embed_tokens).quant_method
     if any(method is None for method in methods) or head is None:
         return None
@@ -125,12 +128,22 @@ class ModelShape:
     @classmethod
     def of(cls, cfg, dtype_bytes: int, weight_bytes: int | None = None) -> "ModelShape":
         d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        h, kvh, hid, inter, layers = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size,
-                                      cfg.intermediate_size, cfg.num_hidden_layers)
+        h, kvh, hid, inter, layers = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_hidden_layers,
+        )
         per_layer = hid * (h + 2 * kvh) * d + h * d * hid + 3 * hid * inter
         linear, head = layers * per_layer, cfg.vocab_size * hid
-        return cls(linear_params=linear, lm_head_params=head, kv_bytes_per_token=2 * layers * kvh * d * dtype_bytes,
-                   attn_flops_per_key=4 * h * d * layers, weight_bytes=weight_bytes or (linear + head) * dtype_bytes)
+        return cls(
+            linear_params=linear,
+            lm_head_params=head,
+            kv_bytes_per_token=2 * layers * kvh * d * dtype_bytes,
+            attn_flops_per_key=4 * h * d * layers,
+            weight_bytes=weight_bytes or (linear + head) * dtype_bytes,
+        )
 
     def step(self, rows: int, sampled: int, keys_read: int, attn_pairs: int) -> tuple[float, float]:
         """(bytes, FLOPs) of a step computing `rows` tokens, sampling `sampled` of them, reading the
@@ -153,15 +166,18 @@ def time_decode(llm: LLM, batch: int, context_len: int, steps: int) -> float:
         g = torch.Generator().manual_seed(i)
         ids = torch.randint(100, vocab - 100, (context_len,), generator=g).tolist()
         eng.add_request(None, ids, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) or eng.scheduler.waiting:
+    while (
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.engine_core.scheduler.running)
+        or eng.engine_core.scheduler.waiting
+    ):
         eng.step()
     eng.step()  # warm: every sequence now decodes
-    assert len(eng.scheduler.running) == batch, "a sequence finished before the timed steps"
+    assert len(eng.engine_core.scheduler.running) == batch, "a sequence finished before the timed steps"
     start = time.perf_counter()
     for _ in range(steps):
         eng.step()
     elapsed = (time.perf_counter() - start) / steps
-    for request_id in list(eng.groups):
+    for request_id in eng.request_ids():
         eng.abort_request(request_id)
     return elapsed
 
@@ -188,10 +204,18 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", *GPU_PEAKS], help="whose roofline (default: this CPU)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--quantization", default=None, choices=["gguf", "none"], help="as the server's flag")
-    ap.add_argument("--context-len", type=int, default=352, help="tokens per sequence in decode steps (default: "
-                    "W64's mean prompt + half its output)")
-    ap.add_argument("--prefill-tokens", type=int, default=2048, help="tokens of the prefill step (default: one "
-                    "full step at the default max_num_batched_tokens)")
+    ap.add_argument(
+        "--context-len",
+        type=int,
+        default=352,
+        help="tokens per sequence in decode steps (default: W64's mean prompt + half its output)",
+    )
+    ap.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=2048,
+        help="tokens of the prefill step (default: one full step at the default max_num_batched_tokens)",
+    )
     ap.add_argument("--steps", type=int, default=10, help="decode steps timed per batch size")
     ap.add_argument("--plot", help="write the roofline plot (PNG) here")
     args = ap.parse_args()
@@ -199,31 +223,49 @@ def main():
     measure = args.device == "cpu" or torch.cuda.is_available()
 
     # 256 sequences of ~400 tokens need ~2.4 GB of bfloat16 K/V for SmolLM2-135M
-    llm = LLM(dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(DECODE_BATCHES),
-              kv_cache_memory=4 << 30, max_num_batched_tokens=max(args.prefill_tokens, 2048)) if measure else None
-    cfg = llm.engine.runner.model.config if llm else load_config(resolve_model(None))
-    weights = llm.engine.runner.weight_bytes if llm else None
+    llm = (
+        LLM(
+            dtype=args.dtype,
+            quantization=args.quantization,
+            max_num_seqs=max(DECODE_BATCHES),
+            kv_cache_memory=4 << 30,
+            max_num_batched_tokens=max(args.prefill_tokens, 2048),
+        )
+        if measure
+        else None
+    )
+    cfg = llm.engine.engine_core.executor.runner.model.config if llm else load_config(resolve_model(None))
+    weights = llm.engine.engine_core.executor.runner.weight_bytes if llm else None
     quantized = bool(weights) and any(not k.startswith(("float", "bfloat")) for k in weights)
     # the linears' and LM head's bytes as held (norms are a rounding error)
     shape = ModelShape.of(cfg, dtype.itemsize, sum(weights.values()) if quantized else None)
     if args.device == "cpu":
         shapes = linear_shapes(cfg)
         gemm = {m: measure_gemm(m, shapes, dtype) for m in GEMM_ROWS}
-        kernel = {m: measure_quantized(llm.engine.runner.model, m, dtype) for m in GEMM_ROWS} if quantized else None
+        kernel = (
+            {m: measure_quantized(llm.engine.engine_core.executor.runner.model, m, dtype) for m in GEMM_ROWS}
+            if quantized
+            else None
+        )
         machine = Machine("this CPU", kernel or gemm, measure_bandwidth())
-        print(f"this CPU, {torch.get_num_threads()} threads: {args.dtype} GEMM on the model's linears "
-              + ", ".join(f"{gemm[m] / 1e9:.0f} GFLOP/s at {m} rows" for m in GEMM_ROWS)
-              + f"; float32 {measure_gemm(2048, shapes[:4], torch.float32) / 1e9:.0f} at 2048; "
-              f"DRAM read {machine.bandwidth / 1e9:.1f} GB/s")
+        print(
+            f"this CPU, {torch.get_num_threads()} threads: {args.dtype} GEMM on the model's linears "
+            + ", ".join(f"{gemm[m] / 1e9:.0f} GFLOP/s at {m} rows" for m in GEMM_ROWS)
+            + f"; float32 {measure_gemm(2048, shapes[:4], torch.float32) / 1e9:.0f} at 2048; "
+            f"DRAM read {machine.bandwidth / 1e9:.1f} GB/s"
+        )
         if kernel:
-            print(f"weights {', '.join(f'{k} {v / 1e6:.1f} MB' for k, v in weights.items())}; their kernel: "
-                  + ", ".join(f"{kernel[m] / 1e9:.0f} GOP/s at {m} rows" for m in GEMM_ROWS))
+            print(
+                f"weights {', '.join(f'{k} {v / 1e6:.1f} MB' for k, v in weights.items())}; their kernel: "
+                + ", ".join(f"{kernel[m] / 1e9:.0f} GOP/s at {m} rows" for m in GEMM_ROWS)
+            )
     else:
         flops, bw = GPU_PEAKS[args.device]
         machine = Machine(args.device.upper(), {GEMM_ROWS[0]: flops}, bw)
 
-    kinds = [("prefill", args.prefill_tokens, 1 + args.prefill_tokens // 512,
-              args.prefill_tokens // 512 * 512 * 513 // 2, 0)]
+    kinds = [
+        ("prefill", args.prefill_tokens, 1 + args.prefill_tokens // 512, args.prefill_tokens // 512 * 512 * 513 // 2, 0)
+    ]
     kinds += [(f"decode b{b}", b, b, b * args.context_len, b * args.context_len) for b in DECODE_BATCHES]
     rows_out, points = [], []
     for name, rows, sampled, pairs, keys in kinds:
@@ -231,8 +273,11 @@ def main():
         floor = max(nbytes / machine.bandwidth, flops / machine.compute_roof(rows))
         measured = None
         if llm is not None:
-            measured = (time_prefill(llm, args.prefill_tokens, 512) if name == "prefill"
-                        else time_decode(llm, rows, args.context_len, args.steps))
+            measured = (
+                time_prefill(llm, args.prefill_tokens, 512)
+                if name == "prefill"
+                else time_decode(llm, rows, args.context_len, args.steps)
+            )
             points.append((name, flops / nbytes, flops / measured))
         rows_out.append((name, nbytes, flops, floor, measured))
     print(f"\n{'step':<12}{'MB read':>10}{'GFLOP':>9}{'floor ms':>10}{'bound':>9}{'measured ms':>13}{'x floor':>9}")
@@ -241,13 +286,16 @@ def main():
         m = f"{measured * 1e3:13.1f}{measured / floor:9.2f}" if measured else f"{'-':>13}{'-':>9}"
         print(f"{name:<12}{nbytes / 1e6:10.0f}{flops / 1e9:9.2f}{floor * 1e3:10.2f}{bound:>9}{m}")
     if args.plot and points:
-        kind = "GGUF " + "/".join(k for k in weights if not k.startswith(("float", "bfloat"))) if quantized else args.dtype
+        kind = (
+            "GGUF " + "/".join(k for k in weights if not k.startswith(("float", "bfloat"))) if quantized else args.dtype
+        )
         plot(machine, points, args.plot, f"{cfg.model_type}, {kind}, context {args.context_len}")
 
 
 def plot(machine: Machine, points, path: str, title: str) -> None:
     """Arithmetic intensity (FLOP/byte) vs attained FLOP/s, log-log, with the memory and compute roofs."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -255,13 +303,22 @@ def plot(machine: Machine, points, path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ai = np.logspace(-1, 4, 200)
     for m, peak in sorted(machine.gemm.items()):
-        ax.plot(ai, np.minimum(ai * machine.bandwidth, peak) / 1e9, lw=1.5,
-                label=f"roof: {machine.bandwidth / 1e9:.0f} GB/s, linears {peak / 1e9:.0f} GFLOP/s at {m} rows")
+        ax.plot(
+            ai,
+            np.minimum(ai * machine.bandwidth, peak) / 1e9,
+            lw=1.5,
+            label=f"roof: {machine.bandwidth / 1e9:.0f} GB/s, linears {peak / 1e9:.0f} GFLOP/s at {m} rows",
+        )
     for name, x, y in points:
         ax.scatter([x], [y / 1e9], zorder=3)
         ax.annotate(name, (x, y / 1e9), textcoords="offset points", xytext=(5, -10), fontsize=8)
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)", ylabel="attained GFLOP/s",
-           title=f"Roofline of {machine.name}: {title}")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="arithmetic intensity (FLOP / byte)",
+        ylabel="attained GFLOP/s",
+        title=f"Roofline of {machine.name}: {title}",
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()

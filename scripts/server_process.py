@@ -1,5 +1,7 @@
-"""What the scripts and tests that drive a live server share (fuzz.py, soak.py, bench_startup.py, tests/server_harness.py): `python server.py`
-in a subprocess on a free port, its resident memory, and its /metrics."""
+"""What the scripts and tests that drive a live server share (fuzz.py, soak.py, bench_startup.py,
+tests/server_harness.py): `python server.py` in a subprocess on a free port, its resident memory, and its
+/metrics."""
+
 import os
 import re
 import signal
@@ -25,12 +27,22 @@ class ServerProcess:
     Raises RuntimeError (with the log's tail) if the server exits or is not ready within `timeout` seconds.
     """
 
-    def __init__(self, args: list[str], timeout: float = 300, ready_pattern: str = r"ready: (http://[\d.]+:\d+)",
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        timeout: float = 300,
+        ready_pattern: str = r"ready: (http://[\d.]+:\d+)",
+        env: dict[str, str] | None = None,
+    ):
         self._log = tempfile.NamedTemporaryFile(prefix="server-", suffix=".log", delete=False)
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "server.py", "--port", "0", *args], cwd=REPO,
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "server.py", "--port", "0", *args],
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         deadline = self.started + timeout
         while not (ready := re.search(ready_pattern, self.log())):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -82,8 +94,12 @@ class ServerProcess:
 def scrape(url: str) -> dict[str, float]:
     """/metrics as {sample name: value}, labels dropped (one model, so one series per name here)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if "le" not in s.labels and "finished_reason" not in s.labels}
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if "le" not in s.labels and "finished_reason" not in s.labels
+    }
 
 
 def is_idle(m: dict[str, float]) -> bool:

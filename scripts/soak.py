@@ -24,6 +24,7 @@ had no error and ended idle, and each of the last three phases grew the idle RSS
 the phase before. Run it under another allocator by setting the environment the server inherits
 (LD_PRELOAD, MALLOC_ARENA_MAX).
 """
+
 import argparse
 import asyncio
 import json
@@ -35,7 +36,6 @@ import sys
 import time
 
 import httpx
-
 from bench_common import DEFAULT_WORKLOAD, run_info
 from server_process import ServerProcess, is_idle, wait_idle
 
@@ -47,7 +47,7 @@ def prompts() -> list[str]:
     with open(DEFAULT_WORKLOAD) as f:
         texts = [json.loads(line)["prompt"] for line in f if line.strip()]
     rng = random.Random(0)
-    return [t[:rng.randint(20, 400)] for t in texts]
+    return [t[: rng.randint(20, 400)] for t in texts]
 
 
 def make_request(rng: random.Random, texts: list[str], stream: bool | None = None) -> tuple[str, dict, float | None]:
@@ -55,8 +55,12 @@ def make_request(rng: random.Random, texts: list[str], stream: bool | None = Non
     seconds for non-streamed requests."""
     chat = rng.random() < 0.3
     stream = rng.random() < 0.6 if stream is None else stream
-    body = {"max_tokens": rng.randint(4, 32), "temperature": rng.choice([0, 0.7, 1.0]), "stream": stream,
-            "n": rng.choice([1, 1, 1, 2, 3])}
+    body = {
+        "max_tokens": rng.randint(4, 32),
+        "temperature": rng.choice([0, 0.7, 1.0]),
+        "stream": stream,
+        "n": rng.choice([1, 1, 1, 2, 3]),
+    }
     if rng.random() < 0.3:
         body["stop"] = rng.sample([".", "\n", " the", ",", "!"], rng.randint(1, 2))
     text = rng.choice(texts)
@@ -148,8 +152,10 @@ async def soak(url: str, server: ServerProcess | None, args) -> dict:
             now = time.monotonic() - start
             if peak_at is not None and now >= peak_at:
                 burst = min(args.peak_streams, args.num_requests - sent)
-                tasks += [asyncio.create_task(run_one(client, *make_request(rng, texts, stream=True)[:2], None, stats))
-                          for _ in range(burst)]
+                tasks += [
+                    asyncio.create_task(run_one(client, *make_request(rng, texts, stream=True)[:2], None, stats))
+                    for _ in range(burst)
+                ]
                 sent, peak_at = sent + burst, None
                 print(f"[{now:6.0f}s] burst of {burst} concurrent streams", flush=True)
                 continue
@@ -160,8 +166,11 @@ async def soak(url: str, server: ServerProcess | None, args) -> dict:
             sent += 1
             next_at += rng.expovariate(rate)
             if sent % 500 == 0:
-                print(f"[{now:6.0f}s] {sent} sent, {stats.completed} completed, {stats.disconnects} disconnected, "
-                      f"{len(stats.errors)} errors", flush=True)
+                print(
+                    f"[{now:6.0f}s] {sent} sent, {stats.completed} completed, {stats.disconnects} disconnected, "
+                    f"{len(stats.errors)} errors",
+                    flush=True,
+                )
         await asyncio.gather(*tasks)
         elapsed = time.monotonic() - start
         metrics = await asyncio.to_thread(wait_idle, url, 120)
@@ -173,18 +182,23 @@ async def soak(url: str, server: ServerProcess | None, args) -> dict:
     growth = statistics.mean(last) / statistics.mean(first) - 1 if first and last else None
     lat = sorted(stats.latencies)
     result = {
-        "requests": args.num_requests, "completed": stats.completed, "disconnected": stats.disconnects,
-        "errors": len(stats.errors), "error_samples": stats.errors[:10], "elapsed_s": round(elapsed, 1),
+        "requests": args.num_requests,
+        "completed": stats.completed,
+        "disconnected": stats.disconnects,
+        "errors": len(stats.errors),
+        "error_samples": stats.errors[:10],
+        "elapsed_s": round(elapsed, 1),
         "latency_p50_s": round(lat[len(lat) // 2], 3) if lat else None,
         "latency_p99_s": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 3) if lat else None,
-        "peak_streams": args.peak_streams, "idle_after": is_idle(metrics),
+        "peak_streams": args.peak_streams,
+        "idle_after": is_idle(metrics),
         "kv_cache_usage_after": metrics["vllm:kv_cache_usage_perc"],
-        "running_after": metrics["vllm:num_requests_running"], "waiting_after": metrics["vllm:num_requests_waiting"],
+        "running_after": metrics["vllm:num_requests_running"],
+        "waiting_after": metrics["vllm:num_requests_waiting"],
         "rss_growth": round(growth, 4) if growth is not None else None,
         "rss_mib": [(t, round(b / 2**20)) for t, b in rss[::5]],
     }
-    result["passed"] = (result["errors"] == 0 and result["idle_after"]
-                        and (growth is None or growth < 0.10))
+    result["passed"] = result["errors"] == 0 and result["idle_after"] and (growth is None or growth < 0.10)
     return result
 
 
@@ -210,17 +224,25 @@ async def phases(server: ServerProcess, args) -> dict:
         r["idle_rss_mib"] = round(await idle_rss(server) / 2**20, 1)
         r["memory"] = await asyncio.to_thread(server.memory_report)
         results.append(r)
-        print(f"phase {phase}: {r['completed']} completed, {r['errors']} errors, idle {r['idle_after']}, "
-              f"idle RSS {r['idle_rss_mib']} MiB\n  {r['memory']}", flush=True)
+        print(
+            f"phase {phase}: {r['completed']} completed, {r['errors']} errors, idle {r['idle_after']}, "
+            f"idle RSS {r['idle_rss_mib']} MiB\n  {r['memory']}",
+            flush=True,
+        )
     rss = [r["idle_rss_mib"] for r in results]
     growth = [round(b / a - 1, 4) for a, b in zip(rss, rss[1:])]
     return {
         "malloc_in_use_mib": [_mib(r"([\d.]+) MiB in use", r["memory"]) for r in results],
         "malloc_free_mib": [_mib(r"([\d.]+) MiB free in arenas", r["memory"]) for r in results],
         "memory_reports": [r["memory"] for r in results],
-        "phases": args.phases, "requests_per_phase": args.num_requests, "peak_streams": args.peak_streams,
-        "errors": sum(r["errors"] for r in results), "error_samples": [e for r in results for e in r["error_samples"]][:10],
-        "idle_after_each": all(r["idle_after"] for r in results), "idle_rss_mib": rss, "rss_growth_per_phase": growth,
+        "phases": args.phases,
+        "requests_per_phase": args.num_requests,
+        "peak_streams": args.peak_streams,
+        "errors": sum(r["errors"] for r in results),
+        "error_samples": [e for r in results for e in r["error_samples"]][:10],
+        "idle_after_each": all(r["idle_after"] for r in results),
+        "idle_rss_mib": rss,
+        "rss_growth_per_phase": growth,
         "elapsed_s": [r["elapsed_s"] for r in results],
         "passed": all(r["errors"] == 0 and r["idle_after"] for r in results) and all(g < 0.01 for g in growth[-3:]),
     }
@@ -236,9 +258,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--phases", type=int, default=0, help="after a warm-up, N identical phases on one server")
-    ap.add_argument("--tracemalloc", action="store_true",
-                    help="with --phases: the server traces Python allocations (PYTHONTRACEMALLOC=1), and each "
-                         "phase's report names the source lines holding the most (slower)")
+    ap.add_argument(
+        "--tracemalloc",
+        action="store_true",
+        help="with --phases: the server traces Python allocations (PYTHONTRACEMALLOC=1), and each "
+        "phase's report names the source lines holding the most (slower)",
+    )
     ap.add_argument("server_args", nargs="*", help=f"server.py flags after -- (default: {' '.join(SERVER_ARGS)})")
     args = ap.parse_args()
     if args.phases and args.url:

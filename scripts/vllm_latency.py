@@ -6,13 +6,20 @@ per-request overheads cancel. Prints one JSON line: {"ms_per_token": [one per pr
 
     /tmp/venv-vllm-cpu/bin/python scripts/vllm_latency.py --model DIR --prompts prompts.jsonl --max-tokens 64
 """
+
 import argparse
 import json
 import os
 import time
 
-for k, v in {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HOST_IP": "127.0.0.1",
-             "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}.items():
+for k, v in {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+}.items():
     os.environ.setdefault(k, v)
 
 

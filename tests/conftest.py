@@ -1,4 +1,5 @@
 """Shared fixtures: engines on the real default model, the Hugging Face reference, leak checks."""
+
 import json
 import os
 
@@ -57,21 +58,32 @@ def _workload():
 def prompts(llm) -> list[list[int]]:
     """Eight varied prompts as token ids: plain and chat, 5 to 400 tokens."""
     tok = llm.tokenizer
-    chat = lambda msgs: tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-                                   add_special_tokens=False)
+
+    def chat(msgs):
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+
     work = _workload()
     long_prompt = next(r for r in work if r["num_prompt_tokens"] >= 400)["prompt_token_ids"][:400]
     mid_prompt = next(r for r in work if 140 <= r["num_prompt_tokens"] <= 220)["prompt_token_ids"]
     out = [
         tok.encode("The capital of France is"),
         chat([{"role": "user", "content": "What is the capital of France?"}]),
-        tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
-        chat([{"role": "system", "content": "You are a helpful poet."},
-              {"role": "user", "content": "Write a haiku about the ocean."}]),
+        tok.encode('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'),
+        chat(
+            [
+                {"role": "system", "content": "You are a helpful poet."},
+                {"role": "user", "content": "Write a haiku about the ocean."},
+            ]
+        ),
         mid_prompt,
-        chat([{"role": "user", "content": "Name three fruits."},
-              {"role": "assistant", "content": "Apple, banana and cherry."},
-              {"role": "user", "content": "Now three vegetables, please."}]),
+        chat(
+            [
+                {"role": "user", "content": "Name three fruits."},
+                {"role": "assistant", "content": "Apple, banana and cherry."},
+                {"role": "user", "content": "Now three vegetables, please."},
+            ]
+        ),
         tok.encode("1, 2, 3, 4, 5,"),
         long_prompt,
     ]
@@ -95,16 +107,22 @@ def hf_reference(llm, prompts, hf_model_dir):
     refs = []
     with torch.inference_mode():
         for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True)
-            tokens = out.sequences[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=32,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            tokens = out.sequences[0, len(ids) :].tolist()
             gaps = [float(t.topk(2).values[0, 0] - t.topk(2).values[0, 1]) for t in out.logits]
             refs.append((tokens, gaps))
     return refs
 
 
-def assert_greedy_matches(ours: list[int], ref: tuple[list[int], list[float]], tol: float = 1e-3,
-                          ignore_eos: bool = False) -> None:
+def assert_greedy_matches(
+    ours: list[int], ref: tuple[list[int], list[float]], tol: float = 1e-3, ignore_eos: bool = False
+) -> None:
     """Our greedy tokens equal the reference's, except that a divergence is accepted at a step where
     the reference's top-two logits are within `tol` (after which the sequences may differ).
     With `ignore_eos`, ours may go on past the reference's EOS."""
@@ -113,4 +131,6 @@ def assert_greedy_matches(ours: list[int], ref: tuple[list[int], list[float]], t
         if a != b:
             assert gaps[step] < tol, f"diverged at step {step}: ours {a}, reference {b} (gap {gaps[step]:.4g})"
             return
-    assert len(ours) == len(tokens) or (ignore_eos and len(ours) > len(tokens)), f"ours has {len(ours)} tokens, the reference {len(tokens)}"
+    assert len(ours) == len(tokens) or (ignore_eos and len(ours) > len(tokens)), (
+        f"ours has {len(ours)} tokens, the reference {len(tokens)}"
+    )

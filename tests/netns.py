@@ -9,6 +9,7 @@ removed by the test (root and iproute2 needed; `skip_reason()` says why they can
 The bridge lives in its own namespace, and this process joins it through one more veth pair, so the test
 talks only to the addresses it made (10.231.N.0/24), never to the machine's own network.
 """
+
 import os
 import shutil
 import subprocess
@@ -67,7 +68,18 @@ class Network:
                 _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
             # this process's own link to the bridge
-            _ip("link", "add", f"{self.prefix}c", "type", "veth", "peer", "name", f"{self.prefix}cp", "netns", self.switch)
+            _ip(
+                "link",
+                "add",
+                f"{self.prefix}c",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"{self.prefix}cp",
+                "netns",
+                self.switch,
+            )
             self._attach(f"{self.prefix}cp")
             _ip("addr", "add", f"{self.client_addr}/24", "dev", f"{self.prefix}c")
             _ip("link", "set", f"{self.prefix}c", "up")

@@ -1,6 +1,7 @@
 """Pytest plugin for the server tests (a test module says `pytest_plugins = ["server_harness"]`):
 the real server (`python server.py`) in a subprocess on a free 127.0.0.1 port, shared by every test
 module that uses it, plus HTTP clients and a /metrics reader."""
+
 import asyncio
 import os
 import time
@@ -31,8 +32,9 @@ def engine_args() -> dict:
 @pytest.fixture(scope="session")
 def server():
     """The shared server on the default model, tool_choice "auto" on; it must exit 0 on SIGTERM at the end."""
-    proc = ServerProcess([*cli_args(**ENGINE_ARGS), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-                         timeout=180)
+    proc = ServerProcess(
+        [*cli_args(**ENGINE_ARGS), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], timeout=180
+    )
     yield proc
     log = proc.log()
     assert proc.stop() == 0, log[-4000:]
@@ -102,7 +104,10 @@ class MetricsReader:
         while True:
             m = await self.scrape()
             if (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"], m["vllm:kv_cache_usage_perc"]) == (
-                    0, 0, idle_usage):
+                0,
+                0,
+                idle_usage,
+            ):
                 return m
             assert time.monotonic() < deadline, f"not idle after {timeout}s: {m}"
             await asyncio.sleep(0.05)

@@ -1,9 +1,30 @@
 """Random JSON schemas for the structured-output tests: objects, nested objects, arrays, enums, bounded
 numbers, required and optional properties, and `$ref` to `$defs`; deterministic for a seed."""
+
 import random
 
-_WORDS = ["name", "city", "age", "score", "tags", "color", "owner", "size", "status", "items", "price", "id",
-          "title", "count", "label", "kind", "level", "note", "rank", "code"]
+_WORDS = [
+    "name",
+    "city",
+    "age",
+    "score",
+    "tags",
+    "color",
+    "owner",
+    "size",
+    "status",
+    "items",
+    "price",
+    "id",
+    "title",
+    "count",
+    "label",
+    "kind",
+    "level",
+    "note",
+    "rank",
+    "code",
+]
 
 
 def _leaf(rng: random.Random) -> dict:

@@ -1,4 +1,5 @@
 """`--kv-transfer-config`: which KV connector an engine runs and in which role, with vLLM's keys."""
+
 import uuid
 from dataclasses import dataclass, field
 

@@ -1,4 +1,5 @@
 """`--pooler-config`: how an embedding request's hidden states become its embedding (vLLM's PoolerConfig)."""
+
 from dataclasses import dataclass
 
 from engine.config.parse import parse

@@ -1,4 +1,5 @@
 """`speculative_config`: vLLM's keys, defaults and validation (vllm/config/speculative.py)."""
+
 from dataclasses import dataclass
 
 from engine.config.parse import parse
@@ -58,8 +59,10 @@ class SpeculativeConfig:
             else:
                 raise ValueError("speculative_config needs a method (ngram or draft_model) or a model")
         if self.method in UNSUPPORTED:
-            raise ValueError(f"speculative_config method {self.method!r} is not supported by this engine "
-                             f"(supported: {', '.join(METHODS)})")
+            raise ValueError(
+                f"speculative_config method {self.method!r} is not supported by this engine "
+                f"(supported: {', '.join(METHODS)})"
+            )
         if self.method not in METHODS:
             raise ValueError(f"unknown speculative_config method {self.method!r} (supported: {', '.join(METHODS)})")
         k = self.num_speculative_tokens
@@ -78,8 +81,10 @@ class SpeculativeConfig:
                 if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                     raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
             if self.prompt_lookup_min > self.prompt_lookup_max:
-                raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
-                                 f"({self.prompt_lookup_max})")
+                raise ValueError(
+                    f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                    f"({self.prompt_lookup_max})"
+                )
             if self.model in ("ngram", "[ngram]"):
                 self.model = None
         elif self.model is None:
@@ -89,8 +94,9 @@ class SpeculativeConfig:
         if self.num_speculative_tokens_per_batch_size is not None:
             self.num_speculative_tokens_per_batch_size = _schedule(self.num_speculative_tokens_per_batch_size)
         if self.draft_tensor_parallel_size not in (None, 1):
-            raise ValueError(f"draft_tensor_parallel_size must be 1 on this engine, got {self.draft_tensor_parallel_size!r}")
-
+            raise ValueError(
+                f"draft_tensor_parallel_size must be 1 on this engine, got {self.draft_tensor_parallel_size!r}"
+            )
 
     def tokens_for_batch(self, num_running: int) -> int:
         """The most tokens to propose per request while `num_running` requests run."""

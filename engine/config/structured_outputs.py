@@ -1,4 +1,5 @@
 """Engine-wide structured-output options (`--structured-outputs-config`)."""
+
 from dataclasses import dataclass
 
 from engine.config.parse import parse
@@ -27,7 +28,7 @@ class StructuredOutputsConfig:
 
     def __post_init__(self):
         if self.backend not in ("auto", "xgrammar"):
-            raise ValueError(f"structured outputs backend {self.backend!r} is not supported; use \"xgrammar\"")
+            raise ValueError(f'structured outputs backend {self.backend!r} is not supported; use "xgrammar"')
         if not self.compile_timeout > 0:
             raise ValueError(f"compile_timeout must be > 0 seconds, got {self.compile_timeout}")
         if self.max_cached_grammars < 1:

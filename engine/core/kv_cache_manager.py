@@ -6,6 +6,7 @@ blocks. Blocks are ref-counted; a block whose count drops to zero keeps its hash
 free queue, so a later request with the same prefix can take it back; it loses its hash only when
 allocation evicts it.
 """
+
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -119,7 +120,7 @@ class KVCacheManager:
         self._update_hashes(request, len(tokens))
         hits = []
         if self.pool.enable_caching:
-            for h in request.block_hashes[:(len(tokens) - 1) // self.block_size]:
+            for h in request.block_hashes[: (len(tokens) - 1) // self.block_size]:
                 block = self.pool.lookup(h)
                 if block is None:
                     break
@@ -128,8 +129,14 @@ class KVCacheManager:
         self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def allocate_slots(self, request, num_new_tokens: int, computed_blocks: list[Block] = (),
-                       delay_cache: bool = False, num_lookahead_tokens: int = 0) -> bool:
+    def allocate_slots(
+        self,
+        request,
+        num_new_tokens: int,
+        computed_blocks: list[Block] = (),
+        delay_cache: bool = False,
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
         """Gives `request` blocks for `num_new_tokens` more tokens (after `computed_blocks`, if it is
         new) and `num_lookahead_tokens` after those (where a draft model writes the K/V of its proposals,
         vLLM's lookahead slots). Returns False, changing nothing, when too few blocks are free. Blocks that
@@ -171,7 +178,7 @@ class KVCacheManager:
         hashes, bs = request.block_hashes, self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs])))
+            hashes.append(hash_block(hashes[-1] if hashes else None, tuple(tokens[i * bs : (i + 1) * bs])))
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

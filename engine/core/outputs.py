@@ -1,5 +1,6 @@
 """What one engine-core step hands the output processor for each request that changed (vLLM v1's
 EngineCoreOutput): data only, the text and the per-request outputs are made from it."""
+
 from dataclasses import dataclass, field
 
 import torch

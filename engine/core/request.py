@@ -1,4 +1,5 @@
 """One sequence as the scheduler sees it: its tokens, progress and the state that decides when it stops."""
+
 import enum
 import time
 
@@ -27,9 +28,16 @@ class Request:
     type, else None. Raises nothing.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: frozenset[int], arrival_time: float | None = None, grammar=None,
-                 pooling: str | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        arrival_time: float | None = None,
+        grammar=None,
+        pooling: str | None = None,
+    ):
         self.request_id = request_id
         self.prompt_token_ids, self.params = prompt_token_ids, params
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
@@ -94,5 +102,6 @@ class Request:
         if self.grammar is not None and (self.grammar.accept_tokens([token_id]) == 0 or self.grammar.is_terminated):
             self.finish_reason = self.finish_reason or "stop"
         if self.finish_reason is None and (
-                (p.max_tokens is not None and n_out >= p.max_tokens) or self.num_tokens >= max_model_len):
+            (p.max_tokens is not None and n_out >= p.max_tokens) or self.num_tokens >= max_model_len
+        ):
             self.finish_reason = "length"

@@ -16,13 +16,14 @@ With speculative decoding a running request also asks for its draft tokens (`spe
 same budget; the drafts that do not fit are dropped. A draft model also needs `num_lookahead_tokens` slots
 past them, where it writes the K/V of its next proposals.
 """
+
 import time
 from collections import deque
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import Request, RequestStatus
-from engine.core.step_io import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.core.step_io import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.outputs import SpecDecodingStats
 
 
@@ -37,8 +38,16 @@ class Scheduler:
     step's tokens for a draft model's proposals.
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 connector, num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        connector,
+        num_speculative_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+    ):
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -76,7 +85,7 @@ class Scheduler:
         # newcomer while older requests wait (FCFS).
         admitted = [] if preempted else self._schedule_waiting(budget)
         for req, n in scheduled + admitted:
-            del req.spec_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens):]
+            del req.spec_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens) :]
         return self._describe(scheduled, new_blocks, admitted)
 
     def _schedule_running(self, budget: int) -> tuple[list[tuple[Request, int]], dict[str, list[int]], bool]:
@@ -140,12 +149,16 @@ class Scheduler:
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         req.num_external_computed_tokens = num_external
-        self.connector.start_load(req, self.kv.block_ids(req.request_id)[len(hits):])
+        self.connector.start_load(req, self.kv.block_ids(req.request_id)[len(hits) :])
         req.kv_transfer_params = None  # used up: if preempted later, it recomputes like any request
         return True
 
-    def _describe(self, scheduled: list[tuple[Request, int]], new_blocks: dict[str, list[int]],
-                  admitted: list[tuple[Request, int]]) -> SchedulerOutput:
+    def _describe(
+        self,
+        scheduled: list[tuple[Request, int]],
+        new_blocks: dict[str, list[int]],
+        admitted: list[tuple[Request, int]],
+    ) -> SchedulerOutput:
         """The step as the workers see it: new requests whole, the others as what changed since they last
         ran (sampled tokens, blocks, computed count; resumed ones with all their blocks)."""
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
@@ -154,15 +167,24 @@ class Scheduler:
         for req, n in scheduled + admitted:
             resumed = req.status == RequestStatus.PREEMPTED
             if req.status == RequestStatus.WAITING:  # never sent: new, or back from a KV pull
-                out.scheduled_new_reqs.append(NewRequestData(
-                    req.request_id, req.prompt_token_ids, req.params, req.eos_token_ids,
-                    self.kv.block_ids(req.request_id), req.num_computed_tokens, req.pooling))
+                out.scheduled_new_reqs.append(
+                    NewRequestData(
+                        req.request_id,
+                        req.prompt_token_ids,
+                        req.params,
+                        req.eos_token_ids,
+                        self.kv.block_ids(req.request_id),
+                        req.num_computed_tokens,
+                        req.pooling,
+                    )
+                )
             else:
                 cached.req_ids.append(req.request_id)
                 cached.resumed_from_preemption.append(resumed)
-                cached.new_token_ids.append(req.output_token_ids[req.num_output_tokens_sent:])
-                cached.new_block_ids.append(self.kv.block_ids(req.request_id) if resumed
-                                            else new_blocks[req.request_id])
+                cached.new_token_ids.append(req.output_token_ids[req.num_output_tokens_sent :])
+                cached.new_block_ids.append(
+                    self.kv.block_ids(req.request_id) if resumed else new_blocks[req.request_id]
+                )
                 cached.num_computed_tokens.append(req.num_computed_tokens)
             req.num_output_tokens_sent = len(req.output_token_ids)
             req.status = RequestStatus.RUNNING
@@ -171,8 +193,9 @@ class Scheduler:
                 out.scheduled_spec_decode_tokens[req.request_id] = list(req.spec_token_ids)
         return out
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """Applies one step's results; returns an EngineCoreOutput for each request that changed.
 
         Every scheduled request advances by its scheduled tokens; a prompt-only request (max_tokens 0)
@@ -201,8 +224,9 @@ class Scheduler:
                 self.finish(req, "length")
                 output(req)
         now = time.monotonic()
-        for req_id, new_tokens, new_logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
-                                                   runner_output.logprobs):
+        for req_id, new_tokens, new_logprobs in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, runner_output.logprobs
+        ):
             req = self.requests.get(req_id)
             if req is None:
                 continue

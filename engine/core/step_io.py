@@ -8,6 +8,7 @@ rank; each rank's worker keeps its own copy of every request (engine.worker.inpu
 inputs from it and runs the same forward; the first rank answers a `ModelRunnerOutput`, which
 `Scheduler.update_from_output` applies to the requests. Everything here pickles and holds no live object.
 """
+
 from dataclasses import dataclass, field
 
 import numpy as np

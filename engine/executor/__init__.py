@@ -9,6 +9,8 @@ def build_executor(config, hf_config, model_dir: str):
     so that importing the package stays light. Raises what the executor raises."""
     if config.tensor_parallel_size == 1:
         from engine.executor.uniproc import UniProcExecutor
+
         return UniProcExecutor(config, hf_config, model_dir)
     from engine.executor.tensor_parallel import TensorParallelExecutor
+
     return TensorParallelExecutor(config, hf_config, model_dir)

@@ -1,4 +1,5 @@
 """The executor interface the engine calls, whether the model runs on one rank or on many."""
+
 import os
 from abc import ABC, abstractmethod
 
@@ -19,8 +20,9 @@ class Executor(ABC):
     runner: ModelRunner
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         """Runs one step on every rank; returns the first rank's output. Raises whatever the forward raised
         (the engine fails the step's requests)."""
 
@@ -40,4 +42,3 @@ def default_device(config: EngineConfig) -> torch.device:
 def use_cpu_threads(config: EngineConfig, num_ranks: int) -> None:
     """torch's threads on the CPU: `config.num_threads`, or the cores shared out over the ranks."""
     torch.set_num_threads(config.num_threads or max(1, os.cpu_count() // num_ranks))
-

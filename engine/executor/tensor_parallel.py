@@ -20,6 +20,7 @@ rank 0 a heartbeat through the rendezvous store every second, and one silent for
 (host down, network cut) fails the engine the same way; a rank that cannot reach rank 0 for as long
 exits. A step already inside a collective with a cut-off host waits out `distributed_timeout_seconds`.
 """
+
 import atexit
 import logging
 import os
@@ -37,10 +38,10 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.core.step_io import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from models.distributed.group import COLLECTIVE_TIMEOUT, EngineDeadError, TPGroup
 from engine.executor.abstract import Executor, default_device, use_cpu_threads
 from engine.worker.model_runner import ModelRunner
 from models.config import ModelShape
+from models.distributed.group import COLLECTIVE_TIMEOUT, EngineDeadError, TPGroup
 from models.loader import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,11 @@ def node_ranks(config: EngineConfig, node_rank: int) -> range:
 
 
 def collective_timeout(config: EngineConfig) -> timedelta:
-    return timedelta(seconds=config.distributed_timeout_seconds) if config.distributed_timeout_seconds \
+    return (
+        timedelta(seconds=config.distributed_timeout_seconds)
+        if config.distributed_timeout_seconds
         else COLLECTIVE_TIMEOUT
+    )
 
 
 def master_port(config: EngineConfig) -> int:
@@ -74,9 +78,26 @@ def start_rank(rank: int, config: EngineConfig, port: int, model_dir: str, devic
     # the ranks import this very copy of the package, whatever their working directory
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen([sys.executable, "-m", "engine.executor.tp_worker", "--rank", str(rank),
-                             "--world-size", str(config.tensor_parallel_size), "--master-addr", config.master_addr,
-                             "--port", str(port), "--device-type", device_type, "--model-dir", model_dir], env=env)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "engine.executor.tp_worker",
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(config.tensor_parallel_size),
+            "--master-addr",
+            config.master_addr,
+            "--port",
+            str(port),
+            "--device-type",
+            device_type,
+            "--model-dir",
+            model_dir,
+        ],
+        env=env,
+    )
 
 
 class TensorParallelExecutor(Executor):
@@ -105,8 +126,9 @@ class TensorParallelExecutor(Executor):
             self.workers.shutdown()
             raise
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         self.group.send_step((scheduler_output, grammar_output))
         return self.runner.execute_model(scheduler_output, grammar_output)
 
@@ -126,8 +148,9 @@ def build_rank_runner(config: EngineConfig, hf_config, model_dir: str, group: TP
         use_cpu_threads(config, group.world_size)
     runner = ModelRunner(config, hf_config, model_dir, group.device, group)
     # the ranks share the machine's memory: kv_cache_memory is for all of them
-    runner.init_kv_cache(group.min(runner.available_kv_blocks(config.kv_cache_memory // group.world_size)),
-                         cuda_graphs=False)
+    runner.init_kv_cache(
+        group.min(runner.available_kv_blocks(config.kv_cache_memory // group.world_size)), cuda_graphs=False
+    )
     return runner
 
 
@@ -146,8 +169,14 @@ class Workers:
 
     def __init__(self, config: EngineConfig, model_dir: str, device_type: str):
         world = config.tensor_parallel_size
-        store = dist.TCPStore(config.master_addr, master_port(config), world, True,
-                              timeout=timedelta(seconds=START_TIMEOUT), wait_for_workers=False)
+        store = dist.TCPStore(
+            config.master_addr,
+            master_port(config),
+            world,
+            True,
+            timeout=timedelta(seconds=START_TIMEOUT),
+            wait_for_workers=False,
+        )
         store.set("engine_config", pickle.dumps(config))  # whatever fields it grows
         self.group: TPGroup | None = None
         self.death: str | None = None  # which rank exited, as the watchdog saw it
@@ -166,8 +195,9 @@ class Workers:
             self._wait_for_ranks(store, config)
             for rank in remote:
                 logger.info("tensor-parallel rank %d of %d: on %s", rank, world, store.get(f"host{rank}").decode())
-            group = TPGroup(store, 0, world, rank_device(device_type, 0), config.master_addr,
-                            collective_timeout(config))
+            group = TPGroup(
+                store, 0, world, rank_device(device_type, 0), config.master_addr, collective_timeout(config)
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -175,8 +205,9 @@ class Workers:
         self.group = group
         group.error = group.error or self.death  # a rank that died just now
         if remote:
-            self._heartbeats = threading.Thread(target=self._watch_heartbeats, args=(config, store.port, remote),
-                                                name="tp-heartbeats", daemon=True)
+            self._heartbeats = threading.Thread(
+                target=self._watch_heartbeats, args=(config, store.port, remote), name="tp-heartbeats", daemon=True
+            )
             self._heartbeats.start()
 
     def _wait_for_ranks(self, store: dist.TCPStore, config: EngineConfig) -> None:
@@ -190,18 +221,24 @@ class Workers:
             if time.monotonic() > deadline:
                 missing = [n for n in range(1, config.nnodes) if not store.check([f"rank{node_ranks(config, n)[0]}"])]
                 raise EngineDeadError(
-                    f"tensor-parallel ranks did not start within {START_TIMEOUT} s" + (
+                    f"tensor-parallel ranks did not start within {START_TIMEOUT} s"
+                    + (
                         f"; nodes {missing} never joined {config.master_addr}:{store.port} (start "
                         f"`server.py --headless --nnodes {config.nnodes} --node-rank N --master-addr "
-                        f"{config.master_addr} --master-port {store.port}` there)" if missing else ""))
+                        f"{config.master_addr} --master-port {store.port}` there)"
+                        if missing
+                        else ""
+                    )
+                )
             time.sleep(0.05)
 
     def _watch_heartbeats(self, config: EngineConfig, port: int, ranks: list[int]) -> None:
         """Fails the engine when a rank on another host has sent no heartbeat for HEARTBEAT_TIMEOUT.
         Ends soon after `_stopping` is set (shutdown joins it: a thread in the store's C++ at interpreter
         exit aborts the process)."""
-        store = dist.TCPStore(config.master_addr, port, config.tensor_parallel_size, False,
-                              timeout=timedelta(seconds=HEARTBEAT_TIMEOUT))
+        store = dist.TCPStore(
+            config.master_addr, port, config.tensor_parallel_size, False, timeout=timedelta(seconds=HEARTBEAT_TIMEOUT)
+        )
         seen = {rank: (-1, time.monotonic()) for rank in ranks}  # last count, when it changed
         while not self._stopping:
             time.sleep(HEARTBEAT_INTERVAL)
@@ -211,8 +248,10 @@ class Workers:
                     seen[rank] = (count, now)
                 elif now - seen[rank][1] > HEARTBEAT_TIMEOUT and not self._stopping:
                     host = store.get(f"host{rank}").decode()
-                    self._fail(f"tensor-parallel rank {rank} on {host} sent no heartbeat for "
-                               f"{HEARTBEAT_TIMEOUT:g} s (host down or cut off)")
+                    self._fail(
+                        f"tensor-parallel rank {rank} on {host} sent no heartbeat for "
+                        f"{HEARTBEAT_TIMEOUT:g} s (host down or cut off)"
+                    )
                     return
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
@@ -273,11 +312,18 @@ def run_headless(config: EngineConfig) -> int:
     cleanly, else 1 (a rank failed, or lost rank 0)."""
     model_dir, port = resolve_model(config.model), master_port(config)
     device_type = default_device(config).type
-    procs = {rank: start_rank(rank, config, port, model_dir, device_type)
-             for rank in node_ranks(config, config.node_rank)}
+    procs = {
+        rank: start_rank(rank, config, port, model_dir, device_type) for rank in node_ranks(config, config.node_rank)
+    }
     for rank, proc in procs.items():
-        logger.info("tensor-parallel rank %d of %d: pid %d, joining %s:%d", rank, config.tensor_parallel_size,
-                    proc.pid, config.master_addr, port)
+        logger.info(
+            "tensor-parallel rank %d of %d: pid %d, joining %s:%d",
+            rank,
+            config.tensor_parallel_size,
+            proc.pid,
+            config.master_addr,
+            port,
+        )
 
     def stop(*_) -> None:
         for proc in procs.values():

@@ -4,6 +4,7 @@ cache of its heads, then runs every step rank 0 sends (its own copy of the reque
 SchedulerOutput, its own inputs, its shard's forward), until rank 0 says stop.
 A rank on another host than rank 0's sends it a heartbeat every second and exits when rank 0 has not
 answered one for HEARTBEAT_TIMEOUT."""
+
 import argparse
 import logging
 import os
@@ -16,9 +17,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.executor.tensor_parallel import (
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    START_TIMEOUT,
+    build_rank_runner,
+    collective_timeout,
+    node_ranks,
+    rank_device,
+)
 from models.distributed.group import EngineDeadError, TPGroup, local_address
-from engine.executor.tensor_parallel import (HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, START_TIMEOUT, build_rank_runner,
-                                             collective_timeout, node_ranks, rank_device)
 from models.loader import load_config
 
 logger = logging.getLogger(__name__)
@@ -37,17 +45,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     # Ctrl-C reaches the whole process group; rank 0 decides when the ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.WARNING,
-                        format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s"
+    )
     device = rank_device(args.device_type, args.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore(args.master_addr, args.port, args.world_size, False,
-                          timeout=timedelta(seconds=START_TIMEOUT))
+    store = dist.TCPStore(args.master_addr, args.port, args.world_size, False, timeout=timedelta(seconds=START_TIMEOUT))
     config = pickle.loads(store.get("engine_config"))  # rank 0's EngineConfig
     if config.tensor_parallel_size != args.world_size:
-        logger.error("rank 0 at %s runs tensor_parallel_size %d, this rank was started for %d",
-                     args.master_addr, config.tensor_parallel_size, args.world_size)
+        logger.error(
+            "rank 0 at %s runs tensor_parallel_size %d, this rank was started for %d",
+            args.master_addr,
+            config.tensor_parallel_size,
+            args.world_size,
+        )
         return 1
     store.set(f"host{args.rank}", local_address(args.master_addr))
     if args.rank not in node_ranks(config, 0):  # rank 0 cannot see this process: it hears from it instead
@@ -68,8 +80,9 @@ def heartbeat(args: argparse.Namespace) -> None:
     """Counts this rank's heartbeats up in rank 0's store every HEARTBEAT_INTERVAL, and exits the process
     with status 1 once none has gone through for HEARTBEAT_TIMEOUT: rank 0's host is down or cut off,
     and the step loop would otherwise wait for its next step for ever."""
-    store = dist.TCPStore(args.master_addr, args.port, args.world_size, False,
-                          timeout=timedelta(seconds=HEARTBEAT_TIMEOUT))
+    store = dist.TCPStore(
+        args.master_addr, args.port, args.world_size, False, timeout=timedelta(seconds=HEARTBEAT_TIMEOUT)
+    )
     last_beat = time.monotonic()
 
     def beat() -> None:
@@ -85,8 +98,12 @@ def heartbeat(args: argparse.Namespace) -> None:
     threading.Thread(target=beat, name="tp-heartbeat-send", daemon=True).start()
     while time.monotonic() - last_beat < HEARTBEAT_TIMEOUT:
         time.sleep(HEARTBEAT_INTERVAL)
-    logger.error("stopping: rank 0 at %s:%d has not answered for %g s (host down or cut off)",
-                 args.master_addr, args.port, HEARTBEAT_TIMEOUT)
+    logger.error(
+        "stopping: rank 0 at %s:%d has not answered for %g s (host down or cut off)",
+        args.master_addr,
+        args.port,
+        HEARTBEAT_TIMEOUT,
+    )
     logging.shutdown()
     os._exit(1)
 

@@ -1,4 +1,5 @@
 """The model on one device, in the engine's own process."""
+
 from engine.config import EngineConfig
 from engine.core.step_io import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from engine.executor.abstract import Executor, default_device, use_cpu_threads
@@ -13,9 +14,11 @@ class UniProcExecutor(Executor):
         if device.type == "cpu":
             use_cpu_threads(config, 1)
         self.runner = ModelRunner(config, hf_config, model_dir, device)
-        self.runner.init_kv_cache(self.runner.available_kv_blocks(config.kv_cache_memory),
-                                  cuda_graphs=not config.enforce_eager)
+        self.runner.init_kv_cache(
+            self.runner.available_kv_blocks(config.kv_cache_memory), cuda_graphs=not config.enforce_eager
+        )
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output, grammar_output)

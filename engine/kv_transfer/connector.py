@@ -11,6 +11,7 @@ request like a prefix-cache hit of all prompt tokens but the last (whose logits 
 notifies the producer, which frees the pinned blocks; unread blocks are freed after
 `abort_request_timeout` seconds.
 """
+
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,6 +54,7 @@ class _Load:
 
 def _check_remote_prefill(params: dict, num_blocks: int) -> None:
     """Raises ValueError unless `params` (do_remote_prefill) name a producer and `num_blocks` blocks."""
+
     def bad(key, what):
         raise ValueError(f"kv_transfer_params.{key} must be {what}, got {params.get(key)!r}")
 
@@ -66,8 +68,10 @@ def _check_remote_prefill(params: dict, num_blocks: int) -> None:
     if not isinstance(ids, list) or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in ids):
         bad("remote_block_ids", "a list of block ids")
     if len(ids) != num_blocks:
-        raise ValueError(f"kv_transfer_params.remote_block_ids has {len(ids)} blocks; this prompt fills "
-                         f"{num_blocks} (the prefill server must run the same model, prompt and block size)")
+        raise ValueError(
+            f"kv_transfer_params.remote_block_ids has {len(ids)} blocks; this prompt fills "
+            f"{num_blocks} (the prefill server must run the same model, prompt and block size)"
+        )
 
 
 class NixlConnector:
@@ -85,8 +89,9 @@ class NixlConnector:
         self.config = config
         self.block_size = block_size
         self.transport = NixlTransport(config.engine_id, kv_cache, block_size, config.kv_ip)
-        self.server = (HandshakeServer(config.kv_ip, config.kv_port, self.transport.metadata())
-                       if config.is_producer else None)
+        self.server = (
+            HandshakeServer(config.kv_ip, config.kv_port, self.transport.metadata()) if config.is_producer else None
+        )
         self._pinned: dict[str, tuple[object, float]] = {}  # request id -> (request, free-by deadline)
         self._loads: dict[str, _Load] = {}
         self._handshakes: dict[tuple[str, int, str], Future] = {}
@@ -94,8 +99,12 @@ class NixlConnector:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-handshake")
         self.num_failed_transfers = 0
         self.num_expired_requests = 0
-        logger.info("KV transfer: NixlConnector %s, engine_id %s%s", config.kv_role, config.engine_id,
-                    f", handshake on {config.kv_ip}:{self.server.port}" if self.server else "")
+        logger.info(
+            "KV transfer: NixlConnector %s, engine_id %s%s",
+            config.kv_role,
+            config.engine_id,
+            f", handshake on {config.kv_ip}:{self.server.port}" if self.server else "",
+        )
 
     # -- producer ------------------------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int]) -> dict | None:
@@ -103,14 +112,25 @@ class NixlConnector:
         pins its blocks (the caller must not free them; `poll` releases them) and returns the
         kv_transfer_params for the decode server. Otherwise returns None: free the blocks now."""
         params = request.kv_transfer_params
-        if not (self.config.is_producer and params and params.get("do_remote_decode")
-                and request.finish_reason == "length" and block_ids):
+        if not (
+            self.config.is_producer
+            and params
+            and params.get("do_remote_decode")
+            and request.finish_reason == "length"
+            and block_ids
+        ):
             return None
         self._pinned[request.request_id] = (request, time.monotonic() + self.config.abort_request_timeout)
         self.transport.busy = True
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.config.engine_id,
-                "remote_block_ids": list(block_ids), "remote_host": self.config.kv_ip,
-                "remote_port": self.server.port, "remote_request_id": request.request_id}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.config.engine_id,
+            "remote_block_ids": list(block_ids),
+            "remote_host": self.config.kv_ip,
+            "remote_port": self.server.port,
+            "remote_request_id": request.request_id,
+        }
 
     # -- consumer ------------------------------------------------------------------------------
     def check_request(self, params: dict | None, num_prompt_tokens: int, n: int) -> None:
@@ -134,9 +154,15 @@ class NixlConnector:
         """Starts pulling the request's last `len(local_block_ids)` prompt blocks into these blocks
         (allocated, not in the prefix cache until they arrive)."""
         params = request.kv_transfer_params
-        load = _Load(request, list(local_block_ids), params["remote_block_ids"][-len(local_block_ids):],
-                     params["remote_engine_id"], params["remote_host"], params["remote_port"],
-                     params["remote_request_id"])
+        load = _Load(
+            request,
+            list(local_block_ids),
+            params["remote_block_ids"][-len(local_block_ids) :],
+            params["remote_engine_id"],
+            params["remote_host"],
+            params["remote_port"],
+            params["remote_request_id"],
+        )
         self._loads[request.request_id] = load
         self.transport.busy = True
         self._advance(load)
@@ -163,23 +189,27 @@ class NixlConnector:
                 future = self._handshakes.get(key)
                 if future is None:
                     future = self._handshakes[key] = self._pool.submit(
-                        fetch_metadata, load.host, load.port, self.config.handshake_timeout)
+                        fetch_metadata, load.host, load.port, self.config.handshake_timeout
+                    )
                 if not future.done():
                     return False
                 del self._handshakes[key]
                 try:
                     metadata = future.result()
                     if metadata.get("engine_id") != load.engine_id:
-                        raise ValueError(f"the KV producer at {load.host}:{load.port} is engine "
-                                         f"{metadata.get('engine_id')}, not {load.engine_id} (restarted?)")
+                        raise ValueError(
+                            f"the KV producer at {load.host}:{load.port} is engine "
+                            f"{metadata.get('engine_id')}, not {load.engine_id} (restarted?)"
+                        )
                     self.transport.add_remote(metadata)
                     self._addresses[load.engine_id] = (load.host, load.port)
                 except Exception as e:  # unreachable, wrong engine or incompatible cache: fail the pull
                     load.error = str(e)
                     return True
             try:
-                load.handle = self.transport.read(load.engine_id, load.local_ids, load.remote_ids,
-                                                  load.remote_request_id.encode())
+                load.handle = self.transport.read(
+                    load.engine_id, load.local_ids, load.remote_ids, load.remote_request_id.encode()
+                )
             except Exception as e:  # NIXL refused (e.g. block ids outside the producer's cache)
                 load.error = f"the KV transfer from {load.host}:{load.port} could not start: {e!r}"
                 return True
@@ -204,8 +234,11 @@ class NixlConnector:
             now = time.monotonic()
             for request_id, (request, deadline) in list(self._pinned.items()):
                 if now > deadline:
-                    logger.warning("request %s: no decode server pulled its KV blocks within %g s; freeing them",
-                                   request_id, self.config.abort_request_timeout)
+                    logger.warning(
+                        "request %s: no decode server pulled its KV blocks within %g s; freeing them",
+                        request_id,
+                        self.config.abort_request_timeout,
+                    )
                     del self._pinned[request_id]
                     self.num_expired_requests += 1
                     out.released.append(request)

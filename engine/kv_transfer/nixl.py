@@ -7,6 +7,7 @@ Only the cache's outer layout matters here: [num_layers, 2 (K, V), num_blocks, .
 inner part contiguous. A transfer copies whole block slices, so the layout inside a block is free to
 change, as long as both engines use the same one (the handshake compares slice sizes).
 """
+
 import atexit
 import base64
 import dataclasses
@@ -47,15 +48,25 @@ class KVLayout:
         """The layout of a cache tensor [num_layers, 2, num_blocks, ...] whose blocks are contiguous.
         Raises ValueError for another shape."""
         if kv_cache.dim() < 4 or kv_cache.shape[1] != 2 or not kv_cache[0, 0, 0].is_contiguous():
-            raise ValueError(f"KV cache must be [num_layers, 2, num_blocks, ...] with contiguous blocks, "
-                             f"got shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}")
+            raise ValueError(
+                f"KV cache must be [num_layers, 2, num_blocks, ...] with contiguous blocks, "
+                f"got shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
+            )
         item = kv_cache.element_size()
         cuda = kv_cache.device.type == "cuda"
-        return cls(base_addr=kv_cache.data_ptr(), num_layers=kv_cache.shape[0], num_blocks=kv_cache.shape[2],
-                   chunk_bytes=kv_cache[0, 0, 0].numel() * item, layer_stride=kv_cache.stride(0) * item,
-                   kv_stride=kv_cache.stride(1) * item, block_stride=kv_cache.stride(2) * item,
-                   dtype=str(kv_cache.dtype).removeprefix("torch."), block_size=block_size,
-                   mem_type="VRAM" if cuda else "DRAM", device_id=(kv_cache.device.index or 0) if cuda else 0)
+        return cls(
+            base_addr=kv_cache.data_ptr(),
+            num_layers=kv_cache.shape[0],
+            num_blocks=kv_cache.shape[2],
+            chunk_bytes=kv_cache[0, 0, 0].numel() * item,
+            layer_stride=kv_cache.stride(0) * item,
+            kv_stride=kv_cache.stride(1) * item,
+            block_stride=kv_cache.stride(2) * item,
+            dtype=str(kv_cache.dtype).removeprefix("torch."),
+            block_size=block_size,
+            mem_type="VRAM" if cuda else "DRAM",
+            device_id=(kv_cache.device.index or 0) if cuda else 0,
+        )
 
     def mismatch(self, other: "KVLayout") -> str | None:
         """Why blocks of `other` cannot be copied into ours (None if they can)."""
@@ -68,8 +79,9 @@ class KVLayout:
         """NIXL descriptors (address, bytes, device) [2 * num_layers * len(starts), 3] uint64 for runs
         of `counts[i]` consecutive blocks from `starts[i]`, every layer's K and V.
         A run longer than one block needs `block_stride == chunk_bytes` (see `block_runs`)."""
-        planes = (np.arange(self.num_layers)[:, None] * self.layer_stride
-                  + np.arange(2)[None, :] * self.kv_stride).reshape(-1, 1)
+        planes = (
+            np.arange(self.num_layers)[:, None] * self.layer_stride + np.arange(2)[None, :] * self.kv_stride
+        ).reshape(-1, 1)
         addrs = self.base_addr + planes + starts[None, :].astype(np.int64) * self.block_stride
         lens = np.broadcast_to(counts[None, :].astype(np.int64) * self.chunk_bytes, addrs.shape)
         out = np.empty((addrs.size, 3), dtype=np.uint64)
@@ -106,14 +118,20 @@ class NixlTransport:
         try:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as e:
-            raise RuntimeError("--kv-transfer-config with NixlConnector needs NIXL: "
-                               "pip install -e \".[kv]\" (nixl-cu13), then pip install --no-deps nixl") from e
+            raise RuntimeError(
+                "--kv-transfer-config with NixlConnector needs NIXL: "
+                'pip install -e ".[kv]" (nixl-cu13), then pip install --no-deps nixl'
+            ) from e
         self.engine_id = engine_id
         self.layout = KVLayout.of(kv_cache, block_size)
         # NIXL's own progress thread never sleeps, which takes a core from the model on a CPU server;
         # ours (below) drives UCX every millisecond instead, so the agent must be thread-safe.
-        self.agent = nixl_agent(engine_id, nixl_agent_config(
-            backends=["UCX"], enable_prog_thread=False, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+        self.agent = nixl_agent(
+            engine_id,
+            nixl_agent_config(
+                backends=["UCX"], enable_prog_thread=False, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            ),
+        )
         self._registration = self.agent.register_memory(kv_cache)
         self._kv_cache = kv_cache  # registered memory must outlive the agent's use of it
         self.remotes: dict[str, KVLayout] = {}
@@ -148,9 +166,11 @@ class NixlTransport:
 
     def metadata(self) -> dict:
         """What a peer needs to read from us: agent metadata (base64) and the cache layout."""
-        return {"engine_id": self.engine_id,
-                "agent_metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                "layout": dataclasses.asdict(self.layout)}
+        return {
+            "engine_id": self.engine_id,
+            "agent_metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+            "layout": dataclasses.asdict(self.layout),
+        }
 
     def add_remote(self, metadata: dict) -> None:
         """Loads a peer's metadata (from its `metadata()`). Raises ValueError if its blocks cannot be
@@ -184,7 +204,7 @@ class NixlTransport:
         return handle
 
     def state(self, handle) -> str:
-        """"DONE", "PROC" (in progress) or "ERR"."""
+        """ "DONE", "PROC" (in progress) or "ERR"."""
         return self.agent.check_xfer_state(handle)
 
     def release(self, handle) -> None:

@@ -2,6 +2,7 @@
 on `GET http://kv_ip:kv_port/metadata`; a consumer fetches it once per producer engine, the first time
 a request names that engine in its kv_transfer_params (vLLM's NixlConnector does the same over ZMQ).
 The K/V bytes themselves never pass through here: NIXL reads them."""
+
 import json
 import logging
 import threading

@@ -1,4 +1,5 @@
 """Structured outputs at sampling time: logits masked to the tokens each row's grammar allows next."""
+
 import numpy as np
 import torch
 

@@ -8,6 +8,7 @@ slices of `SLICE_ROWS` rows, so memory stays at [SLICE_ROWS, vocab] float32 howe
 request collecting prompt logprobs skips reading the cache until it has them all (as vLLM does); of
 the n samples of a request only the first (index 0) collects them.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -60,17 +61,18 @@ def collect(model, hidden: torch.Tensor, rows: list[PromptRows]) -> dict[str, li
     step's hidden states [T, H]. Logprobs come from the raw logits, as vLLM reports them.
     """
     index = torch.cat([torch.arange(r.row, r.row + r.count) for r in rows]).to(hidden.device)
-    targets = torch.tensor([t for r in rows for t in
-                            r.request.prompt_token_ids[r.position + 1:r.position + 1 + r.count]],
-                           device=hidden.device)
+    targets = torch.tensor(
+        [t for r in rows for t in r.request.prompt_token_ids[r.position + 1 : r.position + 1 + r.count]],
+        device=hidden.device,
+    )
     k = max(r.request.params.prompt_logprobs for r in rows)
     token_logprobs, ranks, top_values, top_ids = [], [], [], []
     for lo in range(0, len(index), SLICE_ROWS):
-        logits = model.compute_logits(hidden[index[lo:lo + SLICE_ROWS]])
+        logits = model.compute_logits(hidden[index[lo : lo + SLICE_ROWS]])
         if logits is None:  # not the first rank: it only takes part in the gathers
             continue
         logprobs = torch.log_softmax(logits, dim=-1)
-        target = targets[lo:lo + SLICE_ROWS, None]
+        target = targets[lo : lo + SLICE_ROWS, None]
         chosen = logprobs.gather(1, target)
         token_logprobs.append(chosen[:, 0].cpu())
         ranks.append(((logprobs > chosen).sum(dim=-1) + 1).cpu())

@@ -1,6 +1,7 @@
 """Verifying drafts: speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers
 via Speculative Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative
 Sampling"), as vLLM's vllm/v1/sample/rejection_sampler.py; and drawing draft tokens with their q."""
+
 import numpy as np
 import torch
 
@@ -52,8 +53,13 @@ class RejectionSampler(Sampler):
     drafts draws exactly what `Sampler` draws, so its tokens are the same as without speculation.
     """
 
-    def __call__(self, logits: torch.Tensor, requests: list, grammar_bitmask: np.ndarray | None = None,
-                 grammar_rows: list[int] = ()) -> tuple[list[list[int]], list[list[Logprob | None]]]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: list,
+        grammar_bitmask: np.ndarray | None = None,
+        grammar_rows: list[int] = (),
+    ) -> tuple[list[list[int]], list[list[Logprob | None]]]:
         """logits: float32 [sum(1 + d_i), vocab], the rows of each request in order (d_i =
         len(request.spec_token_ids)). grammar_bitmask: int32 [len(grammar_rows), ceil(vocab / 32)], the
         tokens allowed to requests[grammar_rows[k]] (structured outputs; such requests have no drafts).
@@ -76,13 +82,20 @@ class RejectionSampler(Sampler):
         for r in requests:
             drafts = r.spec_token_ids
             if r.params.greedy:
-                out = _verify_greedy(drafts, greedy[row:row + len(drafts) + 1])
+                out = _verify_greedy(drafts, greedy[row : row + len(drafts) + 1])
             else:
-                out = _verify_random(drafts, [probs[row + j] for j in range(len(drafts) + 1)],
-                                     r.spec_token_probs, r.generator)
+                out = _verify_random(
+                    drafts, [probs[row + j] for j in range(len(drafts) + 1)], r.spec_token_probs, r.generator
+                )
             tokens.append(out)
-            logprobs.append([self._logprob(raw_logprobs[row + j], t, r.params.logprobs)
-                             if r.params.logprobs is not None else None for j, t in enumerate(out)])
+            logprobs.append(
+                [
+                    self._logprob(raw_logprobs[row + j], t, r.params.logprobs)
+                    if r.params.logprobs is not None
+                    else None
+                    for j, t in enumerate(out)
+                ]
+            )
             row += len(drafts) + 1
         return tokens, logprobs
 

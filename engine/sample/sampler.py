@@ -1,6 +1,7 @@
 """Turning logits into sampling distributions and draws: logit processors, temperature, top-k/top-p,
 min-p, the exponential race, logprobs. The step's sampler is `RejectionSampler` (rejection_sampler.py),
 which uses these for rows with and without draft tokens alike."""
+
 from typing import Protocol
 
 import torch
@@ -89,8 +90,9 @@ class Sampler:
 
 def _needs_processing(r) -> bool:
     p = r.params
-    return bool(p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0
-                or p.presence_penalty or p.frequency_penalty)
+    return bool(
+        p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+    )
 
 
 def _top_k_top_p(logits, top_k: list[int], top_p: list[float]):

@@ -1,5 +1,6 @@
 """A draft model proposes: k autoregressive steps of a (smaller) model with the target's vocabulary (vLLM's
 method "draft_model"), its KV cache addressed by the target's block tables."""
+
 import dataclasses
 import logging
 
@@ -20,9 +21,11 @@ def check_draft_model(model: str, target_vocab_size: int, target_tokenizer) -> N
         raise FileNotFoundError(f"speculative draft model: {e}") from None
     vocab_size = load_config(model_dir).vocab_size
     if vocab_size != target_vocab_size or load_tokenizer(model_dir).get_vocab() != target_tokenizer.get_vocab():
-        raise ValueError(f"speculative draft model {model!r} does not share the target's tokenizer and "
-                         f"vocabulary ({vocab_size} vs {target_vocab_size} logits); draft_model needs the same "
-                         f"vocabulary")
+        raise ValueError(
+            f"speculative draft model {model!r} does not share the target's tokenizer and "
+            f"vocabulary ({vocab_size} vs {target_vocab_size} logits); draft_model needs the same "
+            f"vocabulary"
+        )
 
 
 @dataclasses.dataclass
@@ -75,8 +78,11 @@ class DraftModelProposer:
                 continue
             state = self.states.setdefault(r.request_id, _DraftState())
             matched = 0  # drafts of the last proposal that the target accepted
-            while matched < len(state.drafts) and state.base + matched < r.num_tokens and \
-                    state.drafts[matched] == r.all_token_ids[state.base + matched]:
+            while (
+                matched < len(state.drafts)
+                and state.base + matched < r.num_tokens
+                and state.drafts[matched] == r.all_token_ids[state.base + matched]
+            ):
                 matched += 1
             state.num_computed = min(state.num_computed, state.base + matched)
             state.base, state.drafts, state.probs = r.num_tokens, [], []
@@ -92,9 +98,11 @@ class DraftModelProposer:
             ends = [s.num_computed + n == r.num_tokens + len(s.drafts) for r, s, _, n in rows]
             done = [row for row, end in zip(rows, ends) if end]
             logits = self.runner.compute_logits_of_rows(
-                [(r.all_token_ids + s.drafts)[s.num_computed:s.num_computed + n] for r, s, _, n in rows],
-                [s.num_computed for _, s, _, _ in rows], [r.request.block_ids for r, _, _, _ in rows],
-                [int(end) for end in ends])
+                [(r.all_token_ids + s.drafts)[s.num_computed : s.num_computed + n] for r, s, _, n in rows],
+                [s.num_computed for _, s, _, _ in rows],
+                [r.request.block_ids for r, _, _, _ in rows],
+                [int(end) for end in ends],
+            )
             for _, s, _, n in rows:
                 s.num_computed += n
             if logits is None:

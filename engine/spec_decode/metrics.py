@@ -1,5 +1,6 @@
 """The speculative-decoding log line, as vLLM's vllm/v1/spec_decode/metrics.py (the counters are
 `engine.outputs.SpecDecodingStats`)."""
+
 import logging
 import time
 
@@ -24,10 +25,19 @@ class SpecDecodingLogging:
         if drafts:
             drafted = s.num_draft_tokens - last.num_draft_tokens
             accepted = s.num_accepted_tokens - last.num_accepted_tokens
-            per_pos = [(a - b) / drafts for a, b in zip(s.num_accepted_tokens_per_pos, last.num_accepted_tokens_per_pos)]
-            logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, "
-                        "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
-                        "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
-                        1 + accepted / drafts, accepted / dt, drafted / dt, accepted, drafted,
-                        ", ".join(f"{r:.3f}" for r in per_pos), 100 * accepted / max(drafted, 1))
+            per_pos = [
+                (a - b) / drafts for a, b in zip(s.num_accepted_tokens_per_pos, last.num_accepted_tokens_per_pos)
+            ]
+            logger.info(
+                "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, "
+                "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
+                "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+                1 + accepted / drafts,
+                accepted / dt,
+                drafted / dt,
+                accepted,
+                drafted,
+                ", ".join(f"{r:.3f}" for r in per_pos),
+                100 * accepted / max(drafted, 1),
+            )
         self.last, self.last_time = s.copy(), now

@@ -1,5 +1,6 @@
 """N-gram prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; vLLM's NgramProposer): propose the
 tokens that followed the last n tokens the previous time they occurred in the request."""
+
 import numpy as np
 
 
@@ -29,7 +30,7 @@ def find_ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> l
             best = ends[0]
     if best is None:
         return []
-    return tokens[best + 1:best + 1 + k].tolist()
+    return tokens[best + 1 : best + 1 + k].tolist()
 
 
 class NgramProposer:
@@ -50,8 +51,12 @@ class NgramProposer:
 
     def propose(self, requests: list, lengths: list[int]) -> list[tuple[list[int], None]]:
         """Up to lengths[i] draft tokens for requests[i], with q = None (one-hot)."""
-        return [(find_ngram_proposal(np.array(r.all_token_ids, dtype=np.int64), self.min_n, self.max_n, k), None)
-                if k > 0 else ([], None) for r, k in zip(requests, lengths)]
+        return [
+            (find_ngram_proposal(np.array(r.all_token_ids, dtype=np.int64), self.min_n, self.max_n, k), None)
+            if k > 0
+            else ([], None)
+            for r, k in zip(requests, lengths)
+        ]
 
     def free(self, request_id: str) -> None:
         pass

@@ -1,4 +1,5 @@
 """How many tokens to draft per request: only as many as verification is expected to pay for."""
+
 from dataclasses import dataclass, field
 
 # Batch at which a decode step's per-token cost equals its fixed cost (one read of the weights). On

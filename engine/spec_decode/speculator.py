@@ -1,5 +1,6 @@
 """The worker's side of speculative decoding: after sampling, booking each verification and drafting the
 next step's tokens."""
+
 import logging
 
 from engine.config import EngineConfig
@@ -31,8 +32,9 @@ class Speculator:
     their drafts would need the grammar's mask at every draft position.
     """
 
-    def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig, max_model_len: int,
-                 device_type: str, draft=None):
+    def __init__(
+        self, config: SpeculativeConfig, engine_config: EngineConfig, max_model_len: int, device_type: str, draft=None
+    ):
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = min(config.max_model_len or max_model_len, max_model_len)

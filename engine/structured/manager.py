@@ -1,5 +1,6 @@
 """The compile side of structured outputs: the tokenizer's vocabulary for xgrammar, one compile cache, and a
 small thread pool that compiles outside the event loop and the engine's step loop."""
+
 import concurrent.futures
 import logging
 import re
@@ -99,8 +100,10 @@ class StructuredOutputManager:
         return GrammarOutput(rows, bitmask)
 
     def timeout_error(self) -> ValueError:
-        return ValueError(f"structured outputs: the grammar did not compile within {self.config.compile_timeout} s "
-                          f"(compile_timeout of --structured-outputs-config)")
+        return ValueError(
+            f"structured outputs: the grammar did not compile within {self.config.compile_timeout} s "
+            f"(compile_timeout of --structured-outputs-config)"
+        )
 
     def shutdown(self) -> None:
         """Stops the compile pool (compiles in flight finish first); a later compile starts a new one."""
@@ -113,8 +116,9 @@ class StructuredOutputManager:
         compiler = self._get_compiler()
         try:
             if kind == "json":
-                return compiler.compile_json_schema(text, any_whitespace=any_whitespace,
-                                                    max_whitespace_cnt=self.config.max_whitespace_cnt)
+                return compiler.compile_json_schema(
+                    text, any_whitespace=any_whitespace, max_whitespace_cnt=self.config.max_whitespace_cnt
+                )
             if kind == "regex":
                 return compiler.compile_regex(text)
             return compiler.compile_grammar(text)
@@ -126,8 +130,9 @@ class StructuredOutputManager:
         with self._compiler_lock:
             if self._compiler is None:
                 xgr = _import_xgrammar()
-                full = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.eos_token_ids)
+                full = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+                )
                 # The tokenizer's own (encoded) token strings, special ones blanked: an empty token is
                 # never allowed by a grammar, except a stop token where the grammar may end.
                 vocab = [""] * self.vocab_size
@@ -138,8 +143,11 @@ class StructuredOutputManager:
                     vocab[token_id] = ""
                 info = xgr.TokenizerInfo.from_vocab_and_metadata(vocab, full.dump_metadata())
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-                logger.info("structured outputs: xgrammar ready (%d tokens, stop tokens %s)",
-                            self.vocab_size, self.eos_token_ids)
+                logger.info(
+                    "structured outputs: xgrammar ready (%d tokens, stop tokens %s)",
+                    self.vocab_size,
+                    self.eos_token_ids,
+                )
             return self._compiler
 
 

@@ -1,4 +1,5 @@
 """One sequence's position in its grammar."""
+
 import numpy as np
 
 
@@ -21,6 +22,7 @@ class RequestGrammar:
     def matcher(self):
         if self._matcher is None:
             import xgrammar
+
             self._matcher = xgrammar.GrammarMatcher(self.compiled)
         return self._matcher
 

@@ -15,6 +15,7 @@ table, so the recorded gather covers any context and the device-side seq_lens ma
 memory and time in proportion to max_model_len, so the model runner captures graphs only for
 backends with `supports_cuda_graphs` (the tests capture torch_native too).
 """
+
 import bisect
 import logging
 import time
@@ -50,8 +51,16 @@ class CUDAGraphRunner:
     The static buffers live on the KV cache's device; only capture() and run() need CUDA.
     """
 
-    def __init__(self, model, backend: AttentionBackend, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 max_num_seqs: int, max_blocks_per_seq: int, block_size: int, dummy_block: int):
+    def __init__(
+        self,
+        model,
+        backend: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        dummy_block: int,
+    ):
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks_per_seq, self.block_size = max_blocks_per_seq, block_size
@@ -71,9 +80,14 @@ class CUDAGraphRunner:
 
     def _meta(self, batch_size: int, seq_lens_cpu: list[int]) -> AttentionMetadata:
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc[:batch_size + 1], seq_lens=self.seq_lens[:batch_size],
-            block_tables=self.block_tables[:batch_size], slot_mapping=self.slot_mapping[:batch_size],
-            num_decodes=batch_size, query_start_loc_cpu=list(range(batch_size + 1)), seq_lens_cpu=seq_lens_cpu)
+            query_start_loc=self.query_start_loc[: batch_size + 1],
+            seq_lens=self.seq_lens[:batch_size],
+            block_tables=self.block_tables[:batch_size],
+            slot_mapping=self.slot_mapping[:batch_size],
+            num_decodes=batch_size,
+            query_start_loc_cpu=list(range(batch_size + 1)),
+            seq_lens_cpu=seq_lens_cpu,
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -96,16 +110,26 @@ class CUDAGraphRunner:
             self._graphs[bs] = graph
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]
-        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.0f MiB",
-                    len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start, used / 2**20)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.0f MiB",
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            time.perf_counter() - start,
+            used / 2**20,
+        )
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         """True for a decode-only batch that fits a captured graph."""
-        return (meta.num_decodes == meta.num_seqs and padded_size(meta.num_seqs, self.sizes) is not None
-                and meta.block_tables.shape[1] <= self.max_blocks_per_seq)
+        return (
+            meta.num_decodes == meta.num_seqs
+            and padded_size(meta.num_seqs, self.sizes) is not None
+            and meta.block_tables.shape[1] <= self.max_blocks_per_seq
+        )
 
-    def load_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                    meta: AttentionMetadata) -> tuple[int, AttentionMetadata]:
+    def load_inputs(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[int, AttentionMetadata]:
         """Copies a decode batch of n rows into the static buffers and pads it to the next size bs.
 
         Returns (bs, the metadata of the padded batch over the static buffers).
@@ -118,7 +142,7 @@ class CUDAGraphRunner:
         self.seq_lens[:n].copy_(meta.seq_lens)
         # Columns past this batch's width keep older block ids: those are valid blocks beyond each
         # row's length, which the kernels never read (FlashInfer) or mask (torch_native).
-        self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         if bs > n:
             # Rows n..bs-1 may hold an earlier step's real rows: make them padding rows again. The
             # slots matter most (else they would overwrite a real token's K/V); token ids and
@@ -136,4 +160,4 @@ class CUDAGraphRunner:
         with self.backend.cuda_graph_decode(bs):
             self.backend.plan(padded)
         self._graphs[bs].replay()
-        return self._outputs[bs][:meta.num_seqs]
+        return self._outputs[bs][: meta.num_seqs]

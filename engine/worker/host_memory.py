@@ -7,6 +7,7 @@ which maps the pages without writing to them, so it never races with the engine'
 process holds the whole cache soon after start as it would after `torch.zeros`. On kernels without
 that flag the pages are mapped on first use.
 """
+
 import ctypes
 import ctypes.util
 import logging

@@ -1,6 +1,7 @@
 """The worker's own copy of every request it runs (vLLM v1's InputBatch and CachedRequestState), kept up to
 date from each step's SchedulerOutput, and a step's flat model inputs built from it: token ids, positions,
 the attention metadata (slot mapping, block tables, sequence lengths) and which rows give logits."""
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,10 +43,18 @@ class CachedRequestState:
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
         p = new.sampling_params
-        return cls(new.req_id, new.prompt_token_ids, p, new.eos_token_ids, list(new.block_ids),
-                   new.num_computed_tokens, new.pooling, token_ids=list(new.prompt_token_ids),
-                   generator=torch.Generator().manual_seed(p.seed) if p.seed is not None else None,
-                   num_prompt_logprobs=1 if p.prompt_logprobs is not None else None)
+        return cls(
+            new.req_id,
+            new.prompt_token_ids,
+            p,
+            new.eos_token_ids,
+            list(new.block_ids),
+            new.num_computed_tokens,
+            new.pooling,
+            token_ids=list(new.prompt_token_ids),
+            generator=torch.Generator().manual_seed(p.seed) if p.seed is not None else None,
+            num_prompt_logprobs=1 if p.prompt_logprobs is not None else None,
+        )
 
     @property
     def request_id(self) -> str:
@@ -57,7 +66,7 @@ class CachedRequestState:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_tokens(self) -> int:
@@ -126,8 +135,9 @@ class InputBatch:
             state = self.requests[req_id]
             state.spec_token_ids = drafts.get(req_id, [])
             if state.spec_token_probs is not None:  # the drafter's q for the drafts that were kept
-                state.spec_token_probs = state.spec_token_probs[:len(state.spec_token_ids)] \
-                    if state.spec_token_ids else None
+                state.spec_token_probs = (
+                    state.spec_token_probs[: len(state.spec_token_ids)] if state.spec_token_ids else None
+                )
 
     def prepare(self, scheduler_output: SchedulerOutput, block_size: int, device: torch.device) -> StepBatch:
         """The step's flat inputs. Rows with one new token (decodes) go first, as the attention backends want.
@@ -142,16 +152,35 @@ class InputBatch:
         num_logits = [0] * len(reqs)
         for i in sampled:
             num_logits[i] = num_drafts[i] + 1
-        inputs, qsl = build_model_inputs([_new_token_ids(r, s, e) for r, s, e in zip(reqs, starts, ends)],
-                                         starts, [r.block_ids for r in reqs], num_logits, block_size, device)
-        pooling = [PoolingRows(r.req_id, int(qsl[i]), e - s, e == r.num_tokens)
-                   for i, (r, s, e) in enumerate(zip(reqs, starts, ends)) if r.pooling]
-        return StepBatch(inputs, [reqs[i] for i in sampled],
-                         select_rows(reqs, starts, [e - s for s, e in zip(starts, ends)], qsl), pooling)
+        inputs, qsl = build_model_inputs(
+            [_new_token_ids(r, s, e) for r, s, e in zip(reqs, starts, ends)],
+            starts,
+            [r.block_ids for r in reqs],
+            num_logits,
+            block_size,
+            device,
+        )
+        pooling = [
+            PoolingRows(r.req_id, int(qsl[i]), e - s, e == r.num_tokens)
+            for i, (r, s, e) in enumerate(zip(reqs, starts, ends))
+            if r.pooling
+        ]
+        return StepBatch(
+            inputs,
+            [reqs[i] for i in sampled],
+            select_rows(reqs, starts, [e - s for s, e in zip(starts, ends)], qsl),
+            pooling,
+        )
 
 
-def build_model_inputs(token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]],
-                       num_logits: list[int], block_size: int, device: torch.device) -> tuple[ModelInputs, np.ndarray]:
+def build_model_inputs(
+    token_ids: list[list[int]],
+    starts: list[int],
+    block_tables: list[list[int]],
+    num_logits: list[int],
+    block_size: int,
+    device: torch.device,
+) -> tuple[ModelInputs, np.ndarray]:
     """Flat inputs of rows laid end to end: row i computes `token_ids[i]` at positions starts[i].. with the
     KV blocks `block_tables[i]`, and gives logits at its last `num_logits[i]` positions (0: none). Rows with
     one token must come first (the attention metadata's decodes). Returns the inputs and the rows' start
@@ -167,7 +196,7 @@ def build_model_inputs(token_ids: list[list[int]], starts: list[int], block_tabl
     input_ids = np.fromiter((t for ids in token_ids for t in ids), np.int64, int(qsl[-1]))
     bt = np.zeros((len(token_ids), max(map(len, block_tables))), dtype=np.int32)
     for i, t in enumerate(block_tables):
-        bt[i, :len(t)] = t
+        bt[i, : len(t)] = t
     slots = bt[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     meta = AttentionMetadata(
         query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
@@ -175,18 +204,21 @@ def build_model_inputs(token_ids: list[list[int]], starts: list[int], block_tabl
         block_tables=torch.from_numpy(bt).to(device),
         slot_mapping=torch.from_numpy(slots).to(device),
         num_decodes=int((counts == 1).sum()),
-        query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+        query_start_loc_cpu=qsl.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
+    )
     # the last w tokens of each row with logits: row end - w + rank inside those
     widths = np.asarray(num_logits, dtype=np.int64)
     rank = np.arange(widths.sum()) - np.repeat(np.cumsum(widths) - widths, widths)
     logits_indices = torch.from_numpy(np.repeat(qsl[1:] - widths, widths) + rank).to(device)
-    return ModelInputs(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), meta,
-                       logits_indices), qsl
+    return ModelInputs(
+        torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), meta, logits_indices
+    ), qsl
 
 
 def _new_token_ids(state: CachedRequestState, start: int, end: int) -> list[int]:
     """Token ids at positions [start, end) of a request, its draft tokens after its last token."""
     ids = state.token_ids[start:end]
     if end > state.num_tokens:
-        ids = ids + state.spec_token_ids[:end - state.num_tokens]
+        ids = ids + state.spec_token_ids[: end - state.num_tokens]
     return ids

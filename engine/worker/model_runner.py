@@ -1,5 +1,6 @@
 """Owns the model and its KV cache on one device, and every request the step runs (its InputBatch); turns a
 SchedulerOutput into tokens."""
+
 import dataclasses
 import logging
 import os
@@ -44,8 +45,9 @@ class ModelRunner:
     speculative decoding; the others only run the forward pass.
     """
 
-    def __init__(self, config: EngineConfig, hf_config, model_dir: str, device: torch.device,
-                 tp: TPGroup | None = None):
+    def __init__(
+        self, config: EngineConfig, hf_config, model_dir: str, device: torch.device, tp: TPGroup | None = None
+    ):
         self.config, self.device = config, device
         if config.dtype == "auto":
             self.dtype, why = auto_dtype(self.device)
@@ -56,11 +58,21 @@ class ModelRunner:
         self.block_size = config.block_size
         self.is_driver = tp is None or tp.rank == 0
         self.shape = ModelShape.from_hf(hf_config, tp.world_size if tp is not None else 1)
-        self.max_model_len = min(config.max_model_len or self.shape.max_position_embeddings,
-                                 self.shape.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or self.shape.max_position_embeddings, self.shape.max_position_embeddings
+        )
         self.backend = make_backend(config.attention_backend, self.device, self.dtype, self.shape, self.block_size)
-        self.model = load_model(model_dir, hf_config, self.shape, self.backend, self.max_model_len, self.device,
-                                self.dtype, tp, self._quant_config(model_dir, tp))
+        self.model = load_model(
+            model_dir,
+            hf_config,
+            self.shape,
+            self.backend,
+            self.max_model_len,
+            self.device,
+            self.dtype,
+            tp,
+            self._quant_config(model_dir, tp),
+        )
         self.weight_bytes, summary = weight_summary(self.model)
         logger.info("weights: %s", summary)
         self.sampler = RejectionSampler()  # without drafts it draws what plain sampling draws
@@ -78,9 +90,14 @@ class ModelRunner:
         draft = None
         if spec.method == "draft_model":
             model_dir = resolve_model(spec.model)
-            draft_config = dataclasses.replace(self.config, model=spec.model, tokenizer=None,
-                                               max_model_len=self.max_model_len, enforce_eager=True,
-                                               speculative_config=None)
+            draft_config = dataclasses.replace(
+                self.config,
+                model=spec.model,
+                tokenizer=None,
+                max_model_len=self.max_model_len,
+                enforce_eager=True,
+                speculative_config=None,
+            )
             draft = ModelRunner(draft_config, load_config(model_dir), model_dir, self.device)
         return Speculator(spec, self.config, self.max_model_len, self.device.type, draft)
 
@@ -98,9 +115,11 @@ class ModelRunner:
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16) or tp is not None:
             if wanted is None:  # the default: dequantize where the kernels do not run
                 return None
-            raise ValueError(f"quantization gguf computes in one process on the CPU with float32 or bfloat16 "
-                             f"activations, not {self.device.type} {self.dtype}; use --quantization none to "
-                             f"dequantize at load")
+            raise ValueError(
+                f"quantization gguf computes in one process on the CPU with float32 or bfloat16 "
+                f"activations, not {self.device.type} {self.dtype}; use --quantization none to "
+                f"dequantize at load"
+            )
         if cpu_kernels.load() is None:
             logger.warning("no C compiler for the GGUF kernels: dequantizing the weights to %s at load", self.dtype)
             return None
@@ -120,21 +139,36 @@ class ModelRunner:
         use_graphs = cuda_graphs and self.backend.supports_cuda_graphs
         # With CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V.
         shape = (self.shape.num_layers, 2, *self.backend.kv_cache_shape(num_blocks + use_graphs))
-        self.kv_cache = host_memory.zeros(shape, self.dtype) if self.device.type == "cpu" else \
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = (
+            host_memory.zeros(shape, self.dtype)
+            if self.device.type == "cpu"
+            else torch.zeros(shape, dtype=self.dtype, device=self.device)
+        )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         if use_graphs:
-            self.graphs = CUDAGraphRunner(self.model, self.backend, self.kv_caches, self.config.max_num_seqs,
-                                          max_blocks_per_seq=-(-self.max_model_len // self.block_size),
-                                          block_size=self.block_size, dummy_block=num_blocks)
+            self.graphs = CUDAGraphRunner(
+                self.model,
+                self.backend,
+                self.kv_caches,
+                self.config.max_num_seqs,
+                max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                block_size=self.block_size,
+                dummy_block=num_blocks,
+            )
             self.graphs.capture()
         self.speculator.init_kv_cache(num_blocks, self.max_model_len)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of K and V for one block over all layers (this rank's heads)."""
-        return 2 * self.shape.num_layers * self.block_size * self.shape.num_kv_heads * self.shape.head_dim \
+        return (
+            2
+            * self.shape.num_layers
+            * self.block_size
+            * self.shape.num_kv_heads
+            * self.shape.head_dim
             * self.dtype.itemsize
+        )
 
     def available_kv_blocks(self, kv_cache_memory: int) -> int:
         """KV blocks that fit this rank's budget: `kv_cache_memory` bytes on the CPU; on CUDA what
@@ -151,19 +185,28 @@ class ModelRunner:
         activations of a forward over max_num_batched_tokens tokens (measured with a tiny cache)."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-n // self.block_size)
-        kv = torch.zeros(self.shape.num_layers, 2, *self.backend.kv_cache_shape(blocks), dtype=self.dtype, device=self.device)
+        kv = torch.zeros(
+            self.shape.num_layers, 2, *self.backend.kv_cache_shape(blocks), dtype=self.dtype, device=self.device
+        )
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
             slot_mapping=torch.arange(n, dtype=torch.int64, device=self.device),
-            num_decodes=0, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+            num_decodes=0,
+            query_start_loc_cpu=[0, n],
+            seq_lens_cpu=[n],
+        )
         torch.cuda.reset_peak_memory_stats()
         with torch.inference_mode():
             self.backend.plan(meta)
-            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
-                                torch.arange(n, device=self.device), [(l[0], l[1]) for l in kv], meta)
-            self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+            hidden = self.model(
+                torch.zeros(n, dtype=torch.long, device=self.device),
+                torch.arange(n, device=self.device),
+                [(layer[0], layer[1]) for layer in kv],
+                meta,
+            )
+            self.model.compute_logits(hidden[-self.config.max_num_seqs :])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         del kv, hidden
@@ -174,8 +217,9 @@ class ModelRunner:
         return int(total * self.config.gpu_memory_utilization) - peak - graph_reserve
 
     @torch.inference_mode()  # the sampler masks the logits (inference tensors) in place
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput | None:
         """Runs one step, the same on every rank: the requests updated from `scheduler_output`, the inputs
         built from them, the forward pass, prompt logprobs and the sampled rows' logits (collectives under
         tensor parallelism). The first rank then pools embeddings, samples (masked by `grammar_output`'s
@@ -197,8 +241,9 @@ class ModelRunner:
             out.pooler_output = self._pool(hidden, batch)
         if logits is not None:
             self._sample(logits, batch, grammar_output, out)
-            out.draft_token_ids = self.speculator.propose(batch.sampled, out.sampled_token_ids,
-                                                          len(scheduler_output.num_scheduled_tokens))
+            out.draft_token_ids = self.speculator.propose(
+                batch.sampled, out.sampled_token_ids, len(scheduler_output.num_scheduled_tokens)
+            )
         return out
 
     @torch.inference_mode()
@@ -211,8 +256,9 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
     @torch.inference_mode()
-    def compute_logits_of_rows(self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]],
-                               num_logits: list[int]) -> torch.Tensor | None:
+    def compute_logits_of_rows(
+        self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]], num_logits: list[int]
+    ) -> torch.Tensor | None:
         """A forward over rows given directly (a draft model's steps, engine/spec_decode): float32 CPU logits
         [sum(num_logits), vocab] at each row's last num_logits[i] positions, None when there are none. Rows
         are as `build_model_inputs` takes them (one-token rows first)."""
@@ -220,14 +266,18 @@ class ModelRunner:
         hidden = self.forward(inputs)
         return self.model.compute_logits(hidden[inputs.logits_indices]).cpu() if sum(num_logits) else None
 
-    def _sample(self, logits: torch.Tensor, batch: StepBatch, grammar_output: GrammarOutput | None,
-                out: ModelRunnerOutput) -> None:
+    def _sample(
+        self, logits: torch.Tensor, batch: StepBatch, grammar_output: GrammarOutput | None, out: ModelRunnerOutput
+    ) -> None:
         """Each sampling request's new tokens (one, or with drafts the accepted ones and one more: see
         RejectionSampler), masked by the step's grammars, into `out`."""
         rows = grammar_output.structured_output_request_ids if grammar_output is not None else {}
         grammar_rows = [i for i, r in enumerate(batch.sampled) if r.req_id in rows]
-        bitmask = grammar_output.grammar_bitmask[[rows[batch.sampled[i].req_id] for i in grammar_rows]] \
-            if grammar_rows else None
+        bitmask = (
+            grammar_output.grammar_bitmask[[rows[batch.sampled[i].req_id] for i in grammar_rows]]
+            if grammar_rows
+            else None
+        )
         out.sampled_token_ids, out.logprobs = self.sampler(logits.cpu(), batch.sampled, bitmask, grammar_rows)
         out.req_ids = [r.req_id for r in batch.sampled]
 

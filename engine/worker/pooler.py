@@ -1,5 +1,6 @@
 """Embeddings: the final hidden states of an embedding request's prompt pooled into one vector
 (vLLM's pooler: last-token or mean pooling, then L2 normalisation)."""
+
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ def pool(hidden: torch.Tensor, rows: list[PoolingRows], pooling_type: str) -> di
     out = {}
     for r in rows:
         if pooling_type == "MEAN":
-            out[r.request_id] = hidden[r.row:r.row + r.count].float().sum(dim=0).cpu()
+            out[r.request_id] = hidden[r.row : r.row + r.count].float().sum(dim=0).cpu()
         elif r.last:
             out[r.request_id] = hidden[r.row + r.count - 1].float().cpu()
     return out

@@ -1,14 +1,15 @@
 """Attention backends: `torch_native` everywhere (the reference), `cpu` (a C paged-attention kernel;
 the CPU default), `flashinfer` on CUDA when it is installed and the dtype is float16 or bfloat16."""
+
 import logging
 
 import torch
 
 from models.attention.base import AttentionBackend
-from models.kernels import cpu_kernels
 from models.attention.cpu import CPUBackend
 from models.attention.flashinfer import FlashInferBackend, flashinfer_available
 from models.attention.torch_native import TorchNativeBackend
+from models.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -17,8 +18,9 @@ FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def choose_backend(name: str | None, device_type: str, dtype: torch.dtype, flashinfer_ok: bool,
-                   cpu_kernels_ok: bool) -> str:
+def choose_backend(
+    name: str | None, device_type: str, dtype: torch.dtype, flashinfer_ok: bool, cpu_kernels_ok: bool
+) -> str:
     """Which backend make_backend builds: "flashinfer", "cpu" or "torch_native".
 
     name: the one asked for ("torch_native", "cpu", "flashinfer"), or None for the best that runs:
@@ -34,9 +36,11 @@ def choose_backend(name: str | None, device_type: str, dtype: torch.dtype, flash
         if device_type != "cuda":
             raise ValueError("attention_backend flashinfer needs a CUDA device")
         if dtype not in FLASHINFER_DTYPES:
-            raise ValueError(f"attention_backend flashinfer supports float16 and bfloat16, not "
-                             f"{str(dtype).removeprefix('torch.')}; use dtype bfloat16 (--dtype bfloat16) "
-                             f"or attention_backend torch_native")
+            raise ValueError(
+                f"attention_backend flashinfer supports float16 and bfloat16, not "
+                f"{str(dtype).removeprefix('torch.')}; use dtype bfloat16 (--dtype bfloat16) "
+                f"or attention_backend torch_native"
+            )
         if not flashinfer_ok:
             raise ValueError("attention_backend flashinfer needs the flashinfer-python package (pip install .[cuda])")
         return "flashinfer"
@@ -44,8 +48,10 @@ def choose_backend(name: str | None, device_type: str, dtype: torch.dtype, flash
         raise ValueError("attention_backend cpu needs the CPU device")
     if name is None and device_type == "cuda":
         if dtype not in FLASHINFER_DTYPES:
-            logger.info("FlashInfer supports float16 and bfloat16, not %s; using the torch_native attention "
-                        "backend", str(dtype).removeprefix("torch."))
+            logger.info(
+                "FlashInfer supports float16 and bfloat16, not %s; using the torch_native attention backend",
+                str(dtype).removeprefix("torch."),
+            )
         elif flashinfer_ok:
             return "flashinfer"
         else:
@@ -55,8 +61,9 @@ def choose_backend(name: str | None, device_type: str, dtype: torch.dtype, flash
     return "torch_native"
 
 
-def make_backend(name: str | None, device: torch.device, dtype: torch.dtype, shape,
-                 block_size: int) -> AttentionBackend:
+def make_backend(
+    name: str | None, device: torch.device, dtype: torch.dtype, shape, block_size: int
+) -> AttentionBackend:
     """Builds the attention backend for one rank's heads (`shape`: models.config.ModelShape), as
     choose_backend picks it. Raises ValueError as choose_backend does."""
     # Probe only what the choice can use: importing flashinfer takes seconds, and the C kernels
@@ -64,7 +71,7 @@ def make_backend(name: str | None, device: torch.device, dtype: torch.dtype, sha
     flashinfer_ok = device.type == "cuda" and name in (None, "flashinfer") and flashinfer_available()
     cpu_kernels_ok = device.type == "cpu" and name in (None, "cpu") and cpu_kernels.load() is not None
     choice = choose_backend(name, device.type, dtype, flashinfer_ok, cpu_kernels_ok)
-    args = (shape.num_heads, shape.num_kv_heads, shape.head_dim, block_size, shape.head_dim ** -0.5)
+    args = (shape.num_heads, shape.num_kv_heads, shape.head_dim, block_size, shape.head_dim**-0.5)
     if choice == "flashinfer":
         return FlashInferBackend(*args, dtype=dtype, device=device)
     return CPUBackend(*args) if choice == "cpu" else TorchNativeBackend(*args)

@@ -1,4 +1,5 @@
 """The attention-backend interface: what the model runner hands every attention layer each step."""
+
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -73,8 +74,14 @@ class AttentionBackend(ABC):
         return nullcontext()
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """Write this step's K/V into the cache at `meta.slot_mapping`, then attend.
 
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; all in the model dtype.

@@ -8,12 +8,13 @@ load, AVX512-BF16 dot products where the CPU has them, and split keys when the s
 (sequence, kv head) tasks for the threads (batch 1). The cache is "HND" per layer,
 [num_blocks, num_kv_heads, block_size, head_dim], so one head's keys of a block are contiguous.
 """
+
 import os
 
 import torch
 
-from models.kernels import cpu_kernels
 from models.attention.base import AttentionBackend, AttentionMetadata
+from models.kernels import cpu_kernels
 
 
 def kernel_isa() -> str:
@@ -50,12 +51,34 @@ class CPUBackend(AttentionBackend):
                 raise ValueError("CPU attention needs each token's heads contiguous")
         out = q.new_empty(q.shape)
         fn = self.lib.paged_attention_bf16 if q.dtype == torch.bfloat16 else self.lib.paged_attention_float
-        rc = fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                k_cache.data_ptr(), v_cache.data_ptr(), meta.slot_mapping.data_ptr(), q.shape[0],
-                meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),
-                out.data_ptr(), meta.num_seqs, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
-                meta.block_tables.shape[1], self.scale, torch.get_num_threads(), self.isa)
+        rc = fn(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            q.shape[0],
+            meta.block_tables.data_ptr(),
+            meta.seq_lens.data_ptr(),
+            meta.query_start_loc.data_ptr(),
+            out.data_ptr(),
+            meta.num_seqs,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            meta.block_tables.shape[1],
+            self.scale,
+            torch.get_num_threads(),
+            self.isa,
+        )
         if rc != 0:
-            raise ValueError(f"CPU attention kernel does not support head_dim {self.head_dim} with "
-                             f"{self.num_heads // self.num_kv_heads} query heads per kv head")
+            raise ValueError(
+                f"CPU attention kernel does not support head_dim {self.head_dim} with "
+                f"{self.num_heads // self.num_kv_heads} query heads per kv head"
+            )
         return out

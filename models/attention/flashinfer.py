@@ -8,6 +8,7 @@ planned once per step on the host (work split, scratch offsets) and then run by 
 
 `import flashinfer` happens only when a backend is built, so this module imports without it.
 """
+
 import functools
 import logging
 from collections.abc import Sequence
@@ -58,8 +59,14 @@ def graph_workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, batc
     return num_heads * padded * tile_q * (head_dim + 1) * 4
 
 
-def paged_kv_indices(block_tables: torch.Tensor, seq_lens: Sequence[int], query_start_loc: Sequence[int],
-                     block_size: int, start: int, end: int):
+def paged_kv_indices(
+    block_tables: torch.Tensor,
+    seq_lens: Sequence[int],
+    query_start_loc: Sequence[int],
+    block_size: int,
+    start: int,
+    end: int,
+):
     """FlashInfer's paged-KV arrays for the batch rows start..end-1 (a contiguous run of sequences).
 
     block_tables: int32 or int64 [B, max_blocks] (any device); seq_lens: B ints, KV tokens of each
@@ -76,7 +83,7 @@ def paged_kv_indices(block_tables: torch.Tensor, seq_lens: Sequence[int], query_
     kv_indptr = torch.zeros(end - start + 1, dtype=torch.int64)
     kv_indptr[1:] = num_pages.cumsum(0)
     last_page_len = lens - (num_pages - 1) * block_size
-    qsl = torch.tensor(query_start_loc[start:end + 1], dtype=torch.int64)
+    qsl = torch.tensor(query_start_loc[start : end + 1], dtype=torch.int64)
     # Flat positions of the wanted block-table entries, so one gather on the device picks them
     # (a boolean mask would make the device report the result size back to the host).
     rows = torch.repeat_interleave(torch.arange(start, end), num_pages)
@@ -100,8 +107,17 @@ class FlashInferBackend(AttentionBackend):
 
     supports_cuda_graphs = True
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
-                 *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        scale: float,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale)
         import flashinfer
 
@@ -110,7 +126,8 @@ class FlashInferBackend(AttentionBackend):
         # zeros: FlashInfer asks for a zeroed workspace on first use
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._eager_decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=True)
+            self._workspace, "NHD", use_tensor_cores=True
+        )
         self._decode = self._eager_decode
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._graph_decode: dict[int, object] = {}
@@ -129,18 +146,27 @@ class FlashInferBackend(AttentionBackend):
         workspace = self._workspace
         need = graph_workspace_bytes(self.num_heads, self.num_kv_heads, self.head_dim, max_bs)
         if need > WORKSPACE_BYTES:
-            logger.info("FlashInfer's graphed decodes up to batch %d need %.0f MiB of split-KV scratch, more "
-                        "than the eager %d MiB: they get a workspace of their own",
-                        max_bs, need / 2**20, WORKSPACE_BYTES >> 20)
+            logger.info(
+                "FlashInfer's graphed decodes up to batch %d need %.0f MiB of split-KV scratch, more "
+                "than the eager %d MiB: they get a workspace of their own",
+                max_bs,
+                need / 2**20,
+                WORKSPACE_BYTES >> 20,
+            )
             workspace = torch.zeros(need, dtype=torch.uint8, device=dev)
         indptr = torch.zeros(max_bs + 1, dtype=i32, device=dev)
         indices = torch.zeros(max_bs * max_blocks_per_seq, dtype=i32, device=dev)
         last_page_len = torch.zeros(max_bs, dtype=i32, device=dev)
         for bs in batch_sizes:
             self._graph_decode[bs] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-                paged_kv_indptr_buffer=indptr[:bs + 1], paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=last_page_len[:bs])
+                workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=indptr[: bs + 1],
+                paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_page_len[:bs],
+            )
 
     @contextmanager
     def cuda_graph_decode(self, batch_size: int):

@@ -1,4 +1,5 @@
 """Paged attention in plain PyTorch: the reference backend, and the CPU path."""
+
 import torch
 import torch.nn.functional as F
 
@@ -20,7 +21,7 @@ class TorchNativeBackend(AttentionBackend):
         nd = meta.num_decodes
         if nd:
             self.decode_len = max(meta.seq_lens_cpu[:nd])
-            self.decode_blocks = meta.block_tables[:nd, :-(-self.decode_len // self.block_size)]
+            self.decode_blocks = meta.block_tables[:nd, : -(-self.decode_len // self.block_size)]
             pos = torch.arange(self.decode_len, device=meta.seq_lens.device)
             self.decode_mask = (pos[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]  # [nd, 1, 1, L]
 
@@ -57,8 +58,14 @@ class TorchNativeBackend(AttentionBackend):
                 mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
             # 4-D [1, heads, len, d] views: SDPA's fused CPU kernel (with GQA) only takes 4-D inputs,
             # 3-D ones fall back to the slow math path.
-            o = F.scaled_dot_product_attention(q[None, start:end].transpose(1, 2), kc[None].transpose(1, 2),
-                                               vc[None].transpose(1, 2), attn_mask=mask, is_causal=mask is None,
-                                               scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                q[None, start:end].transpose(1, 2),
+                kc[None].transpose(1, 2),
+                vc[None].transpose(1, 2),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=True,
+            )
             out[start:end] = o[0].transpose(0, 1)
         return out

@@ -7,6 +7,7 @@ they are not the process's global default group: a process (a test session, a no
 several engines, each with its own group. Every collective has a timeout; a failed one marks the
 group dead (`error`), and every later call raises EngineDeadError at once.
 """
+
 import os
 import pickle
 import socket
@@ -55,8 +56,15 @@ class TPGroup:
     why it stopped; on rank 0 `workers` (set by the launcher) names a dead rank and stops the others.
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device, master_addr: str,
-                 timeout: timedelta = COLLECTIVE_TIMEOUT):
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        master_addr: str,
+        timeout: timedelta = COLLECTIVE_TIMEOUT,
+    ):
         self.rank, self.world_size, self.device = rank, world_size, device
         gloo = dist.ProcessGroupGloo._Options()
         gloo._devices = [gloo_device(master_addr)]

@@ -6,6 +6,7 @@ kernels and torch share one thread pool) into ~/.cache/minivllm/kernels, keyed b
 flags, and called through ctypes, which releases the GIL. Without a working compiler `load()` returns
 None and callers use their torch paths.
 """
+
 import ctypes
 import functools
 import hashlib
@@ -26,9 +27,18 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # name -> argument types; kernels that can refuse a shape return int (0 = done), the others nothing
-RETURNS_STATUS = {"paged_attention_float", "paged_attention_bf16", "attention_isa", "linear_bf16", "gguf_linear",
-                  "gguf_dequantize", "gguf_r16_isa", "gguf_repack_r16", "gguf_r16_dequantize_rows",
-                  "gguf_r16_linear"}
+RETURNS_STATUS = {
+    "paged_attention_float",
+    "paged_attention_bf16",
+    "attention_isa",
+    "linear_bf16",
+    "gguf_linear",
+    "gguf_dequantize",
+    "gguf_r16_isa",
+    "gguf_repack_r16",
+    "gguf_r16_dequantize_rows",
+    "gguf_r16_linear",
+}
 RETURNS_LONG = {"gguf_r16_bytes"}
 SIGNATURES = {
     "paged_attention_float": [_p, _i, _p, _i, _p, _i, _p, _p, _p, _i, _p, _p, _p, _p] + [_i] * 6 + [_f, _i, _i],
@@ -44,9 +54,11 @@ SIGNATURES = {
     "gguf_r16_linear": [_p, _i, _i, _p, _i, _p, _i, _i, _i, _i, _i, _i],
 }
 for _t in ("float", "bf16"):
-    SIGNATURES |= {f"add_rms_norm_{_t}": [_p, _p, _p, _p, _i, _i, _f, _i],
-                   f"rotary_{_t}": [_p, _i, _i, _i, _i, _p, _p, _i],
-                   f"silu_and_mul_{_t}": [_p, _p, _i, _i, _i]}
+    SIGNATURES |= {
+        f"add_rms_norm_{_t}": [_p, _p, _p, _p, _i, _i, _f, _i],
+        f"rotary_{_t}": [_p, _i, _i, _i, _i, _p, _p, _i],
+        f"silu_and_mul_{_t}": [_p, _p, _i, _i, _i],
+    }
 
 
 def _build(cc: str, tmp: Path) -> str | None:
@@ -54,13 +66,18 @@ def _build(cc: str, tmp: Path) -> str | None:
     take ~2.3 s each: a first start on 2 cores waits half as long), then links. Returns the compiler's
     error output, or None when built."""
     objects = [tmp / f"{src.stem}.o" for src in SOURCES]
-    procs = [subprocess.Popen([cc, *FLAGS, "-c", str(src), "-o", str(obj)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for src, obj in zip(SOURCES, objects)]
+    procs = [
+        subprocess.Popen(
+            [cc, *FLAGS, "-c", str(src), "-o", str(obj)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        for src, obj in zip(SOURCES, objects)
+    ]
     errors = [err for proc in procs if (err := proc.communicate()[1]) and proc.returncode != 0]
     if errors:
         return "\n".join(errors)
-    link = subprocess.run([cc, *FLAGS, *map(str, objects), "-o", str(tmp / "lib.so"), "-lm"], capture_output=True,
-                          text=True)
+    link = subprocess.run(
+        [cc, *FLAGS, *map(str, objects), "-o", str(tmp / "lib.so"), "-lm"], capture_output=True, text=True
+    )
     return link.stderr if link.returncode != 0 else None
 
 
@@ -71,7 +88,9 @@ def load() -> ctypes.CDLL | None:
     if shutil.which(cc) is None:
         logger.warning("no C compiler (%s); the CPU runs torch ops for attention and layers", cc)
         return None
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()).hexdigest()[
+        :16
+    ]
     lib_path = CACHE_DIR / "kernels" / f"cpu_kernels-{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)

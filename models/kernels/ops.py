@@ -6,6 +6,7 @@ rotary and SiLU-and-mul are one C pass each instead of several torch ops, and bf
 rows (decode steps up to `SMALL_M` sequences) run a weight-streaming kernel (see models/kernels/csrc/linear.c);
 a missing compiler or another device takes the torch path, which computes the same thing.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -37,8 +38,15 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
         return weight * F.rms_norm(residual, residual.shape[-1:], eps=eps).to(weight.dtype)
     out = torch.empty(residual.shape, dtype=weight.dtype)
     getattr(lib, f"add_rms_norm_{_SUFFIX[weight.dtype]}")(
-        residual.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-        residual.shape[0], residual.shape[1], eps, torch.get_num_threads())
+        residual.data_ptr(),
+        None if delta is None else delta.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        residual.shape[0],
+        residual.shape[1],
+        eps,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -54,8 +62,16 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         x1, x2 = x.chunk(2, dim=-1)
         x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
         return
-    getattr(lib, f"rotary_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.shape[2],
-                                               cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+    getattr(lib, f"rotary_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        x.stride(0),
+        x.shape[2],
+        cos.data_ptr(),
+        sin.data_ptr(),
+        torch.get_num_threads(),
+    )
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -66,8 +82,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.split(inter, dim=-1)
         return F.silu(gate) * up
     out = gate_up.new_empty(gate_up.shape[0], inter)
-    getattr(lib, f"silu_and_mul_{_SUFFIX[gate_up.dtype]}")(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0],
-                                                           inter, torch.get_num_threads())
+    getattr(lib, f"silu_and_mul_{_SUFFIX[gate_up.dtype]}")(
+        gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads()
+    )
     return out
 
 
@@ -76,11 +93,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Raises nothing new: shapes torch would reject are handed to torch.
     """
-    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= SMALL_M and x.stride(-1) == 1 \
-            and weight.is_contiguous() and (lib := _lib(x)) is not None:
+    if (
+        x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.shape[0] <= SMALL_M
+        and x.stride(-1) == 1
+        and weight.is_contiguous()
+        and (lib := _lib(x)) is not None
+    ):
         y = x.new_empty(x.shape[0], weight.shape[0])
-        if lib.linear_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                           y.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads()) == 0:
+        if (
+            lib.linear_bf16(
+                x.data_ptr(),
+                x.stride(0),
+                weight.data_ptr(),
+                None if bias is None else bias.data_ptr(),
+                y.data_ptr(),
+                x.shape[0],
+                weight.shape[0],
+                weight.shape[1],
+                torch.get_num_threads(),
+            )
+            == 0
+        ):
             return y
     return F.linear(x, weight, bias)
 
@@ -101,7 +136,6 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-
 def _gguf_lib():
     lib = cpu_kernels.load()
     if lib is None:
@@ -116,8 +150,18 @@ def gguf_dequantize(data: torch.Tensor, qtype: int, cols: int, dtype: torch.dtyp
     Raises RuntimeError without the kernels and ValueError for a type they do not know.
     """
     out = torch.empty(data.shape[0], cols, dtype=dtype)
-    if _gguf_lib().gguf_dequantize(int(qtype), data.data_ptr(), data.shape[0], cols, out.data_ptr(),
-                                   int(dtype == torch.bfloat16), torch.get_num_threads()) != 0:
+    if (
+        _gguf_lib().gguf_dequantize(
+            int(qtype),
+            data.data_ptr(),
+            data.shape[0],
+            cols,
+            out.data_ptr(),
+            int(dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )
+        != 0
+    ):
         raise ValueError(f"ggml type {qtype} with rows of {cols} weights has no kernel")
     return out
 
@@ -138,22 +182,32 @@ def gguf_repack_r16(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor |
     return out if lib.gguf_repack_r16(int(qtype), data.data_ptr(), data.shape[0], cols, out.data_ptr()) == 0 else None
 
 
-def gguf_dequantize_rows(data: torch.Tensor, qtype: int, cols: int, ids: torch.Tensor, r16: bool,
-                         dtype: torch.dtype) -> torch.Tensor:
+def gguf_dequantize_rows(
+    data: torch.Tensor, qtype: int, cols: int, ids: torch.Tensor, r16: bool, dtype: torch.dtype
+) -> torch.Tensor:
     """Rows `ids` (int64 [n]) of a GGUF weight (ggml blocks, or R16 when `r16`) dequantized: [n, cols] in
     `dtype` (float32 or bfloat16), exact as gguf_dequantize. Raises ValueError for an unknown type."""
     if not r16:
         return gguf_dequantize(data[ids], qtype, cols, dtype)
     ids = ids.contiguous()
     out = torch.empty(ids.shape[0], cols, dtype=dtype)
-    if _gguf_lib().gguf_r16_dequantize_rows(int(qtype), data.data_ptr(), cols, ids.data_ptr(), ids.shape[0],
-                                            out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads()):
+    if _gguf_lib().gguf_r16_dequantize_rows(
+        int(qtype),
+        data.data_ptr(),
+        cols,
+        ids.data_ptr(),
+        ids.shape[0],
+        out.data_ptr(),
+        int(dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    ):
         raise ValueError(f"ggml type {qtype} has no R16 layout")
     return out
 
 
-def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, rows: int, cols: int, r16: bool,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_linear(
+    x: torch.Tensor, data: torch.Tensor, qtype: int, rows: int, cols: int, r16: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [M, cols] (float32 or bfloat16) @ W^T for a GGUF weight W of `rows` rows: ggml blocks `data` uint8
     [rows, row_bytes] of type `qtype`, or R16 (gguf_repack_r16) when `r16`. Returns y [M, rows] in x's dtype,
     or writes into `out` (a [M, rows] view whose rows may be a wider tensor's, e.g. one projection's
@@ -164,8 +218,19 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: int, rows: int, cols
     """
     lib = _gguf_lib()
     y = x.new_empty(x.shape[0], rows) if out is None else out
-    args = (x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), data.data_ptr(), int(qtype), y.data_ptr(),
-            int(y.dtype == torch.bfloat16), y.stride(0), x.shape[0], rows, cols)
+    args = (
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        x.stride(0),
+        data.data_ptr(),
+        int(qtype),
+        y.data_ptr(),
+        int(y.dtype == torch.bfloat16),
+        y.stride(0),
+        x.shape[0],
+        rows,
+        cols,
+    )
     status = (lib.gguf_r16_linear if r16 else lib.gguf_linear)(*args, torch.get_num_threads())
     if status != 0:
         raise ValueError(f"ggml type {qtype} with rows of {cols} weights has no kernel")

@@ -1,4 +1,5 @@
 """RMSNorm (Zhang & Sennrich 2019) over the float32 residual stream, and per-head RMSNorm (Qwen3's q/k norms)."""
+
 import torch
 from torch import nn
 

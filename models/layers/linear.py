@@ -15,6 +15,7 @@ Built with a quantization config (models/quantization, one rank only) a layer's 
 method's instead: `quant_method` holds and computes with them, and `weight` is an empty placeholder
 that keeps the checkpoint's parameter names.
 """
+
 import math
 
 import torch
@@ -51,8 +52,14 @@ class ColumnParallelLinear(nn.Module):
     weight: [sum(output_sizes), input_size].
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, shard_index: list[int],
-                 quant_config: GGUFConfig | None = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        shard_index: list[int],
+        quant_config: GGUFConfig | None = None,
+    ):
         super().__init__()
         self.output_sizes, self.shard_index = output_sizes, shard_index
         self.quant_method = quant_config.linear_method(output_sizes, input_size) if quant_config else None
@@ -61,8 +68,14 @@ class ColumnParallelLinear(nn.Module):
             self.weight = _placeholder()
 
     @classmethod
-    def merged(cls, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup | None,
-               quant_config: GGUFConfig | None = None):
+    def merged(
+        cls,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        tp: TPGroup | None,
+        quant_config: GGUFConfig | None = None,
+    ):
         """Stacked projections of full sizes `output_sizes` (each divisible by the ranks), each split evenly."""
         rank, size = _rank_size(tp)
         return cls(input_size, [n // size for n in output_sizes], bias, [rank] * len(output_sizes), quant_config)
@@ -91,7 +104,7 @@ class ColumnParallelLinear(nn.Module):
             return self.quant_method.load(shard_id, loaded)
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
-        param.data[offset:offset + size].copy_(loaded.narrow(0, self.shard_index[shard_id] * size, size))
+        param.data[offset : offset + size].copy_(loaded.narrow(0, self.shard_index[shard_id] * size, size))
 
 
 class RowParallelLinear(nn.Module):

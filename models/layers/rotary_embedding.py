@@ -1,5 +1,6 @@
 """Rotary position embeddings (RoPE, Su et al. 2021): inverse frequencies with Llama 3's scaling, and
 the float32 cos/sin table gathered once per step."""
+
 import math
 
 import torch

@@ -2,6 +2,7 @@
 vocab_parallel_embedding.py): the table split by vocabulary rows over the tensor-parallel ranks, one
 all-reduce for lookups and a gather of the logits on rank 0. Built with a GGUF quantization config the
 table stays in its blocks (models/quantization)."""
+
 import math
 
 import torch
@@ -59,14 +60,14 @@ class VocabParallelEmbedding(nn.Module):
         logits = ops.logits(hidden, self.weight)
         if self.tp is not None and (logits := self.tp.gather(logits)) is None:
             return None
-        return logits[:, :self.vocab_size]
+        return logits[:, : self.vocab_size]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         if self.quant_method is not None:
             return self.quant_method.load(loaded)
-        rows = loaded[self.start:self.start + param.shape[0]]
-        param.data[:rows.shape[0]].copy_(rows)
-        param.data[rows.shape[0]:].zero_()
+        rows = loaded[self.start : self.start + param.shape[0]]
+        param.data[: rows.shape[0]].copy_(rows)
+        param.data[rows.shape[0] :].zero_()
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -6,6 +6,7 @@ Layers (models/layers/linear.py) built with a `GGUFConfig` hold such weights and
 kernels of models/kernels/csrc/gguf_linear.c; vLLM's GGUF support (vllm/model_executor/layers/
 quantization/gguf.py) has the same shape: a config that hands each layer its method.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +15,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from models.kernels import ops
 
 # ggml types whose blocks the C kernels (models/kernels/csrc/gguf_linear.c) compute with
-QUANTIZED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
-                   GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+QUANTIZED_TYPES = (
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
+)
 # floating-point types, converted to the model dtype at load
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 # rows of x up to which the portable kernel beats dequantize-then-GEMM on weights kept as blocks
@@ -87,8 +94,10 @@ class GGUFLinearMethod:
         """Takes projection `shard_id` whole. Raises ValueError when its shape is not the layer's."""
         rows, cols = (loaded.rows, loaded.cols) if isinstance(loaded, GGUFTensor) else tuple(loaded.shape)
         if (rows, cols) != (self.output_sizes[shard_id], self.input_size):
-            raise ValueError(f"weight of shape [{rows}, {cols}] for a projection of "
-                             f"[{self.output_sizes[shard_id]}, {self.input_size}]")
+            raise ValueError(
+                f"weight of shape [{rows}, {cols}] for a projection of "
+                f"[{self.output_sizes[shard_id]}, {self.input_size}]"
+            )
         self.shards[shard_id] = loaded
 
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
@@ -122,8 +131,9 @@ class GGUFLinearMethod:
         return sum((w.data if isinstance(w, GGUFTensor) else w).nbytes for _, w in self.segments)
 
     def formats(self) -> set[str]:
-        return {w.qtype.name if isinstance(w, GGUFTensor) else str(w.dtype).removeprefix("torch.")
-                for _, w in self.segments}
+        return {
+            w.qtype.name if isinstance(w, GGUFTensor) else str(w.dtype).removeprefix("torch.") for _, w in self.segments
+        }
 
     def apply(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if len(self.segments) == 1 and out_dtype in (None, x.dtype):
@@ -131,7 +141,7 @@ class GGUFLinearMethod:
         y = x.new_empty(x.shape[0], sum(self.output_sizes), dtype=out_dtype or x.dtype)
         for start, w in self.segments:
             rows = w.rows if isinstance(w, GGUFTensor) else w.shape[0]
-            _matmul(x, w, y[:, start:start + rows])
+            _matmul(x, w, y[:, start : start + rows])
         return y
 
 
@@ -208,8 +218,11 @@ def weight_summary(model: torch.nn.Module) -> tuple[dict[str, int], str]:
         if linear is None:
             continue
         for _, w in linear.segments:
-            key = f"{w.qtype.name}{' (R16)' if w.r16 else ''}" if isinstance(w, GGUFTensor) else \
-                str(w.dtype).removeprefix("torch.")
+            key = (
+                f"{w.qtype.name}{' (R16)' if w.r16 else ''}"
+                if isinstance(w, GGUFTensor)
+                else str(w.dtype).removeprefix("torch.")
+            )
             formats[key] = formats.get(key, 0) + (w.data if isinstance(w, GGUFTensor) else w).nbytes
             where.setdefault(key, set()).add(name.rpartition(".")[2])
     for name, p in model.named_parameters():
@@ -217,6 +230,8 @@ def weight_summary(model: torch.nn.Module) -> tuple[dict[str, int], str]:
             key = str(p.dtype).removeprefix("torch.")
             formats[key] = formats.get(key, 0) + p.nbytes
             where.setdefault(key, set()).add(name.rpartition(".")[0].rpartition(".")[2])
-    line = "; ".join(f"{k}: {v / 1e6:.1f} MB ({', '.join(sorted(where[k]))})" for k, v in
-                     sorted(formats.items(), key=lambda kv: -kv[1]))
+    line = "; ".join(
+        f"{k}: {v / 1e6:.1f} MB ({', '.join(sorted(where[k]))})"
+        for k, v in sorted(formats.items(), key=lambda kv: -kv[1])
+    )
     return formats, line

@@ -9,6 +9,7 @@ With no --tokenizer, uses the default model's directory (models.loader.resolve_m
 Fields, as in workload.jsonl: id, prompt (templated text), prompt_token_ids, num_prompt_tokens,
 max_tokens, plus task ("repeat" or "edit") and source (the module or function quoted).
 """
+
 import argparse
 import importlib
 import inspect
@@ -19,18 +20,84 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 # Standard-library modules with long docstrings, and modules of pure-Python functions to edit.
-DOC_MODULES = ["argparse", "ast", "cmd", "codeop", "collections", "configparser", "copy", "csv", "dbm", "difflib",
-               "doctest", "fileinput", "ftplib", "getopt", "hashlib", "heapq", "inspect", "io", "json", "mimetypes",
-               "optparse", "os", "pdb", "plistlib", "pyclbr", "pydoc", "random", "re", "rlcompleter", "sched",
-               "shelve", "site", "smtplib", "socket", "socketserver", "sqlite3", "ssl", "statistics", "string",
-               "struct", "subprocess", "tempfile", "timeit", "tokenize", "trace", "typing", "unittest", "uuid",
-               "wave", "wsgiref"]
-CODE_MODULES = ["textwrap", "heapq", "shlex", "difflib", "fnmatch", "posixpath", "glob", "calendar", "colorsys",
-                "statistics", "string", "html", "base64", "quopri", "uu", "bisect", "keyword", "filecmp"]
+DOC_MODULES = [
+    "argparse",
+    "ast",
+    "cmd",
+    "codeop",
+    "collections",
+    "configparser",
+    "copy",
+    "csv",
+    "dbm",
+    "difflib",
+    "doctest",
+    "fileinput",
+    "ftplib",
+    "getopt",
+    "hashlib",
+    "heapq",
+    "inspect",
+    "io",
+    "json",
+    "mimetypes",
+    "optparse",
+    "os",
+    "pdb",
+    "plistlib",
+    "pyclbr",
+    "pydoc",
+    "random",
+    "re",
+    "rlcompleter",
+    "sched",
+    "shelve",
+    "site",
+    "smtplib",
+    "socket",
+    "socketserver",
+    "sqlite3",
+    "ssl",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tempfile",
+    "timeit",
+    "tokenize",
+    "trace",
+    "typing",
+    "unittest",
+    "uuid",
+    "wave",
+    "wsgiref",
+]
+CODE_MODULES = [
+    "textwrap",
+    "heapq",
+    "shlex",
+    "difflib",
+    "fnmatch",
+    "posixpath",
+    "glob",
+    "calendar",
+    "colorsys",
+    "statistics",
+    "string",
+    "html",
+    "base64",
+    "quopri",
+    "uu",
+    "bisect",
+    "keyword",
+    "filecmp",
+]
 REPEAT = "Repeat the following passage exactly, word for word.\n\n{text}"
-EDITS = ["Rewrite this Python function with type hints added. Keep everything else exactly the same.",
-         "Copy this Python function, renaming it to `{name}_v2`. Change nothing else.",
-         "Add a one-line comment above the first line of this Python function and repeat the rest unchanged."]
+EDITS = [
+    "Rewrite this Python function with type hints added. Keep everything else exactly the same.",
+    "Copy this Python function, renaming it to `{name}_v2`. Change nothing else.",
+    "Add a one-line comment above the first line of this Python function and repeat the rest unchanged.",
+]
 MAX_DOC_CHARS = 1500
 
 
@@ -46,7 +113,7 @@ def passages(count: int) -> list[tuple[str, str]]:
             continue
         cut = doc[:MAX_DOC_CHARS]
         if len(doc) > MAX_DOC_CHARS:
-            cut = cut[:cut.rfind("\n\n")] if "\n\n" in cut[400:] else cut
+            cut = cut[: cut.rfind("\n\n")] if "\n\n" in cut[400:] else cut
         out.append((name, cut.strip()))
         if len(out) == count:
             return out
@@ -84,6 +151,7 @@ def main():
     args = ap.parse_args()
     sys.path.insert(0, str(HERE.parents[1]))  # the repository root
     from transformers import AutoTokenizer
+
     from models.loader import resolve_model
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model(None))
@@ -93,11 +161,24 @@ def main():
         tasks.append(("edit", qualname, EDITS[i % len(EDITS)].format(name=name) + f"\n\n```python\n{source}```"))
     with open(args.output, "w") as f:
         for i, (task, source, content) in enumerate(tasks):
-            prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
+            prompt = tok.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            )
             ids = tok.encode(prompt, add_special_tokens=False)
-            f.write(json.dumps({"id": i, "task": task, "source": source, "prompt": prompt, "prompt_token_ids": ids,
-                                "num_prompt_tokens": len(ids), "max_tokens": args.max_tokens}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": i,
+                        "task": task,
+                        "source": source,
+                        "prompt": prompt,
+                        "prompt_token_ids": ids,
+                        "num_prompt_tokens": len(ids),
+                        "max_tokens": args.max_tokens,
+                    }
+                )
+                + "\n"
+            )
     print(f"wrote {len(tasks)} requests to {args.output}")
 
 

@@ -7,14 +7,16 @@ requests, each document (the first 16 excerpts of workload.jsonl) a system promp
 questions, interleaved (question 1 of every document, then question 2, ...) so the requests of one
 document are spread over a run, as sessions are; each round starts one document later, so a fixed
 rotation over an even number of replicas does not keep a document's questions together by accident
-(with 16 documents per round, request 16q + d would always land on replica d mod 2). Where a router sends them decides how much a
-replica's prefix cache saves (one engine ~3/4 of the prompt tokens, round_robin over two replicas ~1/2);
-the one-prefix workload cannot show that, as every replica caches its single system prompt at once.
+(with 16 documents per round, request 16q + d would always land on replica d mod 2). Where a router
+sends them decides how much a replica's prefix cache saves (one engine ~3/4 of the prompt tokens,
+round_robin over two replicas ~1/2); the one-prefix workload cannot show that, as every replica caches
+its single system prompt at once.
 
 Usage: python scripts/data/make_prefix_workload.py [--documents] [--tokenizer HF_DIR] [--max-tokens N]
 With no --tokenizer, uses the default model's directory (models.loader.resolve_model).
 Fields, as in workload.jsonl: id, prompt (templated text), prompt_token_ids, num_prompt_tokens, max_tokens.
 """
+
 import argparse
 import json
 import sys
@@ -117,8 +119,12 @@ QUESTIONS = [
 ]
 
 
-DOCUMENT_QUESTIONS = ["Summarize this text in one sentence.", "Who is protected by this text?",
-                      "What does this text allow?", "What does this text forbid?"]
+DOCUMENT_QUESTIONS = [
+    "Summarize this text in one sentence.",
+    "Who is protected by this text?",
+    "What does this text allow?",
+    "What does this text forbid?",
+]
 NUM_DOCUMENTS = 16
 
 
@@ -133,9 +139,19 @@ def write_documents(tok, out: str, max_tokens: int) -> None:
                 messages = [{"role": "system", "content": document}, {"role": "user", "content": question}]
                 prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
                 ids = tok(prompt, add_special_tokens=False)["input_ids"]
-                f.write(json.dumps({"id": q * NUM_DOCUMENTS + i, "document": d, "prompt": prompt,
-                                    "prompt_token_ids": ids, "num_prompt_tokens": len(ids),
-                                    "max_tokens": max_tokens}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "id": q * NUM_DOCUMENTS + i,
+                            "document": d,
+                            "prompt": prompt,
+                            "prompt_token_ids": ids,
+                            "num_prompt_tokens": len(ids),
+                            "max_tokens": max_tokens,
+                        }
+                    )
+                    + "\n"
+                )
     print(f"wrote {NUM_DOCUMENTS * len(DOCUMENT_QUESTIONS)} requests to {out}")
 
 
@@ -149,6 +165,7 @@ def main():
     if a.tokenizer is None:
         sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `engine`
         from models.loader import resolve_model
+
         a.tokenizer = resolve_model(None)
     from transformers import AutoTokenizer
 
@@ -160,12 +177,23 @@ def main():
     shared = tok.apply_chat_template([system], tokenize=False)
     with open(a.out, "w") as f:
         for i, q in enumerate(QUESTIONS):
-            prompt = tok.apply_chat_template([system, {"role": "user", "content": q}],
-                                             add_generation_prompt=True, tokenize=False)
+            prompt = tok.apply_chat_template(
+                [system, {"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+            )
             assert prompt.startswith(shared)
             ids = tok(prompt, add_special_tokens=False)["input_ids"]
-            f.write(json.dumps({"id": i, "prompt": prompt, "prompt_token_ids": ids,
-                                "num_prompt_tokens": len(ids), "max_tokens": a.max_tokens}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": i,
+                        "prompt": prompt,
+                        "prompt_token_ids": ids,
+                        "num_prompt_tokens": len(ids),
+                        "max_tokens": a.max_tokens,
+                    }
+                )
+                + "\n"
+            )
     n_shared = len(tok(shared, add_special_tokens=False)["input_ids"])
     print(f"wrote {len(QUESTIONS)} requests to {a.out}; shared prefix {n_shared} tokens")
 

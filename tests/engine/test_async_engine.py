@@ -1,4 +1,5 @@
 """AsyncEngine: streaming through per-request queues, aborts, and surviving a failed step."""
+
 import asyncio
 
 import pytest

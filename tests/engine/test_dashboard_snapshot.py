@@ -1,13 +1,14 @@
 """Engine snapshots for the dashboard (engine/snapshot.py): request states and counts, the per-block
 map against the block pool itself, shared blocks (n > 1, prefix hits), the step log, the slot's rate
 limit; and the llama.cpp-style `timings` of RequestOutput.metrics offline."""
+
 import base64
 import time
 
 import numpy as np
 import pytest
-
 from conftest import make_llm
+
 from engine import SamplingParams
 from engine.snapshot import CACHED, FINISHED_SHOWN_S, FREE, SHARED, USED, SnapshotSlot, Snapshotter
 
@@ -31,8 +32,13 @@ def decode_map(kv: dict) -> tuple[np.ndarray, np.ndarray]:
 def assert_map_matches_pool(snap: dict, engine) -> np.ndarray:
     """The snapshot's block states are the pool's truth, block by block; returns the positions."""
     pool = engine.engine_core.kv.pool
-    truth = np.array([SHARED if b.ref_cnt > 1 else USED if b.ref_cnt == 1 else
-                      CACHED if b.block_hash is not None else FREE for b in pool.blocks], np.uint8)
+    truth = np.array(
+        [
+            SHARED if b.ref_cnt > 1 else USED if b.ref_cnt == 1 else CACHED if b.block_hash is not None else FREE
+            for b in pool.blocks
+        ],
+        np.uint8,
+    )
     state, pos = decode_map(snap["kv"])
     np.testing.assert_array_equal(state, truth)
     kv = snap["kv"]
@@ -55,7 +61,11 @@ def test_request_states_counts_and_chunks(llm):
     snapper = Snapshotter(engine)
     try:
         snap = snapper.take()
-        assert [(r["id"], r["state"]) for r in snap["requests"]] == [("a", "waiting"), ("b", "waiting"), ("c", "waiting")]
+        assert [(r["id"], r["state"]) for r in snap["requests"]] == [
+            ("a", "waiting"),
+            ("b", "waiting"),
+            ("c", "waiting"),
+        ]
         assert snap["kv"]["used"] == 0
 
         engine.step()
@@ -87,7 +97,9 @@ def test_request_states_counts_and_chunks(llm):
         assert snap["requests"] == [] and snap["kv"]["used"] == snap["kv"]["shared"] == 0
         assert [req.request_id for _, req in engine.engine_core.step_log.finished][-3:] == ["a", "b", "c"]
         # finished requests are listed for FINISHED_SHOWN_S seconds
-        recent = {req.request_id for t, req in engine.engine_core.step_log.finished if snap["time"] - t < FINISHED_SHOWN_S}
+        recent = {
+            req.request_id for t, req in engine.engine_core.step_log.finished if snap["time"] - t < FINISHED_SHOWN_S
+        }
         assert {r["id"] for r in snap["finished"]} == recent and "c" in recent
         assert all(r["state"] == "finished" and r["reason"] == "length" and r["output"] == 8 for r in snap["finished"])
         assert snap["finished"][-1]["tokens_per_s"] > 0
@@ -158,8 +170,9 @@ def test_preemptions_in_step_log_and_timings():
 def test_timings_count_prefix_hits_and_samples(llm):
     llm.reset_prefix_cache()
     prompt = list(range(3000, 3050))
-    first, second = (llm.generate([prompt], SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)[0]
-                     for _ in range(2))
+    first, second = (
+        llm.generate([prompt], SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)[0] for _ in range(2)
+    )
     assert first.metrics.timings()["cached_n"] == 0 and first.metrics.timings()["prompt_n"] == 50
     assert second.metrics.timings()["cached_n"] == 48 and second.metrics.timings()["prompt_n"] == 2
     assert second.num_cached_tokens == 48

@@ -1,13 +1,17 @@
 """Embeddings from the generation engine (LLM.embed): the pooled final hidden state equals
 transformers' last hidden state, with chunked prefill, prefix-cache hits and mean pooling."""
+
 import pytest
 import torch
 
 from engine import SamplingParams
 from tests.conftest import make_llm
 
-TEXTS = ["The capital of France is Paris.", "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + "
-         "fibonacci(n - 2)\n" * 3, "Hello"]
+TEXTS = [
+    "The capital of France is Paris.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 3,
+    "Hello",
+]
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +21,10 @@ def hf_hidden(llm, hf_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
-        return [model(torch.tensor([llm.tokenizer.encode(t)]), output_hidden_states=True).hidden_states[-1][0]
-                for t in TEXTS]
+        return [
+            model(torch.tensor([llm.tokenizer.encode(t)]), output_hidden_states=True).hidden_states[-1][0]
+            for t in TEXTS
+        ]
 
 
 def cosine(a, b) -> float:

@@ -1,11 +1,12 @@
 """The default GGUF model served as the file holds it: quantized weights kept (no float copy), the
 formats chosen per activation dtype, and `quantization` honoured or refused."""
+
 import pytest
 import torch
 
 from engine import LLM
-from models.kernels import cpu_kernels
 from models.gguf import read_header
+from models.kernels import cpu_kernels
 from models.loader import default_model_path
 from tests.conftest import make_llm
 
@@ -24,8 +25,10 @@ def test_float32_keeps_the_blocks(llm):
     assert sum(formats.values()) <= 1.1 * file_tensor_bytes()
 
 
-@pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.load().gguf_r16_isa()),
-                    reason="the CPU has no AVX512-VNNI + BF16 for the R16 kernels")
+@pytest.mark.skipif(
+    not (cpu_kernels.load() and cpu_kernels.load().gguf_r16_isa()),
+    reason="the CPU has no AVX512-VNNI + BF16 for the R16 kernels",
+)
 def test_bfloat16_repacks_for_vnni_without_growing():
     """Bfloat16 activations: the blocks repacked for the VNNI kernel, same bytes; the norms keep the file's
     float32 (a quantized model's linears take float32 activations, models/llama.py)."""

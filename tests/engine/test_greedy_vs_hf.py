@@ -1,5 +1,6 @@
 """Greedy output equals Hugging Face transformers, alone, batched with chunked prefill, with a shared
 prefix, and under preemption."""
+
 import pytest
 import torch
 
@@ -19,7 +20,10 @@ def test_each_prompt_alone_matches_hf(llm, prompts, hf_reference):
 def test_batched_with_chunked_prefill_matches_hf(prompts, hf_reference, backend):
     # 64 tokens per step: the 400-token prompt takes 7 steps, so steps mix prefill chunks and decodes
     llm = make_llm(max_num_batched_tokens=64, enable_prefix_caching=False, attention_backend=backend)
-    assert type(llm.engine.engine_core.executor.runner.backend).__name__ == {"cpu": "CPUBackend", "torch_native": "TorchNativeBackend"}[backend]
+    assert (
+        type(llm.engine.engine_core.executor.runner.backend).__name__
+        == {"cpu": "CPUBackend", "torch_native": "TorchNativeBackend"}[backend]
+    )
     steps = []
     original = llm.engine.engine_core.executor.execute_model
 

@@ -1,6 +1,7 @@
 """engine.kv_transfer: `--kv-transfer-config` parsing, NIXL reads of KV blocks between two caches, and
 a prefill engine and a decode engine in this process (their agents talk over UCX as two servers' would),
 with the leak check of conftest after each test."""
+
 import subprocess
 import sys
 import textwrap
@@ -18,18 +19,28 @@ pytestmark = pytest.mark.slow  # two engines and their NIXL agents per test
 
 
 def test_config_parsing():
-    c = KVTransferConfig.from_json('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_port": 0, '
-                                   '"kv_connector_extra_config": {"abort_request_timeout": 3}}')
+    c = KVTransferConfig.from_json(
+        '{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_port": 0, '
+        '"kv_connector_extra_config": {"abort_request_timeout": 3}}'
+    )
     assert c.is_producer and c.is_consumer and c.abort_request_timeout == 3 and c.handshake_timeout == 10
     assert len(c.engine_id) == 32 and c.engine_id != KVTransferConfig("NixlConnector", "kv_consumer").engine_id
-    for text, message in [('{"kv_role": "kv_producer"}', "needs kv_connector"),
-                          ('{"kv_connector": "NixlConnector", "kv_role": "prefill"}', "kv_role must be"),
-                          ('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}', "kv_connector must be"),
-                          ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_size": 1}',
-                           "unknown --kv-transfer-config key(s): kv_buffer_size"),
-                          ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
-                           '"kv_connector_extra_config": {"abort_request_timeout": 0}}', "positive number"),
-                          ("[1]", "JSON object"), ("{", "not valid JSON")]:
+    for text, message in [
+        ('{"kv_role": "kv_producer"}', "needs kv_connector"),
+        ('{"kv_connector": "NixlConnector", "kv_role": "prefill"}', "kv_role must be"),
+        ('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}', "kv_connector must be"),
+        (
+            '{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_size": 1}',
+            "unknown --kv-transfer-config key(s): kv_buffer_size",
+        ),
+        (
+            '{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
+            '"kv_connector_extra_config": {"abort_request_timeout": 0}}',
+            "positive number",
+        ),
+        ("[1]", "JSON object"),
+        ("{", "not valid JSON"),
+    ]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             KVTransferConfig.from_json(text)
 
@@ -106,13 +117,17 @@ def test_layout_mismatch_is_refused():
 # Two engines in this process: a producer (prefill) and a consumer (decode)
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def pair():
     pytest.importorskip("nixl", reason="needs the [kv] extra")
     from conftest import make_llm
 
-    producer = make_llm(kv_transfer_config=KVTransferConfig(
-        "NixlConnector", "kv_producer", kv_connector_extra_config={"abort_request_timeout": 2}))
+    producer = make_llm(
+        kv_transfer_config=KVTransferConfig(
+            "NixlConnector", "kv_producer", kv_connector_extra_config={"abort_request_timeout": 2}
+        )
+    )
     consumer = make_llm(kv_transfer_config=KVTransferConfig("NixlConnector", "kv_consumer"))
     yield producer, consumer
     for llm in (producer, consumer):
@@ -137,8 +152,12 @@ def _step_until(engine, done, timeout: float = 10) -> None:
 def test_decode_engine_pulls_the_prompt_instead_of_computing_it(pair):
     producer, consumer = pair
     tok = consumer.tokenizer
-    prompts = [tok.encode("The capital of France is"), tok.encode("Hi"), tok.encode("1, 2, 3, 4, 5, 6, 7, 8,"),
-               tok.encode("Once upon a time, " * 12)]  # 1 token, part of a block, two blocks, many blocks
+    prompts = [
+        tok.encode("The capital of France is"),
+        tok.encode("Hi"),
+        tok.encode("1, 2, 3, 4, 5, 6, 7, 8,"),
+        tok.encode("Once upon a time, " * 12),
+    ]  # 1 token, part of a block, two blocks, many blocks
     greedy = SamplingParams(temperature=0, max_tokens=12)
     reference = consumer.generate(prompts, greedy, use_tqdm=False)
     consumer.reset_prefix_cache()
@@ -147,16 +166,20 @@ def test_decode_engine_pulls_the_prompt_instead_of_computing_it(pair):
     pool = producer.engine.engine_core.kv.pool
     assert [len(p["remote_block_ids"]) for p in params] == [-(-len(p) // 16) for p in prompts]
     assert pool.num_free_blocks < len(pool.blocks)  # pinned until pulled
-    outs = consumer.generate(prompts, [SamplingParams(temperature=0, max_tokens=12, extra_args={
-        "kv_transfer_params": p}) for p in params], use_tqdm=False)
+    outs = consumer.generate(
+        prompts,
+        [SamplingParams(temperature=0, max_tokens=12, extra_args={"kv_transfer_params": p}) for p in params],
+        use_tqdm=False,
+    )
     for out, ref, prompt in zip(outs, reference, prompts):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert out.num_cached_tokens == len(prompt) - 1
     after = consumer.engine.stats()
     computed = after.prompt_tokens_by_source["local_compute"] - before.prompt_tokens_by_source["local_compute"]
     assert computed == after.prompt_tokens_recomputed - before.prompt_tokens_recomputed == len(prompts)
-    assert (after.prompt_tokens_by_source["external_kv_transfer"] - before.prompt_tokens_by_source["external_kv_transfer"]
-            == sum(map(len, prompts)))
+    assert after.prompt_tokens_by_source["external_kv_transfer"] - before.prompt_tokens_by_source[
+        "external_kv_transfer"
+    ] == sum(map(len, prompts))
     _step_until(producer.engine, lambda: pool.num_free_blocks == len(pool.blocks))  # freed once pulled
 
 

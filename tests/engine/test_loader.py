@@ -1,4 +1,5 @@
 """Finding models: the default GGUF (read directly, no conversion), directories, the local hub cache."""
+
 import os
 from pathlib import Path
 

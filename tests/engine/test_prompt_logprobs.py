@@ -1,10 +1,11 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs) against Hugging Face transformers in float32: cold and
 prefix-cached prompts, chunked prefill, n > 1, preemption, prompt-only requests (max_tokens 0), and the
 bound on the logits held at once."""
+
 import pytest
 import torch
-
 from conftest import make_llm
+
 from engine import SamplingParams
 from engine.sample import prompt_logprobs as pl
 
@@ -26,8 +27,10 @@ def reference(small_chunks, hf_model_dir):
     tok = small_chunks.tokenizer
     prompts = {"short": tok.encode("Hello world"), "long": tok.encode(TEXT * 3)}
     with torch.inference_mode():
-        return {name: (ids, torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1))
-                for name, ids in prompts.items()}
+        return {
+            name: (ids, torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1))
+            for name, ids in prompts.items()
+        }
 
 
 def assert_matches(entries, ids, ref, k):
@@ -41,7 +44,9 @@ def assert_matches(entries, ids, ref, k):
         assert abs(entry.rank - (int((row > row[ids[pos + 1]]).sum()) + 1)) <= 1  # +-1 for near-ties
         assert len(entry.top_logprobs) == k
         for (token, logprob), expected in zip(entry.top_logprobs, row.topk(k).values.tolist()):
-            assert logprob == pytest.approx(expected, abs=2e-4) and row[token].item() == pytest.approx(logprob, abs=2e-4)
+            assert logprob == pytest.approx(expected, abs=2e-4) and row[token].item() == pytest.approx(
+                logprob, abs=2e-4
+            )
 
 
 @pytest.mark.slow
@@ -63,12 +68,16 @@ def test_batched_with_others_n_and_prompt_only(small_chunks, reference):
     (short, short_ref), (long, long_ref) = reference["short"], reference["long"]
     llm = small_chunks
     llm.reset_prefix_cache()
-    outs = llm.generate([long, short, long, short], [
-        SamplingParams(max_tokens=0, prompt_logprobs=0),
-        SamplingParams(max_tokens=8, temperature=0.8, seed=1, n=3, prompt_logprobs=2),
-        SamplingParams(max_tokens=5),
-        SamplingParams(max_tokens=0, prompt_logprobs=1, n=2),
-    ], use_tqdm=False)
+    outs = llm.generate(
+        [long, short, long, short],
+        [
+            SamplingParams(max_tokens=0, prompt_logprobs=0),
+            SamplingParams(max_tokens=8, temperature=0.8, seed=1, n=3, prompt_logprobs=2),
+            SamplingParams(max_tokens=5),
+            SamplingParams(max_tokens=0, prompt_logprobs=1, n=2),
+        ],
+        use_tqdm=False,
+    )
     assert_matches(outs[0].prompt_logprobs, long, long_ref, 0)
     assert [(c.token_ids, c.finish_reason) for c in outs[0].outputs] == [([], "length")]
     assert_matches(outs[1].prompt_logprobs, short, short_ref, 2)

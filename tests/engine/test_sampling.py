@@ -1,4 +1,5 @@
 """Sampling parameters on the real model: seeds, stops, logprobs, penalties, n > 1, validation."""
+
 import pytest
 
 from engine import SamplingParams
@@ -13,8 +14,12 @@ def texts(outs):
 def test_seeded_sampling_is_reproducible_across_batches(llm):
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate(["Once upon a time"], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    others = [SamplingParams(temperature=1.0, max_tokens=8), SamplingParams(temperature=0, max_tokens=20),
-              seeded, SamplingParams(temperature=0.7, top_k=5, max_tokens=12)]
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=8),
+        SamplingParams(temperature=0, max_tokens=20),
+        seeded,
+        SamplingParams(temperature=0.7, top_k=5, max_tokens=12),
+    ]
     batch = llm.generate(["Hello there", "The weather", "Once upon a time", "In 1999"], others, use_tqdm=False)
     assert batch[2].outputs[0].token_ids == alone
     other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=4321, max_tokens=16, ignore_eos=True)
@@ -27,15 +32,19 @@ def test_stop_string_spanning_tokens(llm):
     out = llm.generate([COUNT], SamplingParams(temperature=0, max_tokens=20, stop=["7, 8"]), use_tqdm=False)[0]
     c = out.outputs[0]
     assert (c.text, c.finish_reason, c.stop_reason) == (" 6, ", "stop", "7, 8")
-    out = llm.generate([COUNT], SamplingParams(temperature=0, max_tokens=20, stop=["7, 8"],
-                                               include_stop_str_in_output=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [COUNT],
+        SamplingParams(temperature=0, max_tokens=20, stop=["7, 8"], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0]
     assert out.outputs[0].text == " 6, 7, 8"
 
 
 def test_stop_token_ids_and_length(llm):
     comma = llm.tokenizer.convert_tokens_to_ids(",")
-    out = llm.generate([COUNT], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[comma]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate([COUNT], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[comma]), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert (out.text, out.finish_reason, out.stop_reason) == (" 6", "stop", comma)
     assert out.token_ids[-1] == comma
     out = llm.generate([COUNT], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0]
@@ -68,9 +77,14 @@ def test_logit_bias_and_penalties(llm):
     x = llm.tokenizer.convert_tokens_to_ids("x")
     out = llm.generate([COUNT], SamplingParams(temperature=0, max_tokens=4, logit_bias={x: 100}), use_tqdm=False)
     assert out[0].outputs[0].token_ids == [x] * 4
-    plain, rep = llm.generate([COUNT, COUNT], [SamplingParams(temperature=0, max_tokens=16),
-                                               SamplingParams(temperature=0, max_tokens=16, repetition_penalty=2.0)],
-                              use_tqdm=False)
+    plain, rep = llm.generate(
+        [COUNT, COUNT],
+        [
+            SamplingParams(temperature=0, max_tokens=16),
+            SamplingParams(temperature=0, max_tokens=16, repetition_penalty=2.0),
+        ],
+        use_tqdm=False,
+    )
     assert plain.outputs[0].token_ids != rep.outputs[0].token_ids
     freq = llm.generate([COUNT], SamplingParams(temperature=0, max_tokens=16, frequency_penalty=2.0), use_tqdm=False)[0]
     c = freq.outputs[0].token_ids
@@ -93,14 +107,26 @@ def test_n_samples_share_prompt_blocks(llm):
     assert len({tuple(c.token_ids) for c in res.outputs}) > 1
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"), ({"max_tokens": -1}, "max_tokens"),  # 0 = prompt only
-    ({"logprobs": 21}, "logprobs"), ({"presence_penalty": 3}, "presence_penalty"),
-    ({"frequency_penalty": -3}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"stop": [""]}, "stop"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"logit_bias": {1: 500}}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"n": 0}, "n"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"max_tokens": -1}, "max_tokens"),  # 0 = prompt only
+        ({"logprobs": 21}, "logprobs"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logit_bias": {1: 500}}, "logit_bias"),
+    ],
+)
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -112,4 +138,4 @@ def test_bad_prompts_are_rejected_clearly(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[1] * llm.engine.max_model_len], use_tqdm=False)
     with pytest.raises(ValueError, match="token ids"):
-        llm.generate([[10 ** 9]], use_tqdm=False)
+        llm.generate([[10**9]], use_tqdm=False)

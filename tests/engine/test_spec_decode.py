@@ -2,6 +2,7 @@
 (alone, batched with chunked prefill, with prefix hits, under preemption), stops applied token by
 token, seeded sampling reproducible, a draft model that is the target itself accepting every
 token, and vLLM's counters on /metrics."""
+
 import json
 import os
 import shutil
@@ -36,8 +37,10 @@ def copy_prompts():
 def copy_reference(llm, copy_prompts):
     """Greedy tokens without speculation, with the top-two logit gap at each step (from logprobs)."""
     outs = llm.generate(copy_prompts, SamplingParams(temperature=0, max_tokens=32, logprobs=2), use_tqdm=False)
-    return [(o.outputs[0].token_ids, [lp.top_logprobs[0][1] - lp.top_logprobs[1][1] for lp in o.outputs[0].logprobs])
-            for o in outs]
+    return [
+        (o.outputs[0].token_ids, [lp.top_logprobs[0][1] - lp.top_logprobs[1][1] for lp in o.outputs[0].logprobs])
+        for o in outs
+    ]
 
 
 def stats_delta(llm, before):
@@ -69,9 +72,11 @@ def test_structured_request_beside_drafted_ones(spec_llm, copy_prompts, copy_ref
     applies, and the drafted requests keep their greedy tokens."""
     pytest.importorskip("xgrammar")
     from engine import StructuredOutputsParams
+
     choices = ["apple pie", "banana split", "cherry tart"]
-    constrained = SamplingParams(temperature=0, max_tokens=16,
-                                 structured_outputs=StructuredOutputsParams(choice=choices))
+    constrained = SamplingParams(
+        temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
     before = spec_llm.engine.stats().spec_decoding
     outs = spec_llm.generate(copy_prompts[:2] + [copy_prompts[2]], [GREEDY, GREEDY, constrained], use_tqdm=False)
     assert outs[2].outputs[0].text in choices
@@ -97,16 +102,18 @@ def test_batched_with_chunked_prefill_and_prefix_hits(prompts, hf_reference, cop
     outs = llm.generate(prompts + copy_prompts + copy_prompts, GREEDY, use_tqdm=False)
     for out, ref in zip(outs, hf_reference + copy_reference + copy_reference):
         assert_greedy_matches(out.outputs[0].token_ids, ref)
-    assert any(o.num_cached_tokens > 0 for o in outs[-len(copy_prompts):])
+    assert any(o.num_cached_tokens > 0 for o in outs[-len(copy_prompts) :])
     assert all(sum(n for n, _ in s) <= 64 for s in steps)
-    assert any(any(d for _, d in s) and any(n > 1 and not d for n, d in s) for s in steps), \
+    assert any(any(d for _, d in s) and any(n > 1 and not d for n, d in s) for s in steps), (
         "no step verified drafts next to a prefill chunk"
+    )
     # a follow-up prompt made of a request's prompt and output hits the blocks its verified drafts
     # filled, and continues exactly as the first request did
     first = outs[len(prompts)]
     tokens = first.outputs[0].token_ids
-    follow = llm.generate([first.prompt_token_ids + tokens[:16]], SamplingParams(temperature=0, max_tokens=16),
-                          use_tqdm=False)[0]
+    follow = llm.generate(
+        [first.prompt_token_ids + tokens[:16]], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False
+    )[0]
     assert follow.num_cached_tokens == (len(first.prompt_token_ids) + 16 - 1) // 16 * 16
     assert_greedy_matches(follow.outputs[0].token_ids, (copy_reference[0][0][16:], copy_reference[0][1][16:]))
 
@@ -122,19 +129,27 @@ def test_preemption_keeps_greedy_output(prompts, hf_reference):
         assert_greedy_matches(out.outputs[0].token_ids, ref, ignore_eos=True)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_tokens=40, stop=["the"]),
-    SamplingParams(temperature=0, max_tokens=40, stop=["the"], include_stop_str_in_output=True),
-    SamplingParams(temperature=0, max_tokens=7),
-    SamplingParams(temperature=0, max_tokens=40, min_tokens=30, logprobs=1),
-], ids=["stop", "stop-included", "max_tokens", "min_tokens-logprobs"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=40, stop=["the"]),
+        SamplingParams(temperature=0, max_tokens=40, stop=["the"], include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=7),
+        SamplingParams(temperature=0, max_tokens=40, min_tokens=30, logprobs=1),
+    ],
+    ids=["stop", "stop-included", "max_tokens", "min_tokens-logprobs"],
+)
 @pytest.mark.slow
 def test_stops_apply_token_by_token(spec_llm, llm, copy_prompts, params):
     ids = copy_prompts[0]
     ours = spec_llm.generate([ids], params, use_tqdm=False)[0].outputs[0]
     ref = llm.generate([ids], params, use_tqdm=False)[0].outputs[0]
-    assert (ours.text, ours.token_ids, ours.finish_reason, ours.stop_reason) == \
-           (ref.text, ref.token_ids, ref.finish_reason, ref.stop_reason)
+    assert (ours.text, ours.token_ids, ours.finish_reason, ours.stop_reason) == (
+        ref.text,
+        ref.token_ids,
+        ref.finish_reason,
+        ref.stop_reason,
+    )
     if params.logprobs is not None:
         assert [lp.token_id for lp in ours.logprobs] == ours.token_ids
         assert [lp.logprob for lp in ours.logprobs] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-3)
@@ -145,7 +160,7 @@ def test_stop_token_ids(spec_llm, llm, copy_prompts):
     free = llm.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop = SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[free[10]])
     ours = spec_llm.generate([ids], stop, use_tqdm=False)[0].outputs[0]
-    assert ours.token_ids == free[:free.index(free[10]) + 1] and ours.stop_reason == free[10]
+    assert ours.token_ids == free[: free.index(free[10]) + 1] and ours.stop_reason == free[10]
 
 
 def test_seeded_sampling_is_reproducible_and_n_works(spec_llm, copy_prompts):
@@ -192,5 +207,7 @@ def test_draft_model_with_another_vocabulary_is_refused(tmp_path, llm, hf_model_
     with pytest.raises(ValueError, match="does not share the target's tokenizer and vocabulary"):
         check_draft_model(str(draft), llm.engine.vocab_size, llm.engine.tokenizer)
     with pytest.raises(ValueError, match="does not share the target's tokenizer and vocabulary"):
-        LLM(dtype="float32", speculative_config={"method": "draft_model", "model": str(draft),
-                                                 "num_speculative_tokens": 2})
+        LLM(
+            dtype="float32",
+            speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2},
+        )

@@ -1,6 +1,7 @@
 """Structured outputs on the real model, offline: JSON schemas, regex, choice and EBNF grammars give output
 of their language (greedy and sampled, n > 1, under preemption), batched unconstrained requests keep their
 greedy tokens, requests wait in the queue while their grammar compiles, and bad constraints raise."""
+
 import json
 import re
 import sys
@@ -18,11 +19,19 @@ from tests.conftest import assert_greedy_matches, make_llm
 from tests.structured_schemas import random_schemas
 
 SCHEMAS = random_schemas(50)
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
-SHORT_PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-                "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+SHORT_PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+}
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 CHOICES = ["positive", "negative", "neutral"]
 # a small arithmetic language: sums and products of 1-3 digit numbers, optionally parenthesized
@@ -34,8 +43,10 @@ factor ::= [0-9] [0-9]? [0-9]? | "(" expr ")"'''
 
 def chat(llm, text: str) -> list[int]:
     tok = llm.tokenizer
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                              add_generation_prompt=True), add_special_tokens=False)
+    return tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
 
 
 def in_ebnf_language(text: str) -> bool:
@@ -44,7 +55,7 @@ def in_ebnf_language(text: str) -> bool:
         inner = re.search(r"\(([^()]*)\)", text)
         if not re.fullmatch(r"\d{1,3}([-+*/]\d{1,3})*", inner.group(1)):
             return False
-        text = text[:inner.start()] + "1" + text[inner.end():]
+        text = text[: inner.start()] + "1" + text[inner.end() :]
     return re.fullmatch(r"\d{1,3}([-+*/]\d{1,3})*", text) is not None
 
 
@@ -54,8 +65,16 @@ def test_fifty_json_schemas_greedy_and_sampled_validate(llm):
     output is compact JSON (disable_any_whitespace): with free whitespace the 135M model in bfloat16
     can put newlines after "{" until max_tokens, greedy or sampled (valid JSON so far, but never closed)."""
     prompt = chat(llm, "Reply with a short JSON object.")  # one prompt: its KV comes from the prefix cache
-    params = [SamplingParams(temperature=t, seed=i, max_tokens=400, structured_outputs=StructuredOutputsParams(
-        json=s, disable_any_whitespace=True)) for t in (0.0, 1.0) for i, s in enumerate(SCHEMAS)]
+    params = [
+        SamplingParams(
+            temperature=t,
+            seed=i,
+            max_tokens=400,
+            structured_outputs=StructuredOutputsParams(json=s, disable_any_whitespace=True),
+        )
+        for t in (0.0, 1.0)
+        for i, s in enumerate(SCHEMAS)
+    ]
     outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
     for out, p in zip(outs, params):
         c = out.outputs[0]
@@ -72,20 +91,29 @@ def test_regex_choice_grammar_and_json_object_with_n4_beside_unconstrained(llm, 
         (chat(llm, "What is your phone number?"), S(regex=PHONE), lambda t: re.fullmatch(PHONE, t)),
         (chat(llm, "Is 'I love this film' positive, negative or neutral?"), S(choice=CHOICES), lambda t: t in CHOICES),
         (chat(llm, "Write an arithmetic expression."), S(grammar=EBNF), in_ebnf_language),
-        (chat(llm, "Give me a person as compact JSON."), S(json=SHORT_PERSON, disable_any_whitespace=True),
-         lambda t: jsonschema.validate(json.loads(t), SHORT_PERSON) is None and "\n" not in t),
+        (
+            chat(llm, "Give me a person as compact JSON."),
+            S(json=SHORT_PERSON, disable_any_whitespace=True),
+            lambda t: jsonschema.validate(json.loads(t), SHORT_PERSON) is None and "\n" not in t,
+        ),
         # greedy: any object is allowed, and sampled ones at temperature 1 grow past any max_tokens
         # (a prompt that names the keys: on open-ended ones the 135M model lists keys past max_tokens)
-        (chat(llm, "Describe a cat as a JSON object with a name and an age."), S(json_object=True),
-         lambda t: isinstance(json.loads(t), dict)),
+        (
+            chat(llm, "Describe a cat as a JSON object with a name and an age."),
+            S(json_object=True),
+            lambda t: isinstance(json.loads(t), dict),
+        ),
     ]
-    params = ([SamplingParams(temperature=0, max_tokens=32)] * len(prompts)
-              + [SamplingParams(n=4, temperature=1.0 if spec.kind != "json_object" else 0.0, seed=7, max_tokens=200,
-                                structured_outputs=spec) for _, spec, _ in constrained])
+    params = [SamplingParams(temperature=0, max_tokens=32)] * len(prompts) + [
+        SamplingParams(
+            n=4, temperature=1.0 if spec.kind != "json_object" else 0.0, seed=7, max_tokens=200, structured_outputs=spec
+        )
+        for _, spec, _ in constrained
+    ]
     outs = llm.generate(prompts + [p for p, _, _ in constrained], params, use_tqdm=False)
     for out, ref in zip(outs, hf_reference):
         assert_greedy_matches(out.outputs[0].token_ids, ref)
-    for out, (_, spec, check) in zip(outs[len(prompts):], constrained):
+    for out, (_, spec, check) in zip(outs[len(prompts) :], constrained):
         assert len(out.outputs) == 4
         for c in out.outputs:
             assert c.finish_reason == "stop" and check(c.text), (spec.kind, c.finish_reason, c.text)
@@ -98,8 +126,11 @@ def test_preemption_keeps_grammar_state():
     prompt = chat(llm, "Give me a list of people as JSON.")
     schema = {"type": "array", "items": PERSON, "minItems": 3, "maxItems": 3}
     spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-    outs = llm.generate([prompt] * 4, [SamplingParams(temperature=1.0, seed=i, max_tokens=100,
-                                                      structured_outputs=spec) for i in range(4)], use_tqdm=False)
+    outs = llm.generate(
+        [prompt] * 4,
+        [SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured_outputs=spec) for i in range(4)],
+        use_tqdm=False,
+    )
     assert llm.engine.engine_core.scheduler.num_preemptions > 0
     for out in outs:
         c = out.outputs[0]
@@ -110,9 +141,14 @@ def test_preemption_keeps_grammar_state():
 def test_length_mid_structure_and_stop_string(llm):
     prompt = chat(llm, "Give me a person as JSON.")
     spec = StructuredOutputsParams(json=PERSON)
-    cut, stopped = llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec),
-                                                   SamplingParams(temperature=0, max_tokens=50, stop=['"age"'],
-                                                                  structured_outputs=spec)], use_tqdm=False)
+    cut, stopped = llm.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec),
+            SamplingParams(temperature=0, max_tokens=50, stop=['"age"'], structured_outputs=spec),
+        ],
+        use_tqdm=False,
+    )
     assert cut.outputs[0].finish_reason == "length" and len(cut.outputs[0].token_ids) == 4
     with pytest.raises(ValueError):
         json.loads(cut.outputs[0].text)
@@ -146,13 +182,18 @@ def test_bad_constraints_raise_before_any_request_is_queued(llm):
     for kwargs in [{}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"choice": ["a", 1]}]:
         with pytest.raises(ValueError, match="structured outputs need exactly one|choice must be"):
             S(**kwargs)
-    for spec, message in [(S(json={"type": "objekt"}), "invalid JSON schema: Unsupported type"),
-                          (S(json="{not json"), "invalid JSON schema"),
-                          (S(regex="(ab"), "invalid regex: .*parenthesis"),
-                          (S(grammar="root ::= missing"), "invalid grammar: .*not defined")]:
+    for spec, message in [
+        (S(json={"type": "objekt"}), "invalid JSON schema: Unsupported type"),
+        (S(json="{not json"), "invalid JSON schema"),
+        (S(regex="(ab"), "invalid regex: .*parenthesis"),
+        (S(grammar="root ::= missing"), "invalid grammar: .*not defined"),
+    ]:
         with pytest.raises(ValueError, match=message):
-            llm.generate(["Hi", "Hello"], [SamplingParams(max_tokens=2),
-                                           SamplingParams(max_tokens=2, structured_outputs=spec)], use_tqdm=False)
+            llm.generate(
+                ["Hi", "Hello"],
+                [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, structured_outputs=spec)],
+                use_tqdm=False,
+            )
         assert not llm.engine.request_ids()
 
 
@@ -161,12 +202,14 @@ def test_compile_timeout_and_missing_xgrammar(llm, monkeypatch):
     monkeypatch.setattr(structured.config, "compile_timeout", 1e-4)
     slow = {"type": "object", "properties": {"text": {"type": "string", "minLength": 3, "maxLength": 40}}}
     with pytest.raises(ValueError, match="did not compile within"):
-        llm.generate("Hi", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(json=slow)),
-                     use_tqdm=False)
+        llm.generate(
+            "Hi", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(json=slow)), use_tqdm=False
+        )
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if not installed
     with pytest.raises(ValueError, match="pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi"):
-        llm.generate("Hi", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+")),
-                     use_tqdm=False)
+        llm.generate(
+            "Hi", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+")), use_tqdm=False
+        )
     assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
@@ -174,8 +217,11 @@ def test_matcher_api_for_speculative_decoding(llm):
     """accept_tokens stops at the first token the grammar rejects; rollback undoes accepted tokens
     (also the stop token); the special tokens other than EOS are never allowed."""
     from engine.structured.matcher import RequestGrammar
+
     structured = llm.engine.structured
-    grammar = RequestGrammar(structured.compile(StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)).result())
+    grammar = RequestGrammar(
+        structured.compile(StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)).result()
+    )
     good = llm.tokenizer.encode('{"name": "Ann", "age": 7}', add_special_tokens=False)
     eos = 2
     bad = llm.tokenizer.encode("hello", add_special_tokens=False)
@@ -198,7 +244,7 @@ def test_bitmask_apply_equals_xgrammar_kernel(llm):
     import xgrammar as xgr
 
     gen = np.random.default_rng(0)
-    words = gen.integers(-2**31, 2**31, size=(5, 1536), dtype=np.int64).astype(np.int32)
+    words = gen.integers(-(2**31), 2**31, size=(5, 1536), dtype=np.int64).astype(np.int32)
     words[[1, 4]] = -1  # rows without a grammar: every token allowed
     rows = [0, 2, 3]
     logits = torch.randn(5, 49152)
@@ -211,6 +257,7 @@ def test_bitmask_apply_equals_xgrammar_kernel(llm):
 def test_structured_outputs_config_rejects_unknown_keys_and_bad_json():
     """The flag's JSON and the dict given to LLM(...) go through one parser (engine/config/parse.py)."""
     from engine import EngineConfig, StructuredOutputsConfig
+
     assert StructuredOutputsConfig.from_json('{"compile_timeout": 5}').compile_timeout == 5
     assert EngineConfig(structured_outputs_config={"compile_timeout": 5}).structured_outputs_config.compile_timeout == 5
     with pytest.raises(ValueError, match=r"unknown structured_outputs_config key\(s\): timeout"):
@@ -233,8 +280,9 @@ def test_json_whitespace_runs_are_bounded(llm):
     spec = StructuredOutputsParams(json_object=True)
     for bound, accepted in [(16, 16), (None, 40)]:
         engine = llm.engine
-        manager = StructuredOutputManager(llm.tokenizer, engine.vocab_size, engine.eos_token_ids,
-                                          StructuredOutputsConfig(max_whitespace_cnt=bound))
+        manager = StructuredOutputManager(
+            llm.tokenizer, engine.vocab_size, engine.eos_token_ids, StructuredOutputsConfig(max_whitespace_cnt=bound)
+        )
         grammar = RequestGrammar(manager.compile(spec).result())
         assert grammar.accept_tokens(brace + newline * 40) == 1 + accepted
         manager.shutdown()

@@ -4,6 +4,7 @@ model (9 query / 3 KV heads: 3 + 1 per rank; against transformers, as TP=1 is) a
 Llama-3 and Qwen2 models (against TP=1; KV heads split, and replicated); the parallel layers' shards
 against the full layers; a server with --tensor-parallel-size 3; a killed rank failing the engine
 (offline) and taking the server down, with a clear error and no hang; the start-up errors."""
+
 import asyncio
 import dataclasses
 import os
@@ -19,10 +20,10 @@ import torch.nn.functional as F
 
 from api.cli import main as server_main
 from engine import LLM, SamplingParams
+from engine.engine_core import EngineStepError
+from models.config import ModelShape, partition_heads
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from models.config import ModelShape, partition_heads
-from engine.engine_core import EngineStepError
 from scripts.make_tiny_model import save_tiny_model
 from tests.conftest import assert_greedy_matches, make_llm
 
@@ -32,8 +33,10 @@ pytest_plugins = ["server_harness"]
 def tp1_reference(llm: LLM, prompts, params: SamplingParams) -> list[tuple[list[int], list[float]]]:
     """TP=1 greedy tokens of each prompt with the gap between the top-two logits at every step."""
     outs = llm.generate(prompts, dataclasses.replace(params, logprobs=2), use_tqdm=False)
-    return [(o.outputs[0].token_ids, [lp.top_logprobs[0][1] - lp.top_logprobs[1][1] for lp in o.outputs[0].logprobs])
-            for o in outs]
+    return [
+        (o.outputs[0].token_ids, [lp.top_logprobs[0][1] - lp.top_logprobs[1][1] for lp in o.outputs[0].logprobs])
+        for o in outs
+    ]
 
 
 THREADS = torch.get_num_threads()
@@ -143,8 +146,18 @@ def test_parallel_layers_reassemble_the_full_layers():
     each rank's q/k/v rows: its query heads, its KV head group (shared by ranks when replicated)."""
     torch.manual_seed(0)
     for heads, kv_heads, n in [(6, 3, 3), (4, 1, 2), (8, 2, 4)]:
-        config, d = SimpleNamespace(hidden_size=8, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                    intermediate_size=8 * n, head_dim=2, num_hidden_layers=1, vocab_size=10), 2
+        config, d = (
+            SimpleNamespace(
+                hidden_size=8,
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                intermediate_size=8 * n,
+                head_dim=2,
+                num_hidden_layers=1,
+                vocab_size=10,
+            ),
+            2,
+        )
         q, k, v = torch.randn(heads * d, 8), torch.randn(kv_heads * d, 8), torch.randn(kv_heads * d, 8)
         for r in range(n):
             layer = ColumnParallelLinear.qkv(ModelShape.from_hf(config, n), False, Shard(r, n))
@@ -152,9 +165,16 @@ def test_parallel_layers_reassemble_the_full_layers():
                 layer.weight_loader(layer.weight, tensor, shard)
             q_rows, kv_rows = heads // n * d, max(1, kv_heads // n) * d
             group = r * kv_heads // n if kv_heads < n else r  # the KV head group of rank r
-            torch.testing.assert_close(layer.weight, torch.cat([q[r * q_rows:(r + 1) * q_rows],
-                                                                k[group * kv_rows:(group + 1) * kv_rows],
-                                                                v[group * kv_rows:(group + 1) * kv_rows]]))
+            torch.testing.assert_close(
+                layer.weight,
+                torch.cat(
+                    [
+                        q[r * q_rows : (r + 1) * q_rows],
+                        k[group * kv_rows : (group + 1) * kv_rows],
+                        v[group * kv_rows : (group + 1) * kv_rows],
+                    ]
+                ),
+            )
     n, x = 3, torch.randn(5, 8)
     full_w, full_b = torch.randn(12, 8), torch.randn(12)
     column = [ColumnParallelLinear.merged(8, [6, 6], True, Shard(r, n)) for r in range(n)]
@@ -184,8 +204,9 @@ def test_parallel_layers_reassemble_the_full_layers():
 
 
 def test_heads_split_or_replicated_or_refused():
-    config = lambda heads, kv, inter=96: SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv,
-                                                         intermediate_size=inter)
+    def config(heads, kv, inter=96):
+        return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter)
+
     assert partition_heads(config(9, 3), 3) == (3, 1)
     assert partition_heads(config(8, 2), 4) == (2, 1)  # each KV head on two ranks
     with pytest.raises(ValueError, match=r"num_key_value_heads \(3\)"):
@@ -197,8 +218,11 @@ def test_heads_split_or_replicated_or_refused():
 
 
 def test_heads_that_do_not_divide_are_a_startup_error():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide the model's "
-                                         r"num_attention_heads \(9\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size 2 does not divide the model's "
+        r"num_attention_heads \(9\)",
+    ):
         LLM(tensor_parallel_size=2, dtype="float32", kv_cache_memory=64 << 20)
 
 
@@ -208,13 +232,19 @@ def test_pipeline_parallelism_is_refused(capsys):
     assert exit_info.value.code == 2 and "pipeline_parallel_size 2 is not supported" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["-tp", "3", "--nnodes", "2"], "tensor_parallel_size 3 does not split evenly over nnodes 2"),
-    (["-tp", "2", "--nnodes", "2", "--node-rank", "2"], "node_rank must be in [0, nnodes 2), got 2"),
-    (["-tp", "2", "--nnodes", "2", "--node-rank", "1"], "node 1 serves no API (rank 0's node does): add --headless"),
-    (["-tp", "2", "--nnodes", "2", "--headless"], "--headless is for nodes other than node 0"),
-    (["--distributed-timeout-seconds", "0"], "distributed_timeout_seconds must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["-tp", "3", "--nnodes", "2"], "tensor_parallel_size 3 does not split evenly over nnodes 2"),
+        (["-tp", "2", "--nnodes", "2", "--node-rank", "2"], "node_rank must be in [0, nnodes 2), got 2"),
+        (
+            ["-tp", "2", "--nnodes", "2", "--node-rank", "1"],
+            "node 1 serves no API (rank 0's node does): add --headless",
+        ),
+        (["-tp", "2", "--nnodes", "2", "--headless"], "--headless is for nodes other than node 0"),
+        (["--distributed-timeout-seconds", "0"], "distributed_timeout_seconds must be >= 1, got 0"),
+    ],
+)
 def test_multi_node_flags_are_checked(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         server_main(argv)
@@ -230,15 +260,19 @@ def tp_server(server_factory, engine_args):
 @pytest.mark.slow
 async def test_tp3_server_answers_requests(tp_server, llm):
     prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,"]
-    expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8),
-                                                        use_tqdm=False)]
+    expected = [
+        o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    ]
     async with httpx.AsyncClient(base_url=tp_server.url, timeout=120) as http:
-        responses = await asyncio.gather(*[http.post("/v1/completions", json={
-            "prompt": p, "max_tokens": 8, "temperature": 0}) for p in prompts])
+        responses = await asyncio.gather(
+            *[http.post("/v1/completions", json={"prompt": p, "max_tokens": 8, "temperature": 0}) for p in prompts]
+        )
         # the top-two logits of these 8-token answers are >= 0.2 apart at TP=1: no near-tie to excuse
         assert [r.json()["choices"][0]["text"] for r in responses] == expected
-        r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                          "max_tokens": 5, "ignore_eos": True})
+        r = await http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "ignore_eos": True},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
@@ -247,8 +281,11 @@ async def test_killed_rank_takes_the_server_down(tp_server):
     started = re.findall(r"tensor-parallel rank (\d) of 3: pid (\d+)", tp_server.log())
     pids = {int(rank): int(pid) for rank, pid in started}
     async with httpx.AsyncClient(base_url=tp_server.url, timeout=120) as http:
-        async with http.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 2000,
-                                                                "ignore_eos": True, "stream": True}) as r:
+        async with http.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True},
+        ) as r:
             lines = r.aiter_lines()
             assert (await anext(lines)).startswith("data: {")
             os.kill(pids[2], signal.SIGKILL)

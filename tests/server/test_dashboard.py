@@ -1,6 +1,7 @@
 """The dashboard on a real server with --api-key: the page and its feed over HTTP, the feed's rate limit,
 llama.cpp-style `timings` in responses read through the openai SDK, and the page in headless Chromium
 under 16 concurrent streams with a shared prefix (skipped, saying why, where Chromium is missing)."""
+
 import asyncio
 import shutil
 import time
@@ -20,8 +21,20 @@ KEY = "dash-key"
 MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PREFIX = "You are a helpful assistant. Answer in one short sentence, precisely and politely. " * 4
-TIMINGS = {"queue_ms", "cache_n", "cached_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",
-           "predicted_n", "predicted_ms", "predicted_per_token_ms", "predicted_per_second", "preemptions"}
+TIMINGS = {
+    "queue_ms",
+    "cache_n",
+    "cached_n",
+    "prompt_n",
+    "prompt_ms",
+    "prompt_per_token_ms",
+    "prompt_per_second",
+    "predicted_n",
+    "predicted_ms",
+    "predicted_per_token_ms",
+    "predicted_per_second",
+    "preemptions",
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +42,14 @@ def dash():
     from server_harness import ServerProcess, cli_args  # imported as the plugin above, for its asserts
 
     # 128 tokens per step: the prompts below are prefilled in chunks, next to other requests' decodes
-    proc = ServerProcess(["--api-key", KEY, *cli_args(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024,
-                                                      max_num_batched_tokens=128)], timeout=180)
+    proc = ServerProcess(
+        [
+            "--api-key",
+            KEY,
+            *cli_args(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024, max_num_batched_tokens=128),
+        ],
+        timeout=180,
+    )
     yield proc
     log = proc.log()
     assert proc.stop() == 0, log[-4000:]
@@ -86,14 +105,24 @@ async def test_feed_rate_limit_and_content(dash, sdk):
             events = EventReader(response)
             idle = (await events.until(lambda ps: True))[0][1]
             assert idle["engine"]["num_running"] == 0 and idle["engine"]["kv"]["used"] == 0
-            load = asyncio.gather(*(sdk.completions.create(prompt=PREFIX + f"Item {i}.", max_tokens=40, model=MODEL,
-                                                           temperature=0, extra_body={"ignore_eos": True})
-                                    for i in range(4)))
+            load = asyncio.gather(
+                *(
+                    sdk.completions.create(
+                        prompt=PREFIX + f"Item {i}.",
+                        max_tokens=40,
+                        model=MODEL,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for i in range(4)
+                )
+            )
             start = time.monotonic()
             busy = await events.until(lambda ps: ps[-1]["engine"]["num_running"] == 4)
             done = await asyncio.wait_for(load, 300)
-            rest = await events.until(lambda ps: ps[-1]["engine"]["num_running"] == 0
-                                      and ps[-1]["metrics"]["generation_tokens"] >= 160)
+            rest = await events.until(
+                lambda ps: ps[-1]["engine"]["num_running"] == 0 and ps[-1]["metrics"]["generation_tokens"] >= 160
+            )
     events = busy + rest
     elapsed = events[-1][0] - start
     # at most one event per 0.2 s poll (+1 for the one in flight when we started counting)
@@ -146,20 +175,34 @@ async def test_timings_through_the_openai_sdk(sdk):
     check_timings(chat.model_extra["timings"], chat.usage)
     assert chat.choices[0].message.content
 
-    stream = await sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
-                                               stream=True, stream_options={"include_usage": True})
+    stream = await sdk.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     chunks = [chunk async for chunk in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
     assert all("timings" not in c.model_extra for c in chunks[:-1])
     check_timings(chunks[-1].model_extra["timings"], chunks[-1].usage)
 
     # two prompts, two samples each: the request's timings cover all four sequences
-    many = await sdk.completions.create(model=MODEL, prompt=["One, two,", "Red, green,"], n=2, max_tokens=4,
-                                        temperature=1.0, seed=1, extra_body={"ignore_eos": True})
+    many = await sdk.completions.create(
+        model=MODEL,
+        prompt=["One, two,", "Red, green,"],
+        n=2,
+        max_tokens=4,
+        temperature=1.0,
+        seed=1,
+        extra_body={"ignore_eos": True},
+    )
     check_timings(many.model_extra["timings"], many.usage)
     assert many.model_extra["timings"]["predicted_n"] == 16
-    stream = await sdk.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0, stream=True,
-                                          stream_options={"include_usage": True})
+    stream = await sdk.completions.create(
+        model=MODEL,
+        prompt="One, two,",
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = [chunk async for chunk in stream]
     check_timings(chunks[-1].model_extra["timings"], chunks[-1].usage)
 
@@ -169,12 +212,20 @@ def browser():
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_path = shutil.which("chromedriver")
     if not (chromium and driver_path):
-        pytest.skip("Chromium and chromedriver are not installed (`make test` installs Debian's chromium and "
-                    "chromium-driver where it runs as root with apt)")
+        pytest.skip(
+            "Chromium and chromedriver are not installed (`make test` installs Debian's chromium and "
+            "chromium-driver where it runs as root with apt)"
+        )
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1440,1000"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1440,1000",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
     yield driver
@@ -184,7 +235,8 @@ def browser():
 PAGE_STATE = """
 const d = window.dashboard, e = d.payload && d.payload.engine;
 return e && {events: d.events, running: document.querySelector('#stat-running').textContent,
-             rows: [...document.querySelectorAll('#requests tbody tr')].map(tr => [tr.cells[0].title, tr.dataset.state]),
+             rows: [...document.querySelectorAll('#requests tbody tr')]
+                   .map(tr => [tr.cells[0].title, tr.dataset.state]),
              drawn: d.drawn, counts: d.kv.counts};
 """
 
@@ -204,9 +256,14 @@ async def test_dashboard_in_a_real_browser(dash, sdk, browser, tmp_path):
     assert "key=" not in browser.current_url  # the page moved the key out of the address bar
 
     async def one(i: int) -> str:
-        stream = await sdk.completions.create(model=MODEL, prompt=PREFIX + f"Question {i}: what is {i} plus {i}?",
-                                              max_tokens=48, temperature=0, stream=True,
-                                              extra_body={"ignore_eos": True})
+        stream = await sdk.completions.create(
+            model=MODEL,
+            prompt=PREFIX + f"Question {i}: what is {i} plus {i}?",
+            max_tokens=48,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         ids = {chunk.id async for chunk in stream}
         return ids.pop()
 
@@ -227,7 +284,9 @@ async def test_dashboard_in_a_real_browser(dash, sdk, browser, tmp_path):
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
 
     # back to idle: nothing running, the finished rows faded out, no block in use
-    idle = await page(lambda s: s["running"] == "0" and not s["rows"] and s["drawn"]["used"] == s["drawn"]["shared"] == 0)
+    idle = await page(
+        lambda s: s["running"] == "0" and not s["rows"] and s["drawn"]["used"] == s["drawn"]["shared"] == 0
+    )
     assert idle["drawn"]["cached"] > 0  # the finished requests' blocks stay in the prefix cache
     logs = await asyncio.to_thread(browser.get_log, "browser")
     assert not [entry for entry in logs if entry["level"] == "SEVERE"], logs

@@ -1,5 +1,6 @@
 """scripts/fuzz.py: schemathesis drives every endpoint from /openapi.json (a few hundred valid and invalid
 requests); no 5xx, every error has OpenAI's error body, /health stays 200, and the server ends idle."""
+
 import os
 import subprocess
 import sys
@@ -28,8 +29,13 @@ def test_error_body_check_rejects_other_shapes():
 
 @pytest.mark.slow
 def test_fuzz_script_passes():
-    run = subprocess.run([sys.executable, "scripts/fuzz.py", "--max-examples", "100", "--phases", "fuzzing",
-                          "--seed", "0"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    run = subprocess.run(
+        [sys.executable, "scripts/fuzz.py", "--max-examples", "100", "--phases", "fuzzing", "--seed", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert run.returncode == 0 and "PASS" in run.stdout, run.stdout[-6000:] + run.stderr[-2000:]
     generated = int(run.stdout.split(" generated")[0].rsplit(None, 1)[-1])
     assert generated >= 200

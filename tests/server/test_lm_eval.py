@@ -3,6 +3,7 @@ local tasks in tests/data/lm_eval (a multiple_choice task, which needs prompt lo
 a generate_until task) the same as `lm_eval --model hf` on the same model in float32: the shared server
 (float32 activations on the GGUF's quantized weights) within 0.02, a server with bfloat16 activations (the
 default on CPUs with AVX512-BF16) within 0.03."""
+
 import glob
 import json
 import os
@@ -25,8 +26,23 @@ def lm_eval(tmp_path, name: str, model: str, model_args: str) -> dict:
     """Runs the lm_eval CLI on the local tasks (nothing downloaded); returns {task: {metric: value}}."""
     out = tmp_path / name
     env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", TASKS,
-           "--include_path", ".", "--batch_size", "8", "--output_path", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "--model",
+        model,
+        "--model_args",
+        model_args,
+        "--tasks",
+        TASKS,
+        "--include_path",
+        ".",
+        "--batch_size",
+        "8",
+        "--output_path",
+        str(out),
+    ]
     run = subprocess.run(cmd, cwd=TASKS_DIR, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     [path] = glob.glob(str(out / "*" / "results_*.json"))
@@ -48,9 +64,13 @@ def reference(tmp_path_factory) -> dict:
 
 def assert_scores_match(server, tmp_path, reference: dict, tolerance: float) -> None:
     model_dir = export_hf_directory(resolve_model(None))  # its tokenizer files, for lm_eval
-    ours = lm_eval(tmp_path, "server", "local-completions",
-                   f"model=SmolLM2-135M-Instruct,base_url={server.url}/v1/completions,tokenizer={model_dir},"
-                   f"tokenizer_backend=huggingface,num_concurrent=4,max_retries=1")
+    ours = lm_eval(
+        tmp_path,
+        "server",
+        "local-completions",
+        f"model=SmolLM2-135M-Instruct,base_url={server.url}/v1/completions,tokenizer={model_dir},"
+        f"tokenizer_backend=huggingface,num_concurrent=4,max_retries=1",
+    )
     assert ours.keys() == reference.keys()
     assert set(ours["minivllm_mc_facts"]) == {"acc,none", "acc_norm,none"}
     assert set(ours["minivllm_gen_facts"]) == {"exact_match,first_word"}

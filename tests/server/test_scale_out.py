@@ -3,6 +3,7 @@ endpoints the router calls, metrics per replica, a clean stop), and disaggregate
 kv_producer and a kv_consumer server behind `vllm-router --vllm-pd-disaggregation`: the same greedy
 text as one server, the prompt's K/V pulled over NIXL instead of computed, failures that free every
 block). Every process started here is stopped here."""
+
 import asyncio
 import importlib.util
 import json
@@ -38,6 +39,7 @@ def _workload() -> list[list[int]]:
 
 def _free_port() -> int:
     from api.data_parallel import free_port
+
     return free_port()
 
 
@@ -56,10 +58,14 @@ def _pids_alive(pids: list[int]) -> list[int]:
 # Data parallel
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def dp():
-    proc = ServerProcess(["--data-parallel-size", "2", "--router-policy", "cache_aware", *ENGINE],
-                         timeout=300, ready_pattern=r"ready: (http://127\.0\.0\.1:\d+) \(OpenAI base_url .*vllm-router")
+    proc = ServerProcess(
+        ["--data-parallel-size", "2", "--router-policy", "cache_aware", *ENGINE],
+        timeout=300,
+        ready_pattern=r"ready: (http://127\.0\.0\.1:\d+) \(OpenAI base_url .*vllm-router",
+    )
     yield proc
     proc.stop()
 
@@ -77,9 +83,15 @@ async def test_data_parallel_replicas_behind_the_router(dp):
         answers = [await router.post("/v1/completions", json=body) for _ in range(3)]
         assert all(a.status_code == 200 for a in answers)
         assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
-        chat = await router.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Name three fruits."}], "max_tokens": 8, "temperature": 0,
-            "stream": True})
+        chat = await router.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Name three fruits."}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "stream": True,
+            },
+        )
         assert chat.status_code == 200 and chat.text.rstrip().endswith("data: [DONE]")
 
     successes, hits = 0, []
@@ -117,8 +129,9 @@ def test_data_parallel_survives_a_dead_replica_and_stops_everything_on_sigterm(d
     # Until the router's health checks (every HEALTH_CHECK_INTERVAL s) take the dead replica out, a
     # request it routes there fails with a 5xx; after that the live replica serves it.
     deadline = time.monotonic() + 6 * HEALTH_CHECK_INTERVAL
-    while (r := httpx.post(f"{dp.url}/v1/completions", json={"prompt": "Still there?", "max_tokens": 2},
-                           timeout=120)).status_code != 200:
+    while (
+        r := httpx.post(f"{dp.url}/v1/completions", json={"prompt": "Still there?", "max_tokens": 2}, timeout=120)
+    ).status_code != 200:
         assert r.status_code >= 500 and time.monotonic() < deadline, (r.status_code, r.text)
         time.sleep(1)
     assert dp.proc.poll() is None
@@ -143,6 +156,7 @@ def test_data_parallel_needs_the_router_extra(monkeypatch, caplog):
 # Disaggregated prefill/decode
 # ---------------------------------------------------------------------------------------------
 
+
 def _kv_config(role: str, **extra) -> list[str]:
     config = {"kv_connector": "NixlConnector", "kv_role": role}
     if extra:
@@ -156,10 +170,29 @@ class Router:
     def __init__(self, prefill: str, decode: str):
         self.url = f"http://127.0.0.1:{_free_port()}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port",
-             self.url.rsplit(":", 1)[1], "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()), "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "vllm_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                self.url.rsplit(":", 1)[1],
+                "--vllm-pd-disaggregation",
+                "--prefill",
+                prefill,
+                "--decode",
+                decode,
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(_free_port()),
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_healthy(self.url, [self.proc], timeout=60)
 
     def stop(self) -> None:
@@ -174,8 +207,9 @@ class Router:
 @pytest.fixture(scope="module")
 def pd():
     with ThreadPoolExecutor(2) as pool:  # both servers load at once
-        prefill = pool.submit(ServerProcess, [*ENGINE, *_kv_config("kv_producer", abort_request_timeout=ABORT_TIMEOUT)],
-                              timeout=180)
+        prefill = pool.submit(
+            ServerProcess, [*ENGINE, *_kv_config("kv_producer", abort_request_timeout=ABORT_TIMEOUT)], timeout=180
+        )
         decode = pool.submit(ServerProcess, [*ENGINE, *_kv_config("kv_consumer")], timeout=180)
         servers = [f.result() for f in (prefill, decode)]
     router = Router(servers[0].url, servers[1].url)
@@ -196,8 +230,10 @@ def _delta(after: dict, before: dict, name: str) -> float:
     return after[name] - before.get(name, 0)
 
 
-SOURCES = [f"vllm:prompt_tokens_by_source_total{{source={s}}}" for s in ("local_compute", "local_cache_hit",
-                                                                          "external_kv_transfer")]
+SOURCES = [
+    f"vllm:prompt_tokens_by_source_total{{source={s}}}"
+    for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
+]
 RECOMPUTED = "vllm:prompt_tokens_recomputed_total"
 
 
@@ -207,20 +243,29 @@ async def test_decode_that_cannot_reach_the_producer_fails_cleanly(pd):
     prefill, decode, _ = pd
     prompt = _workload()[40][:100]
     async with httpx.AsyncClient(timeout=120) as client:
-        r = await client.post(f"{prefill.url}/v1/completions", json={
-            "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        r = await client.post(
+            f"{prefill.url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        )
         params = r.json()["kv_transfer_params"]
         assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 7
         closed = _free_port()  # nobody listens there
         for stream in (False, True):
-            r = await client.post(f"{decode.url}/v1/completions", json={
-                "prompt": prompt, "max_tokens": 4, "stream": stream,
-                "kv_transfer_params": params | {"remote_port": closed}})
+            r = await client.post(
+                f"{decode.url}/v1/completions",
+                json={
+                    "prompt": prompt,
+                    "max_tokens": 4,
+                    "stream": stream,
+                    "kv_transfer_params": params | {"remote_port": closed},
+                },
+            )
             error = r.json()["error"] if not stream else json.loads(r.text.split("data: ")[1])["error"]
             assert r.status_code == (200 if stream else 500)  # a stream has sent its 200 already
             assert error["code"] == "kv_transfer_failed" and f"127.0.0.1:{closed}" in error["message"]
-        bad = await client.post(f"{decode.url}/v1/completions", json={
-            "prompt": prompt[:50], "max_tokens": 4, "kv_transfer_params": params})
+        bad = await client.post(
+            f"{decode.url}/v1/completions", json={"prompt": prompt[:50], "max_tokens": 4, "kv_transfer_params": params}
+        )
         assert bad.status_code == 400 and "remote_block_ids has 7 blocks; this prompt fills 4" in bad.text
     m = await _metrics(decode.url)
     assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:nixl_num_failed_transfers_total"] == 2
@@ -232,15 +277,29 @@ async def test_pull_instead_of_prefill(pd):
     prefill, decode, _ = pd
     prompt = _workload()[41][:77]
     async with httpx.AsyncClient(timeout=120) as client:
-        reference = (await client.post(f"{prefill.url}/v1/completions", json={
-            "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})).json()
-        r = await client.post(f"{prefill.url}/v1/completions", json={
-            "prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}})
+        reference = (
+            await client.post(
+                f"{prefill.url}/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+            )
+        ).json()
+        r = await client.post(
+            f"{prefill.url}/v1/completions",
+            json={
+                "prompt": prompt,
+                "max_tokens": 1,
+                "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True},
+            },
+        )
         params = r.json()["kv_transfer_params"]
         assert (await _metrics(prefill.url))["vllm:kv_cache_usage_perc"] > 0  # pinned
         before = await _metrics(decode.url)
-        r = (await client.post(f"{decode.url}/v1/completions", json={
-            "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "kv_transfer_params": params})).json()
+        r = (
+            await client.post(
+                f"{decode.url}/v1/completions",
+                json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "kv_transfer_params": params},
+            )
+        ).json()
     assert r["choices"][0]["text"] == reference["choices"][0]["text"]
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
     after = await _metrics(decode.url)
@@ -270,8 +329,9 @@ async def test_pd_behind_the_router_matches_one_server(pd, stream):
     prompts = [ids[:n] for ids, n in zip(_workload(), lengths)]
     body = {"max_tokens": MAX_TOKENS, "temperature": 0}
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as client:
-        references = await asyncio.gather(*(client.post(f"{prefill.url}/v1/completions", json=body | {
-            "prompt": p, "logprobs": 2}) for p in prompts))
+        references = await asyncio.gather(
+            *(client.post(f"{prefill.url}/v1/completions", json=body | {"prompt": p, "logprobs": 2}) for p in prompts)
+        )
         before = await _metrics(decode.url)
 
         async def one(prompt):

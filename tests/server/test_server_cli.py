@@ -3,6 +3,7 @@
 SIGUSR1, and a clean exit on SIGINT with a
 request in flight that outlives --shutdown-timeout. One extra server runs every test here, in order;
 the last one stops it."""
+
 import asyncio
 import re
 import signal
@@ -19,8 +20,10 @@ pytest_plugins = ["server_harness"]
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}" \
-           "{% if add_generation_prompt %}[assistant] {% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 LONG = {"max_tokens": 400, "ignore_eos": True, "stream": True}
 
 
@@ -28,10 +31,30 @@ LONG = {"max_tokens": 400, "ignore_eos": True, "stream": True}
 def aux(server_factory, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text(TEMPLATE)
-    return server_factory("--api-key", KEY, "--served-model-name", "smol", "--max-queue-len", "1",
-                          "--max-num-seqs", "1", "--max-request-body-bytes", "4096", "--chat-template", str(template),
-                          "--max-model-len", "512", "--kv-cache-memory", "64M", "--dtype", "float32",
-                          "--no-enable-prefix-caching", "--no-dashboard", "--shutdown-timeout", "5")
+    return server_factory(
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        "smol",
+        "--max-queue-len",
+        "1",
+        "--max-num-seqs",
+        "1",
+        "--max-request-body-bytes",
+        "4096",
+        "--chat-template",
+        str(template),
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory",
+        "64M",
+        "--dtype",
+        "float32",
+        "--no-enable-prefix-caching",
+        "--no-dashboard",
+        "--shutdown-timeout",
+        "5",
+    )
 
 
 @pytest.fixture
@@ -42,10 +65,26 @@ async def client(aux):
 
 def test_help_documents_every_flag():
     out = subprocess.run([sys.executable, "server.py", "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ["--model", "--host", "--port", "--api-key", "--served-model-name", "--max-model-len",
-                 "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--kv-cache-memory",
-                 "--gpu-memory-utilization", "--dtype", "--no-enable-prefix-caching", "--max-queue-len",
-                 "--chat-template", "--no-dashboard", "--shutdown-timeout", "--log-level"]:
+    for flag in [
+        "--model",
+        "--host",
+        "--port",
+        "--api-key",
+        "--served-model-name",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--block-size",
+        "--kv-cache-memory",
+        "--gpu-memory-utilization",
+        "--dtype",
+        "--no-enable-prefix-caching",
+        "--max-queue-len",
+        "--chat-template",
+        "--no-dashboard",
+        "--shutdown-timeout",
+        "--log-level",
+    ]:
         assert flag in out
     bad = subprocess.run([sys.executable, "server.py", "--block-size", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "block_size must be >= 1" in bad.stderr
@@ -62,9 +101,11 @@ async def test_sigusr1_logs_a_memory_report(aux):
     """`kill -USR1`: one line with the resident set, glibc's arenas and bytes, and whether Python traces;
     the server goes on serving."""
     line = aux.memory_report(timeout=5)
-    assert re.fullmatch(r"rss [\d.]+ MiB; malloc: \d+ arenas, [\d.]+ MiB from the system \([\d.]+ in arenas \+ [\d.]+ mmapped\), "
-                        r"[\d.]+ MiB in use, [\d.]+ MiB free in arenas; python: not traced \(PYTHONTRACEMALLOC=1 to trace\)",
-                        line), line
+    assert re.fullmatch(
+        r"rss [\d.]+ MiB; malloc: \d+ arenas, [\d.]+ MiB from the system \([\d.]+ in arenas \+ [\d.]+ mmapped\), "
+        r"[\d.]+ MiB in use, [\d.]+ MiB free in arenas; python: not traced \(PYTHONTRACEMALLOC=1 to trace\)",
+        line,
+    ), line
     rss = float(line.split()[1])
     assert abs(rss - aux.rss_bytes() / 2**20) < 0.2 * rss  # the process's own, not the test's
     async with httpx.AsyncClient(base_url=aux.url) as anonymous:
@@ -107,7 +148,9 @@ async def test_body_limit(client):
 async def test_chat_template_file(client):
     tokens = (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})).json()["tokens"]
     assert (await client.post("/detokenize", json={"tokens": tokens})).json()["prompt"] == "[user] Hi\n[assistant] "
-    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    r = await client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    )
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tokens)
 
 

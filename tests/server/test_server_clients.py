@@ -1,6 +1,7 @@
 """What real clients rely on: prompt scoring as lm-evaluation-harness requests it (echo + logprobs,
 max_tokens 0) and vLLM's prompt_logprobs field, strict Content-Type handling, /openapi.json and /docs,
 and the graceful drain on SIGTERM."""
+
 import asyncio
 import signal
 
@@ -27,17 +28,28 @@ async def test_echo_scores_prompts_as_lm_eval_asks(openai_client, http):
     r = await openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1)
     generated, logprob = r.choices[0].text, r.choices[0].logprobs.token_logprobs[0]
     context = await _ids(http, PROMPT)
-    ids = context + (await http.post("/tokenize", json={"prompt": generated, "add_special_tokens": False})).json()["tokens"]
-    body = {"model": MODEL, "prompt": [ids, context], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
-            "echo": True}
+    ids = (
+        context
+        + (await http.post("/tokenize", json={"prompt": generated, "add_special_tokens": False})).json()["tokens"]
+    )
+    body = {
+        "model": MODEL,
+        "prompt": [ids, context],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
     choices = sorted((await http.post("/v1/completions", json=body)).json()["choices"], key=lambda c: c["index"])
     lp = choices[0]["logprobs"]
     assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][len(context)] == pytest.approx(logprob, abs=1e-4)
     # lm-eval's is_greedy: the continuation is the most likely token
     assert max(lp["top_logprobs"][len(context)].values()) == lp["token_logprobs"][len(context)]
-    assert choices[1]["logprobs"]["token_logprobs"][:len(context)] == pytest.approx(lp["token_logprobs"][:len(context)],
-                                                                                     abs=1e-5)
+    assert choices[1]["logprobs"]["token_logprobs"][: len(context)] == pytest.approx(
+        lp["token_logprobs"][: len(context)], abs=1e-5
+    )
     # max_tokens 0: the same prompt entries, nothing generated
     zero = (await http.post("/v1/completions", json=body | {"prompt": ids, "max_tokens": 0})).json()
     [choice] = zero["choices"]
@@ -48,8 +60,9 @@ async def test_echo_scores_prompts_as_lm_eval_asks(openai_client, http):
 
 
 async def test_vllm_prompt_logprobs_field(http):
-    scored = (await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0, "echo": True,
-                                                       "logprobs": 0})).json()["choices"][0]["logprobs"]
+    scored = (
+        await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0})
+    ).json()["choices"][0]["logprobs"]
     ids = await _ids(http, PROMPT)
     body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
     [choice] = (await http.post("/v1/completions", json=body)).json()["choices"]
@@ -67,18 +80,31 @@ async def test_vllm_prompt_logprobs_field(http):
     chunks = [orjson.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
     assert chunks[0]["choices"][0]["prompt_logprobs"] == entries
     assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
-    chat = (await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                          "max_tokens": 1, "prompt_logprobs": 0})).json()
+    chat = (
+        await http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0},
+        )
+    ).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
     bad = await http.post("/v1/completions", json={"prompt": PROMPT, "prompt_logprobs": 21})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
 
 
-@pytest.mark.parametrize("content_type, status", [
-    (None, 200), ("application/json", 200), ("Application/JSON; charset=utf-8", 200),
-    ("application/vnd.api+json", 200), ("text/plain", 415), ("application/x-www-form-urlencoded", 415),
-    ("multipart/form-data; boundary=x", 415), ("text/json", 415)])
+@pytest.mark.parametrize(
+    "content_type, status",
+    [
+        (None, 200),
+        ("application/json", 200),
+        ("Application/JSON; charset=utf-8", 200),
+        ("application/vnd.api+json", 200),
+        ("text/plain", 415),
+        ("application/x-www-form-urlencoded", 415),
+        ("multipart/form-data; boundary=x", 415),
+        ("text/json", 415),
+    ],
+)
 async def test_content_types_as_fastapi_decides(http, content_type, status):
     headers = {"content-type": content_type} if content_type else {}
     r = await http.post("/tokenize", content=b'{"prompt": "Hi"}', headers=headers)
@@ -93,17 +119,31 @@ async def test_content_types_as_fastapi_decides(http, content_type, status):
 async def test_openapi_document_and_docs_page(http):
     doc = (await http.get("/openapi.json")).json()
     assert doc["openapi"].startswith("3.1")
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
-            "/metrics", "/version", "/v1/embeddings", "/v1/responses", "/v1/messages",
-            "/v1/messages/count_tokens"} <= doc["paths"].keys()
-    assert all("requestBody" in doc["paths"][path]["post"] for path in
-               ("/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"))
+    assert {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/metrics",
+        "/version",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+    } <= doc["paths"].keys()
+    assert all(
+        "requestBody" in doc["paths"][path]["post"]
+        for path in ("/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
+    )
     ref = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     schema = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
     expected = CompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
     assert schema["properties"] == expected["properties"] and schema["required"] == ["prompt"]
     assert doc["paths"]["/v1/completions"]["post"]["responses"]["415"]["content"]["application/json"]["schema"] == {
-        "$ref": "#/components/schemas/ErrorResponse"}
+        "$ref": "#/components/schemas/ErrorResponse"
+    }
     page = await http.get("/docs")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "http://" not in page.text and "https://" not in page.text  # nothing from a CDN
@@ -118,8 +158,9 @@ async def test_openapi_document_and_docs_page(http):
 async def test_sigterm_drains_streams_in_flight(server_factory):
     """SIGTERM during 8 streams: all 8 finish normally, a new request gets 503 with Retry-After, the
     server exits 0."""
-    proc = server_factory("--dtype", "float32", "--kv-cache-memory", "128M", "--max-model-len", "512",
-                          "--shutdown-timeout", "120")
+    proc = server_factory(
+        "--dtype", "float32", "--kv-cache-memory", "128M", "--max-model-len", "512", "--shutdown-timeout", "120"
+    )
     started = asyncio.Event()
     first_chunks = 0
 

@@ -1,6 +1,8 @@
 """Bad requests get OpenAI error bodies with the right status and `param`, never a 500 or a
 traceback, and the server stays healthy; odd but valid values are served."""
+
 import json
+
 import pytest
 
 pytest_plugins = ["server_harness"]
@@ -74,8 +76,13 @@ BAD_REQUESTS = [
     ("POST", CHAT, chat(messages=[]), 400, "messages"),
     ("POST", CHAT, chat(messages=[{"role": "wizard", "content": "Hi"}]), 400, "messages"),
     ("POST", CHAT, chat(messages=[{"role": "user"}]), 400, "messages"),
-    ("POST", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-     400, "messages"),
+    (
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        400,
+        "messages",
+    ),
     ("POST", CHAT, chat(messages="Hi"), 400, "messages"),
     ("POST", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),  # without logprobs
     ("POST", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
@@ -92,8 +99,9 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("method,path,body,status,param", BAD_REQUESTS,
-                         ids=[f"{i}-{r[1]}-{r[3]}-{r[4]}" for i, r in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "method,path,body,status,param", BAD_REQUESTS, ids=[f"{i}-{r[1]}-{r[3]}-{r[4]}" for i, r in enumerate(BAD_REQUESTS)]
+)
 async def test_bad_request(http, method, path, body, status, param):
     content = body if isinstance(body, bytes) or body is None else json.dumps(body)
     r = await http.request(method, path, content=content, headers={"content-type": "application/json"})
@@ -112,12 +120,20 @@ async def test_context_length_error_says_the_numbers(http):
 
 @pytest.mark.slow
 async def test_odd_but_valid_values_are_served(http):
-    for body in [cmpl(temperature=1e-30), cmpl(temperature=50.0), cmpl(top_k=10**15), cmpl(seed=-1),
-                 cmpl(seed=2**63 - 1, n=3), cmpl(prompt=[[1, 2], [3]], echo=True, logprobs=20),
-                 cmpl(logit_bias={str(t): -100 for t in range(100)}), cmpl(stop=["a"] * 50, stop_token_ids=[0]),
-                 cmpl(prompt="\u0000\U0001F600 \ufffd"), cmpl(temperature=None, max_tokens=None, stop=None),
-                 cmpl(repetition_penalty=1e-9, presence_penalty=2, frequency_penalty=-2, min_tokens=2)]:
-        r = await (http.post(CMPL, json=body))
+    for body in [
+        cmpl(temperature=1e-30),
+        cmpl(temperature=50.0),
+        cmpl(top_k=10**15),
+        cmpl(seed=-1),
+        cmpl(seed=2**63 - 1, n=3),
+        cmpl(prompt=[[1, 2], [3]], echo=True, logprobs=20),
+        cmpl(logit_bias={str(t): -100 for t in range(100)}),
+        cmpl(stop=["a"] * 50, stop_token_ids=[0]),
+        cmpl(prompt="\u0000\U0001f600 \ufffd"),
+        cmpl(temperature=None, max_tokens=None, stop=None),
+        cmpl(repetition_penalty=1e-9, presence_penalty=2, frequency_penalty=-2, min_tokens=2),
+    ]:
+        r = await http.post(CMPL, json=body)
         assert r.status_code == 200, (body, r.text)
     r = await http.post(CHAT, json=chat(messages=[{"role": "assistant", "content": "Hello"}] * 3, max_tokens=None))
     assert r.status_code == 200, r.text

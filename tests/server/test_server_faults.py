@@ -1,6 +1,7 @@
 """An exception inside an engine step fails only the requests of that step (500, or an error event
 in a stream), is logged with its traceback, and the server keeps serving. The fault is injected
 into the model runner of an in-process server (uvicorn in a thread, real HTTP)."""
+
 import logging
 import threading
 import time
@@ -12,17 +13,19 @@ import pytest
 import uvicorn
 
 from api.app import build_app
-from api.serving import ServerSettings
+from api.settings import ServerSettings
 from engine import AsyncEngine, EngineConfig
-
 
 
 @pytest.fixture(scope="module")
 def faulty():
     """(engine, base URL) of a server whose next model step can be made to fail."""
     engine = AsyncEngine(EngineConfig(dtype="float32", kv_cache_memory=64 << 20, max_model_len=512))
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, ServerSettings(served_model_name="smol")),
-                                           host="127.0.0.1", port=0, log_config=None))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(engine, ServerSettings(served_model_name="smol")), host="127.0.0.1", port=0, log_config=None
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -64,9 +67,16 @@ async def test_failed_step_gives_500_and_server_keeps_serving(faulty, caplog):
 async def test_failed_step_mid_stream_sends_error_event(faulty):
     engine, url = faulty
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        async with http.stream("POST", "/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 50, "ignore_eos": True,
-                "stream": True}) as r:
+        async with http.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 50,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as r:
             lines = r.aiter_lines()
             assert (await anext(lines)).startswith("data: {")  # the role chunk
             fail_next_step(engine)

@@ -1,5 +1,6 @@
 """The server over raw HTTP (httpx): SSE wire format, vLLM's extra endpoints, /metrics, 64
 concurrent streaming clients, and clients that disconnect mid-request."""
+
 import asyncio
 
 import httpx
@@ -9,11 +10,20 @@ from openai import AsyncOpenAI
 
 pytest_plugins = ["server_harness"]
 
-VLLM_METRICS = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-                "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count"]
+VLLM_METRICS = [
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:request_queue_time_seconds_count",
+]
 LONG = {"max_tokens": 1500, "ignore_eos": True}  # minutes of work, unless the disconnect aborts it
 
 
@@ -22,12 +32,17 @@ def sse_events(raw: bytes) -> list[str]:
     assert raw.endswith(b"\n\n") and b"\r" not in raw
     events = raw[:-2].split(b"\n\n")
     assert all(e.startswith(b"data: ") and b"\n" not in e for e in events), events
-    return [e[len(b"data: "):].decode() for e in events]
+    return [e[len(b"data: ") :].decode() for e in events]
 
 
 async def test_sse_wire_format(http):
-    body = {"prompt": "Hello, my name is", "max_tokens": 4, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "Hello, my name is",
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     r = await http.post("/v1/completions", json=body)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.content)
@@ -42,8 +57,9 @@ async def test_sse_wire_format(http):
 
 
 async def test_chat_stream_without_usage_has_no_usage_key(http):
-    r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                      "max_tokens": 3, "stream": True})
+    r = await http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
+    )
     chunks = [orjson.loads(e) for e in sse_events(r.content)[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all("usage" not in c and c["object"] == "chat.completion.chunk" for c in chunks)
@@ -90,9 +106,15 @@ async def test_64_concurrent_streaming_clients(server, http, metrics):
     idle = (await metrics.wait_until_idle())["vllm:kv_cache_usage_perc"]
 
     async def one_client(client: AsyncOpenAI, prompt: str):
-        stream = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, stream=True,
-                                                 stream_options={"include_usage": True}, max_tokens=8,
-                                                 temperature=0, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt=prompt,
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         text, finish, usage = "", None, None
         async for chunk in stream:
             for c in chunk.choices:
@@ -111,7 +133,9 @@ async def test_64_concurrent_streaming_clients(server, http, metrics):
 async def test_disconnect_mid_stream_frees_blocks(server, http, metrics):
     before = await metrics.wait_until_idle()
     async with httpx.AsyncClient(base_url=server.url) as client:
-        async with client.stream("POST", "/v1/completions", json={"prompt": "Tell me a story", "stream": True} | LONG) as r:
+        async with client.stream(
+            "POST", "/v1/completions", json={"prompt": "Tell me a story", "stream": True} | LONG
+        ) as r:
             lines = r.aiter_lines()
             while not (await anext(lines)).startswith("data: {"):
                 pass
@@ -119,8 +143,10 @@ async def test_disconnect_mid_stream_frees_blocks(server, http, metrics):
     # Leaving the block closed the connection with the request running.
     assert during["vllm:num_requests_running"] == 1 and during["vllm:kv_cache_usage_perc"] > 0
     after = await metrics.wait_until_idle(before["vllm:kv_cache_usage_perc"], timeout=5)
-    assert after["vllm:request_success_total{finished_reason=abort}"] == \
-        before.get("vllm:request_success_total{finished_reason=abort}", 0) + 1
+    assert (
+        after["vllm:request_success_total{finished_reason=abort}"]
+        == before.get("vllm:request_success_total{finished_reason=abort}", 0) + 1
+    )
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 200
     r = await http.post("/v1/completions", json={"prompt": "Still serving?", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
@@ -129,8 +155,11 @@ async def test_disconnect_mid_stream_frees_blocks(server, http, metrics):
 async def test_disconnect_mid_request_frees_blocks(server, http, metrics):
     before = await metrics.wait_until_idle()
     async with httpx.AsyncClient(base_url=server.url) as client:
-        request = asyncio.create_task(client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Write a long essay."}]} | LONG))
+        request = asyncio.create_task(
+            client.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Write a long essay."}]} | LONG
+            )
+        )
         while (await metrics.scrape())["vllm:num_requests_running"] == 0:
             await asyncio.sleep(0.05)
         request.cancel()  # closes the connection before the response

@@ -1,5 +1,6 @@
 """The server through the official openai SDK: completions and chat, streamed and not, with the
 OpenAI and vLLM sampling fields; and greedy text equal to the offline LLM API's."""
+
 import asyncio
 
 import pytest
@@ -51,10 +52,18 @@ async def test_greedy_text_equals_offline_llm(openai_client, engine_args):
 
 
 async def test_chat_completion(openai_client):
-    r = await openai_client.chat.completions.create(model=MODEL_NAME, messages=[
-        {"role": "system", "content": "You are a geography teacher."},
-        {"role": "user", "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]},
-    ], max_completion_tokens=12, temperature=0)
+    r = await openai_client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[
+            {"role": "system", "content": "You are a geography teacher."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}],
+            },
+        ],
+        max_completion_tokens=12,
+        temperature=0,
+    )
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert r.choices[0].message.role == "assistant" and "Paris" in r.choices[0].message.content
     assert r.usage.completion_tokens <= 12 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
@@ -63,8 +72,12 @@ async def test_chat_completion(openai_client):
 async def test_chat_stream_matches_non_stream_and_ends_with_usage(openai_client):
     kwargs = dict(model=MODEL_NAME, messages=CHAT, max_tokens=10, temperature=0)
     full = await openai_client.chat.completions.create(**kwargs)
-    chunks = [c async for c in await openai_client.chat.completions.create(
-        **kwargs, stream=True, stream_options={"include_usage": True})]
+    chunks = [
+        c
+        async for c in await openai_client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    ]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
     content = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
@@ -76,9 +89,17 @@ async def test_chat_stream_matches_non_stream_and_ends_with_usage(openai_client)
 
 
 async def test_completion_stream_n2_each_choice_streams_and_finishes(openai_client, http):
-    stream = await openai_client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], n=2, max_tokens=6,
-                                                    temperature=1.0, seed=7, stream=True,
-                                                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = await openai_client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS[1],
+        n=2,
+        max_tokens=6,
+        temperature=1.0,
+        seed=7,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     texts, finish = {0: "", 1: ""}, {}
     usage = None
     async for chunk in stream:
@@ -98,8 +119,15 @@ async def _tokenize(http, prompt: str) -> list[int]:
 
 
 async def test_n2_non_stream_and_seed_reproducible(openai_client):
-    kwargs = dict(model=MODEL_NAME, prompt=PROMPTS[3], n=2, max_tokens=8, temperature=1.0, seed=1234,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL_NAME,
+        prompt=PROMPTS[3],
+        n=2,
+        max_tokens=8,
+        temperature=1.0,
+        seed=1234,
+        extra_body={"ignore_eos": True},
+    )
     first = await openai_client.completions.create(**kwargs)
     second = await openai_client.completions.create(**kwargs)
     assert [c.index for c in first.choices] == [0, 1] and first.usage.completion_tokens == 16
@@ -119,27 +147,30 @@ async def test_stop_string_and_stop_token(openai_client, http):
 
 
 async def test_completion_logprobs_and_echo(openai_client):
-    r = await openai_client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0,
-                                               logprobs=3)
+    r = await openai_client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=3
+    )
     lp = r.choices[0].logprobs
     assert "".join(lp.tokens) == r.choices[0].text and len(lp.tokens) == 4
     for token, logprob, top, offset in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset):
         assert logprob <= 0 and token in top and 3 <= len(top) <= 4
         assert max(top.values()) == logprob  # greedy picks the most likely token
-        assert r.choices[0].text[offset:offset + len(token)] == token
-    echo = await openai_client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0,
-                                                  logprobs=1, echo=True)
+        assert r.choices[0].text[offset : offset + len(token)] == token
+    echo = await openai_client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=1, echo=True
+    )
     text, lp = echo.choices[0].text, echo.choices[0].logprobs
     assert text == PROMPTS[0] + r.choices[0].text
     # prompt tokens are scored too (the first has no logprob, as in OpenAI's API): tests/server/test_server_clients.py
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and None not in lp.token_logprobs[1:]
     assert lp.token_logprobs[5:] == pytest.approx(r.choices[0].logprobs.token_logprobs, abs=1e-4)
-    assert "".join(lp.tokens) == text and all(text[o:o + len(t)] == t for t, o in zip(lp.tokens, lp.text_offset))
+    assert "".join(lp.tokens) == text and all(text[o : o + len(t)] == t for t, o in zip(lp.tokens, lp.text_offset))
 
 
 async def test_chat_logprobs_and_top_logprobs(openai_client):
-    r = await openai_client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=6, temperature=0,
-                                                    logprobs=True, top_logprobs=2)
+    r = await openai_client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = r.choices[0].logprobs.content
     assert "".join(t.token for t in content) == r.choices[0].message.content
     for t in content:
@@ -149,10 +180,25 @@ async def test_chat_logprobs_and_top_logprobs(openai_client):
 
 async def test_sampling_extras_are_accepted(openai_client):
     r = await openai_client.completions.create(
-        model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=6, temperature=0.8, top_p=0.9, seed=3, presence_penalty=0.5,
-        frequency_penalty=0.5, logit_bias={"16": -100}, user="tester",
-        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 6, "ignore_eos": True,
-                    "skip_special_tokens": True})
+        model=MODEL_NAME,
+        prompt=PROMPTS[2],
+        max_tokens=6,
+        temperature=0.8,
+        top_p=0.9,
+        seed=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={"16": -100},
+        user="tester",
+        extra_body={
+            "top_k": 20,
+            "min_p": 0.05,
+            "repetition_penalty": 1.2,
+            "min_tokens": 6,
+            "ignore_eos": True,
+            "skip_special_tokens": True,
+        },
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
 
 

@@ -2,6 +2,7 @@
 for the same conversation, message / function-call items, the typed event stream (order, sequence numbers, named
 SSE events), text.format JSON schemas, a function-call round trip, max_output_tokens cuts, and 4xx in OpenAI's
 shape for what is not supported, with the server serving on and no KV blocks held afterwards."""
+
 import itertools
 import json
 
@@ -14,21 +15,45 @@ pytest_plugins = ["server_harness"]
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"]}
-TOOL = {"type": "function", "name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER,
-        "strict": True}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": WEATHER,
+    "strict": True,
+}
 CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
 NAMED = {"type": "function", "name": "get_weather"}
 ASK_WEATHER = "What's the weather in Paris?"
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
-          "required": ["name", "age"]}
-TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-               "response.output_text.delta", "response.output_text.done", "response.content_part.done",
-               "response.output_item.done"]
-CALL_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
-               "response.function_call_arguments.delta", "response.function_call_arguments.done",
-               "response.output_item.done", "response.completed"]
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+}
+TEXT_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+]
+CALL_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.function_call_arguments.delta",
+    "response.function_call_arguments.done",
+    "response.output_item.done",
+    "response.completed",
+]
 
 
 def runs(types: list[str]) -> list[str]:
@@ -37,15 +62,17 @@ def runs(types: list[str]) -> list[str]:
 
 
 async def chat_text(client, messages, max_tokens: int, **kwargs) -> str:
-    r = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
-                                             **kwargs)
+    r = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, **kwargs
+    )
     return r.choices[0].message.content
 
 
 async def test_create_equals_chat_with_usage(openai_client):
     r = await openai_client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=40, temperature=0)
-    chat = await openai_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
-                                                       max_tokens=40, temperature=0)
+    chat = await openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=40, temperature=0
+    )
     assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
     assert r.status == "completed" and r.incomplete_details is None and r.error is None
     [message] = r.output
@@ -56,26 +83,39 @@ async def test_create_equals_chat_with_usage(openai_client):
     assert (u.input_tokens, u.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
     assert u.total_tokens == u.input_tokens + u.output_tokens and u.output_tokens_details.reasoning_tokens == 0
     assert 0 <= u.input_tokens_details.cached_tokens <= u.input_tokens
-    assert (r.temperature, r.max_output_tokens, r.tools, r.tool_choice, r.parallel_tool_calls) == (0, 40, [], "auto",
-                                                                                                   True)
+    assert (r.temperature, r.max_output_tokens, r.tools, r.tool_choice, r.parallel_tool_calls) == (
+        0,
+        40,
+        [],
+        "auto",
+        True,
+    )
 
 
 @pytest.mark.slow
 async def test_message_items_and_instructions_render_as_chat(openai_client):
     """instructions come first as a system message; input_text parts are joined as chat joins text parts; a
     developer message is a system message; an assistant output_text message is an assistant turn."""
-    items = [{"role": "user", "content": [{"type": "input_text", "text": "Name three fruits."}]},
-             {"role": "assistant", "content": [{"type": "output_text", "text": "Apple, banana and cherry."}]},
-             {"role": "developer", "content": "Answer in one line."},
-             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Now three"},
-                                                             {"type": "input_text", "text": "vegetables."}]}]
-    r = await openai_client.responses.create(model=MODEL, instructions="You are a helpful grocer.", input=items,
-                                             max_output_tokens=24, temperature=0)
-    messages = [{"role": "system", "content": "You are a helpful grocer."},
-                {"role": "user", "content": "Name three fruits."},
-                {"role": "assistant", "content": "Apple, banana and cherry."},
-                {"role": "system", "content": "Answer in one line."},
-                {"role": "user", "content": "Now three\nvegetables."}]
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Name three fruits."}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Apple, banana and cherry."}]},
+        {"role": "developer", "content": "Answer in one line."},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Now three"}, {"type": "input_text", "text": "vegetables."}],
+        },
+    ]
+    r = await openai_client.responses.create(
+        model=MODEL, instructions="You are a helpful grocer.", input=items, max_output_tokens=24, temperature=0
+    )
+    messages = [
+        {"role": "system", "content": "You are a helpful grocer."},
+        {"role": "user", "content": "Name three fruits."},
+        {"role": "assistant", "content": "Apple, banana and cherry."},
+        {"role": "system", "content": "Answer in one line."},
+        {"role": "user", "content": "Now three\nvegetables."},
+    ]
     assert r.instructions == "You are a helpful grocer."
     assert r.output_text and r.output_text == await chat_text(openai_client, messages, 24)
 
@@ -102,8 +142,9 @@ async def test_stream_events_in_order_and_final_response(openai_client):
 
 async def test_stream_is_named_sse_events_without_done(http):
     """Each event is `event: <type>` then `data: <json of that type>`, as OpenAI and vLLM send them."""
-    async with http.stream("POST", "/v1/responses", json={"model": MODEL, "input": QUESTION, "max_output_tokens": 5,
-                                                          "stream": True}) as r:
+    async with http.stream(
+        "POST", "/v1/responses", json={"model": MODEL, "input": QUESTION, "max_output_tokens": 5, "stream": True}
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         body = (await r.aread()).decode()
     blocks = [b.split("\n") for b in body.strip().split("\n\n")]
@@ -116,8 +157,9 @@ async def test_stream_is_named_sse_events_without_done(http):
 @pytest.mark.slow
 async def test_text_format_json_schema(openai_client):
     fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
-    r = await openai_client.responses.create(model=MODEL, input="Tell me about a person.", text={"format": fmt},
-                                             max_output_tokens=200, temperature=0)
+    r = await openai_client.responses.create(
+        model=MODEL, input="Tell me about a person.", text={"format": fmt}, max_output_tokens=200, temperature=0
+    )
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), PERSON)
     assert r.text.format.type == "json_schema" and r.text.format.name == "person"
@@ -127,8 +169,9 @@ async def test_text_format_json_schema(openai_client):
 async def test_function_call_round_trip(openai_client):
     """A named function must be called: a function_call item with arguments valid for its parameters; its
     output sent back as function_call_output gets a message, the same text chat gives for the same turns."""
-    first = await openai_client.responses.create(model=MODEL, input=ASK_WEATHER, tools=[TOOL], tool_choice=NAMED,
-                                                 max_output_tokens=200, temperature=0)
+    first = await openai_client.responses.create(
+        model=MODEL, input=ASK_WEATHER, tools=[TOOL], tool_choice=NAMED, max_output_tokens=200, temperature=0
+    )
     assert first.status == "completed" and first.output_text == ""
     [call] = first.output
     assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
@@ -137,16 +180,30 @@ async def test_function_call_round_trip(openai_client):
     result = "18 degrees celsius, sunny"
     # The output items go back as input as they came (the SDK sends their extra fields, which are ignored).
     second = await openai_client.responses.create(
-        model=MODEL, input=[{"role": "user", "content": ASK_WEATHER}, *first.output,
-                            {"type": "function_call_output", "call_id": call.call_id, "output": result}],
-        tools=[TOOL], tool_choice="none", max_output_tokens=40, temperature=0)
+        model=MODEL,
+        input=[
+            {"role": "user", "content": ASK_WEATHER},
+            *first.output,
+            {"type": "function_call_output", "call_id": call.call_id, "output": result},
+        ],
+        tools=[TOOL],
+        tool_choice="none",
+        max_output_tokens=40,
+        temperature=0,
+    )
     [message] = second.output
     assert message.type == "message" and second.output_text
-    messages = [{"role": "user", "content": ASK_WEATHER},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": call.call_id, "type": "function",
-                     "function": {"name": call.name, "arguments": call.arguments}}]},
-                {"role": "tool", "tool_call_id": call.call_id, "content": result}]
+    messages = [
+        {"role": "user", "content": ASK_WEATHER},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": result},
+    ]
     assert second.output_text == await chat_text(openai_client, messages, 40, tools=[CHAT_TOOL], tool_choice="none")
 
 
@@ -205,16 +262,22 @@ async def test_sdk_errors_and_the_server_serves_on(openai_client, metrics):
 BAD = [
     ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools", "'file_search'"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]}, "input",
-     "input_text"),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
+        "input",
+        "input_text",
+    ),
     ({"input": []}, "input", None),
     ({"conversation": "conv_1"}, "conversation", "stores no conversations"),
     ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
     ({"background": True}, "background", "not supported"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
     ({"truncation": "auto"}, "truncation", '"auto"'),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text",
-     "Unsupported type"),
+    (
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}},
+        "text",
+        "Unsupported type",
+    ),
     ({"text": {"format": {"type": "json_schema", "schema": PERSON}}}, "text", "name"),
     ({"tools": [TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "text", "not both"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "not in tools"),
@@ -236,18 +299,35 @@ async def test_bad_requests_get_400_naming_the_field(http, fields, param, messag
 
 async def test_inert_values_of_unsupported_fields_are_accepted(http):
     """What the SDK or agent frameworks send by default (store, empty tools, null reasoning...) is served."""
-    r = await http.post("/v1/responses", json={
-        "model": MODEL, "input": QUESTION, "max_output_tokens": 2, "store": True, "tools": [], "tool_choice": "auto",
-        "include": [], "background": False, "reasoning": {"effort": None}, "truncation": "disabled",
-        "metadata": {"k": "v"}, "user": "u1", "text": {"format": {"type": "text"}, "verbosity": "medium"}})
+    r = await http.post(
+        "/v1/responses",
+        json={
+            "model": MODEL,
+            "input": QUESTION,
+            "max_output_tokens": 2,
+            "store": True,
+            "tools": [],
+            "tool_choice": "auto",
+            "include": [],
+            "background": False,
+            "reasoning": {"effort": None},
+            "truncation": "disabled",
+            "metadata": {"k": "v"},
+            "user": "u1",
+            "text": {"format": {"type": "text"}, "verbosity": "medium"},
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["metadata"] == {"k": "v"} and body["user"] == "u1" and body["usage"]["output_tokens"] == 2
 
 
 async def test_client_leaving_a_stream_frees_its_blocks(http, metrics):
-    async with http.stream("POST", "/v1/responses", json={"model": MODEL, "input": QUESTION, "stream": True,
-                                                          "max_output_tokens": 500, "temperature": 0}) as r:
+    async with http.stream(
+        "POST",
+        "/v1/responses",
+        json={"model": MODEL, "input": QUESTION, "stream": True, "max_output_tokens": 500, "temperature": 0},
+    ) as r:
         async for line in r.aiter_lines():
             if line == "event: response.output_text.delta":
                 break

@@ -1,13 +1,14 @@
 """torch_native paged attention against dense attention computed straight from the definition."""
+
 import random
 
 import pytest
 import torch
 
 from models.attention.base import AttentionMetadata
-from models.kernels import cpu_kernels
 from models.attention.cpu import CPUBackend, kernel_isa
 from models.attention.torch_native import TorchNativeBackend
+from models.kernels import cpu_kernels
 
 H, KVH, D, BS = 6, 2, 16, 4
 
@@ -39,7 +40,7 @@ def test_mixed_batch_matches_dense_attention(backend_cls, dtype):
     rng = random.Random(0)
     torch.manual_seed(0)
     num_blocks = 64
-    backend = backend_cls(H, KVH, D, BS, D ** -0.5)
+    backend = backend_cls(H, KVH, D, BS, D**-0.5)
     (k_cache, v_cache), (k_nhd, v_nhd) = new_cache(backend, num_blocks, dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -57,22 +58,29 @@ def test_mixed_batch_matches_dense_attention(backend_cls, dtype):
         tables.append(table)
     bt = torch.zeros(len(shapes), max(map(len, tables)), dtype=torch.int32)
     for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t)
+        bt[i, : len(t)] = torch.tensor(t)
     qsl = [0]
     for _, new in shapes:
         qsl.append(qsl[-1] + new)
     slots = [tables[i][p // BS] * BS + p % BS for i, (ctx, new) in enumerate(shapes) for p in range(ctx, ctx + new)]
-    meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor([c + n for c, n in shapes], dtype=torch.int32),
-                             bt, torch.tensor(slots), 3, qsl, [c + n for c, n in shapes])
+    meta = AttentionMetadata(
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor([c + n for c, n in shapes], dtype=torch.int32),
+        bt,
+        torch.tensor(slots),
+        3,
+        qsl,
+        [c + n for c, n in shapes],
+    )
     q = torch.randn(qsl[-1], H + KVH, D, dtype=dtype)[:, :H]  # strided, as the model's slice of qkv
     k_new = torch.cat([keys[ctx:] for ctx, _, keys, _ in seqs])
     v_new = torch.cat([values[ctx:] for ctx, _, _, values in seqs])
     backend.plan(meta)
     out = backend.forward(q, k_new, v_new, (k_cache, v_cache), meta)
     for i, (ctx, new, keys, values) in enumerate(seqs):
-        ref = dense(q[qsl[i]:qsl[i + 1]].float(), keys.float(), values.float(), D ** -0.5)
+        ref = dense(q[qsl[i] : qsl[i + 1]].float(), keys.float(), values.float(), D**-0.5)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].float(), ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(out[qsl[i] : qsl[i + 1]].float(), ref, atol=tol, rtol=tol)
     # and the new tokens' K/V landed in their slots
     flat_k = k_nhd.reshape(-1, KVH, D)
     torch.testing.assert_close(flat_k[torch.tensor(slots)], k_new)
@@ -96,19 +104,26 @@ def random_step(rng, group, kvh, d, bs, shapes, dtype):
         slots += [tables[-1][p // bs] * bs + p % bs for p in range(ctx, ctx + new)]
     bt = torch.zeros(len(shapes), max(map(len, tables)), dtype=torch.int32)
     for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t)
+        bt[i, : len(t)] = torch.tensor(t)
     lens = [c + n for c, n in shapes]
-    meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), bt,
-                             torch.tensor(slots), sum(n == 1 for _, n in shapes), qsl, lens)
+    meta = AttentionMetadata(
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        bt,
+        torch.tensor(slots),
+        sum(n == 1 for _, n in shapes),
+        qsl,
+        lens,
+    )
     h = kvh * group
     qkv = torch.randn(qsl[-1], h + 2 * kvh, d, dtype=dtype)
-    return meta, qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:], num_blocks
+    return meta, qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :], num_blocks
 
 
 def run_against_torch_native(meta, q, k, v, block_size, num_blocks):
     """Both backends on the same step and the same (random) cache contents: (torch_native, cpu) outputs."""
     h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
-    backends = [TorchNativeBackend(h, kvh, d, block_size, d ** -0.5), CPUBackend(h, kvh, d, block_size, d ** -0.5)]
+    backends = [TorchNativeBackend(h, kvh, d, block_size, d**-0.5), CPUBackend(h, kvh, d, block_size, d**-0.5)]
     (ref_cache, ref_nhd), (cpu_cache, cpu_nhd) = (new_cache(b, num_blocks, q.dtype) for b in backends)
     for src, dst in zip(ref_nhd, cpu_nhd):
         src.copy_(torch.randn(src.shape, dtype=src.dtype))
@@ -120,8 +135,11 @@ def run_against_torch_native(meta, q, k, v, block_size, num_blocks):
     return outs
 
 
-CASES = [(group, d, dtype) for dtype in (torch.bfloat16, torch.float32)
-         for group, d in ((1, 64), (3, 64), (8, 64), (3, 128), (8, 128), (3, 40))]
+CASES = [
+    (group, d, dtype)
+    for dtype in (torch.bfloat16, torch.float32)
+    for group, d in ((1, 64), (3, 64), (8, 64), (3, 128), (8, 128), (3, 40))
+]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))

@@ -1,5 +1,6 @@
 """The attention-backend choice, FlashInfer's graph-mode workspace sizing and index dtype, and the
 CUDA-graph hooks' defaults: all without a GPU (CUDA devices are only named, never touched)."""
+
 import logging
 import sys
 import types
@@ -7,18 +8,18 @@ import types
 import pytest
 import torch
 
+from engine.worker.cuda_graph import capture_sizes
 from models.attention import choose_backend, make_backend
 from models.attention.cpu import CPUBackend
-from models.attention.flashinfer import (WORKSPACE_BYTES, FlashInferBackend, graph_workspace_bytes,
-                                         paged_kv_indices)
+from models.attention.flashinfer import WORKSPACE_BYTES, FlashInferBackend, graph_workspace_bytes, paged_kv_indices
 from models.attention.torch_native import TorchNativeBackend
-from engine.worker.cuda_graph import capture_sizes
 from models.config import ModelShape
 
 LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128)
 
 
 # ---- choose_backend / make_backend ----------------------------------------------------------------
+
 
 def test_float32_on_cuda_falls_back_to_torch_native(caplog):
     with caplog.at_level(logging.INFO, logger="models.attention"):
@@ -34,8 +35,18 @@ def test_explicit_flashinfer_in_float32_names_the_dtypes():
 
 def test_make_backend_float32_on_cuda_without_a_gpu():
     """Nothing touches the device: torch_native allocates nothing when built."""
-    shape = ModelShape(num_layers=2, hidden_size=64, vocab_size=100, total_num_heads=4, total_num_kv_heads=2,
-                       num_heads=4, num_kv_heads=2, head_dim=16, tp_size=1, max_position_embeddings=128)
+    shape = ModelShape(
+        num_layers=2,
+        hidden_size=64,
+        vocab_size=100,
+        total_num_heads=4,
+        total_num_kv_heads=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tp_size=1,
+        max_position_embeddings=128,
+    )
     cuda = torch.device("cuda")
     backend = make_backend(None, cuda, torch.float32, shape, 16)
     assert type(backend) is TorchNativeBackend and (backend.num_heads, backend.head_dim) == (4, 16)
@@ -67,18 +78,22 @@ def test_torch_native_when_asked(device_type):
     assert choose_backend("torch_native", device_type, torch.bfloat16, True, True) == "torch_native"
 
 
-@pytest.mark.parametrize("name, device_type, message", [
-    ("xformers", "cuda", "unknown attention_backend 'xformers'"),
-    ("xformers", "cpu", "unknown attention_backend 'xformers'"),
-    ("flashinfer", "cpu", "needs a CUDA device"),
-    ("cpu", "cuda", "needs the CPU device"),
-])
+@pytest.mark.parametrize(
+    "name, device_type, message",
+    [
+        ("xformers", "cuda", "unknown attention_backend 'xformers'"),
+        ("xformers", "cpu", "unknown attention_backend 'xformers'"),
+        ("flashinfer", "cpu", "needs a CUDA device"),
+        ("cpu", "cuda", "needs the CPU device"),
+    ],
+)
 def test_impossible_choices_raise(name, device_type, message):
     with pytest.raises(ValueError, match=message):
         choose_backend(name, device_type, torch.bfloat16, flashinfer_ok=True, cpu_kernels_ok=True)
 
 
 # ---- FlashInfer's graph-mode workspace ------------------------------------------------------------
+
 
 def test_graph_workspace_arithmetic():
     # batch 1 of Llama-3-8B: one tile of 16 packed rows (4 used) per row: 32 * 1 * 16 * 129 * 4
@@ -87,8 +102,9 @@ def test_graph_workspace_arithmetic():
     assert graph_workspace_bytes(32, 1, 128, 1) == 32 * 64 * 129 * 4
     assert graph_workspace_bytes(**LLAMA3_8B, batch_size=256) <= WORKSPACE_BYTES
     assert graph_workspace_bytes(**LLAMA3_8B, batch_size=512) > WORKSPACE_BYTES
-    first_over = next(bs for bs in range(1, 1024)
-                      if graph_workspace_bytes(**LLAMA3_8B, batch_size=bs) > WORKSPACE_BYTES)
+    first_over = next(
+        bs for bs in range(1, 1024) if graph_workspace_bytes(**LLAMA3_8B, batch_size=bs) > WORKSPACE_BYTES
+    )
     assert 400 <= first_over <= 416  # the reported overflow began near batch 408
 
 
@@ -107,7 +123,7 @@ def recording_flashinfer(monkeypatch):
 
 
 def llama3_8b_flashinfer() -> FlashInferBackend:
-    return FlashInferBackend(**LLAMA3_8B, block_size=16, scale=128 ** -0.5, dtype=torch.bfloat16, device="cpu")
+    return FlashInferBackend(**LLAMA3_8B, block_size=16, scale=128**-0.5, dtype=torch.bfloat16, device="cpu")
 
 
 def test_graph_wrappers_get_a_workspace_that_fits_every_size(recording_flashinfer):
@@ -134,8 +150,9 @@ def test_paged_kv_indices_are_int32_for_an_int64_block_table():
 
 # ---- CUDA-graph hooks ------------------------------------------------------------------------------
 
+
 def test_cuda_graph_hooks_do_nothing_by_default():
-    backend = TorchNativeBackend(4, 2, 8, 4, 8 ** -0.5)
+    backend = TorchNativeBackend(4, 2, 8, 4, 8**-0.5)
     assert backend.supports_cuda_graphs is False and CPUBackend.supports_cuda_graphs is False
     assert backend.init_cuda_graph_decode([1, 2, 4], max_blocks_per_seq=8) is None
     with backend.cuda_graph_decode(4) as entered:

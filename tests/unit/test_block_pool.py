@@ -1,4 +1,5 @@
 """Block pool and KV cache manager invariants: hash chain, LRU eviction order, ref counts."""
+
 from types import SimpleNamespace
 
 from engine.core.kv_cache_manager import BlockPool, KVCacheManager, hash_block

@@ -1,14 +1,15 @@
 """CUDA-graph batch-size ladder and padding (CPU), and capture/replay against eager runs (GPU only)."""
+
 import random
 
 import pytest
 import torch
 from torch import nn
 
+from engine.worker.cuda_graph import CUDAGraphRunner, capture_sizes, padded_size
 from models.attention.base import AttentionMetadata
 from models.attention.flashinfer import FlashInferBackend, flashinfer_available
 from models.attention.torch_native import TorchNativeBackend
-from engine.worker.cuda_graph import CUDAGraphRunner, capture_sizes, padded_size
 
 H, KVH, BS, NUM_BLOCKS, MAX_BLOCKS = 4, 2, 16, 64, 4
 DUMMY = NUM_BLOCKS - 1
@@ -45,8 +46,9 @@ class ToyModel(nn.Module):
         x = x + (0.01 * positions[:, None]).to(x.dtype)
         for qkv, o, kv_cache in zip(self.qkv, self.o, kv_caches):
             q, k, v = qkv(x).split([H * self.d, KVH * self.d, KVH * self.d], dim=-1)
-            a = self.backend.forward(q.reshape(-1, H, self.d), k.reshape(-1, KVH, self.d),
-                                     v.reshape(-1, KVH, self.d), kv_cache, meta)
+            a = self.backend.forward(
+                q.reshape(-1, H, self.d), k.reshape(-1, KVH, self.d), v.reshape(-1, KVH, self.d), kv_cache, meta
+            )
             x = x + o(a.reshape(-1, H * self.d))
         return x
 
@@ -61,9 +63,14 @@ def decode_batch(rng: random.Random, n: int, device):
     slots = [t[(s - 1) // BS] * BS + (s - 1) % BS for t, s in zip(tables, lens)]
     i32 = dict(dtype=torch.int32, device=device)
     meta = AttentionMetadata(
-        query_start_loc=torch.arange(n + 1, **i32), seq_lens=torch.tensor(lens, **i32),
-        block_tables=torch.tensor(tables, **i32), slot_mapping=torch.tensor(slots, device=device),
-        num_decodes=n, query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=lens)
+        query_start_loc=torch.arange(n + 1, **i32),
+        seq_lens=torch.tensor(lens, **i32),
+        block_tables=torch.tensor(tables, **i32),
+        slot_mapping=torch.tensor(slots, device=device),
+        num_decodes=n,
+        query_start_loc_cpu=list(range(n + 1)),
+        seq_lens_cpu=lens,
+    )
     ids = torch.tensor([rng.randrange(50) for _ in range(n)], device=device)
     return ids, torch.tensor(lens, device=device) - 1, meta
 
@@ -71,11 +78,14 @@ def decode_batch(rng: random.Random, n: int, device):
 def make(backend, head_dim, dtype, device):
     torch.manual_seed(0)
     model = ToyModel(backend, head_dim).to(device, dtype)
-    kv = [tuple(torch.randn(NUM_BLOCKS, BS, KVH, head_dim, device=device, dtype=dtype) for _ in range(2))
-          for _ in range(2)]
+    kv = [
+        tuple(torch.randn(NUM_BLOCKS, BS, KVH, head_dim, device=device, dtype=dtype) for _ in range(2))
+        for _ in range(2)
+    ]
     kv_ref = [tuple(c.clone() for c in layer) for layer in kv]
-    runner = CUDAGraphRunner(model, backend, kv, max_num_seqs=12, max_blocks_per_seq=MAX_BLOCKS,
-                             block_size=BS, dummy_block=DUMMY)
+    runner = CUDAGraphRunner(
+        model, backend, kv, max_num_seqs=12, max_blocks_per_seq=MAX_BLOCKS, block_size=BS, dummy_block=DUMMY
+    )
     return model, kv, kv_ref, runner
 
 
@@ -94,7 +104,7 @@ def assert_same_cache(kv, kv_ref, **tol):
 @torch.inference_mode()
 def test_padded_static_inputs_compute_the_real_rows_on_cpu():
     """What a replay computes: the model run eagerly over the runner's padded static buffers."""
-    backend = TorchNativeBackend(H, KVH, 8, BS, 8 ** -0.5)
+    backend = TorchNativeBackend(H, KVH, 8, BS, 8**-0.5)
     model, kv, kv_ref, runner = make(backend, 8, torch.float32, "cpu")
     rng = random.Random(0)
     for n in (7, 5, 12, 1, 3):  # 5 after 7 leaves stale real rows in the padding, which must be reset
@@ -109,7 +119,7 @@ def test_padded_static_inputs_compute_the_real_rows_on_cpu():
 
 
 def test_mixed_batches_are_not_graphed():
-    backend = TorchNativeBackend(H, KVH, 8, BS, 8 ** -0.5)
+    backend = TorchNativeBackend(H, KVH, 8, BS, 8**-0.5)
     _, _, _, runner = make(backend, 8, torch.float32, "cpu")
     _, _, meta = decode_batch(random.Random(0), 3, "cpu")
     meta.num_decodes = 2  # the last row is now a (one-token) prefill chunk
@@ -130,11 +140,11 @@ def replay_matches_eager(backend, head_dim, dtype, **tol):
 
 @needs_cuda
 def test_graph_replay_matches_eager_torch_native():
-    replay_matches_eager(TorchNativeBackend(H, KVH, 8, BS, 8 ** -0.5), 8, torch.float32, atol=1e-4, rtol=1e-4)
+    replay_matches_eager(TorchNativeBackend(H, KVH, 8, BS, 8**-0.5), 8, torch.float32, atol=1e-4, rtol=1e-4)
 
 
 @needs_cuda
 @pytest.mark.skipif(not flashinfer_available(), reason="needs the flashinfer package")
 def test_graph_replay_matches_eager_flashinfer():
-    backend = FlashInferBackend(H, KVH, 64, BS, 64 ** -0.5, dtype=torch.bfloat16, device="cuda")
+    backend = FlashInferBackend(H, KVH, 64, BS, 64**-0.5, dtype=torch.bfloat16, device="cuda")
     replay_matches_eager(backend, 64, torch.bfloat16, atol=2e-2, rtol=2e-2)

@@ -1,4 +1,5 @@
 """Incremental detokenization: valid UTF-8 at every step, stop strings held back."""
+
 from engine import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 
@@ -37,10 +38,14 @@ def test_stop_string_is_held_back_then_cut(llm):
 
 def test_emoji_stream_from_the_model(llm):
     engine = llm.engine
-    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Reply with three emojis that show happiness."}],
-                                               tokenize=False, add_generation_prompt=True)
-    engine.add_request("emoji", llm.tokenizer.encode(prompt, add_special_tokens=False),
-                       SamplingParams(temperature=0, max_tokens=12))
+    prompt = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Reply with three emojis that show happiness."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    engine.add_request(
+        "emoji", llm.tokenizer.encode(prompt, add_special_tokens=False), SamplingParams(temperature=0, max_tokens=12)
+    )
     seen = []
     while engine.has_unfinished_requests():
         for out in engine.step():

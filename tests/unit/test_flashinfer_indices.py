@@ -1,6 +1,7 @@
 """FlashInfer's paged-KV index arrays, derived from block tables, checked on the CPU against what
 torch_native reads; and FlashInferBackend's plumbing, run on the CPU over a stand-in `flashinfer`
 module whose wrappers follow FlashInfer's documented semantics (its real kernels need CUDA)."""
+
 import math
 import random
 import sys
@@ -9,16 +10,17 @@ import types
 import pytest
 import torch
 
+from engine.worker.cuda_graph import CUDAGraphRunner
 from models.attention.base import AttentionMetadata
 from models.attention.flashinfer import FlashInferBackend, flashinfer_available, paged_kv_indices
 from models.attention.torch_native import TorchNativeBackend
-from engine.worker.cuda_graph import CUDAGraphRunner
 
 BS, H, KVH, D = 4, 4, 2, 8  # block size, query heads, KV heads, head dim
 
 
-def random_batch(rng: random.Random, num_decodes: int, num_prefills: int, block_size: int = BS,
-                 num_blocks: int = 200, device="cpu") -> AttentionMetadata:
+def random_batch(
+    rng: random.Random, num_decodes: int, num_prefills: int, block_size: int = BS, num_blocks: int = 200, device="cpu"
+) -> AttentionMetadata:
     """Decodes first, then prefill chunks, some after a cached prefix (chunked prefill or a prefix-cache
     hit). Rows share their first full cached blocks with a common prefix, like prefix-cache hits."""
     q_lens = [1] * num_decodes + [rng.randint(1, 13) for _ in range(num_prefills)]
@@ -38,14 +40,19 @@ def random_batch(rng: random.Random, num_decodes: int, num_prefills: int, block_
         qsl.append(qsl[-1] + q)
     i32 = dict(dtype=torch.int32, device=device)
     return AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, **i32), seq_lens=torch.tensor(seq_lens, **i32),
-        block_tables=torch.tensor(tables, **i32), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        num_decodes=num_decodes, query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        query_start_loc=torch.tensor(qsl, **i32),
+        seq_lens=torch.tensor(seq_lens, **i32),
+        block_tables=torch.tensor(tables, **i32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_decodes=num_decodes,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
 
 
 def gather_paged(cache, kv_indptr, kv_indices, last_page_len, i):
     """The KV rows [len, kvh, d] of sequence i as FlashInfer reads them from the CSR arrays."""
-    pages = kv_indices[kv_indptr[i]:kv_indptr[i + 1]].long()
+    pages = kv_indices[kv_indptr[i] : kv_indptr[i + 1]].long()
     n = (len(pages) - 1) * cache.shape[1] + int(last_page_len[i])
     return cache[pages.to(cache.device)].flatten(0, 1)[:n]
 
@@ -68,16 +75,17 @@ def test_indices_read_what_torch_native_reads(seed):
     nd = rng.randint(0, 6)
     meta = random_batch(rng, nd, rng.randint(0 if nd else 1, 4))
     cache = torch.randn(200, BS, KVH, D)
-    native = TorchNativeBackend(H, KVH, D, BS, D ** -0.5)
+    native = TorchNativeBackend(H, KVH, D, BS, D**-0.5)
     nd, b = meta.num_decodes, meta.num_seqs
     for start, end in ((0, nd), (nd, b)):
         if start == end:
             continue
-        qo, indptr, indices, last = paged_kv_indices(meta.block_tables, meta.seq_lens_cpu,
-                                                     meta.query_start_loc_cpu, BS, start, end)
+        qo, indptr, indices, last = paged_kv_indices(
+            meta.block_tables, meta.seq_lens_cpu, meta.query_start_loc_cpu, BS, start, end
+        )
         for j, i in enumerate(range(start, end)):
             n = meta.seq_lens_cpu[i]
-            expected = native._gather(cache, meta.block_tables[i][:math.ceil(n / BS)], n)
+            expected = native._gather(cache, meta.block_tables[i][: math.ceil(n / BS)], n)
             assert torch.equal(gather_paged(cache, indptr, indices, last, j), expected)
             # the same query rows as the flat batch's
             assert qo[j + 1] - qo[j] == meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
@@ -86,13 +94,14 @@ def test_indices_read_what_torch_native_reads(seed):
 
 # ---- a stand-in for the `flashinfer` module: FlashInfer's semantics in plain torch ----------------
 
+
 def _attend(q, kv_cache, qo_indptr, kv_indptr, indices, last, causal, sm_scale):
     """Causal masks align to the KV's end: query r of m sees keys 0..n-m+r (FlashInfer's convention)."""
     outs = []
     for i in range(len(last)):
         k = gather_paged(kv_cache[0], kv_indptr, indices, last, i).float()
         v = gather_paged(kv_cache[1], kv_indptr, indices, last, i).float()
-        qi = q[qo_indptr[i]:qo_indptr[i + 1]].float()
+        qi = q[qo_indptr[i] : qo_indptr[i + 1]].float()
         m, n, group = qi.shape[0], k.shape[0], qi.shape[1] // k.shape[1]
         s = torch.einsum("mhd,nhd->hmn", qi, k.repeat_interleave(group, 1)) * sm_scale
         if causal:
@@ -102,21 +111,41 @@ def _attend(q, kv_cache, qo_indptr, kv_indptr, indices, last, causal, sm_scale):
 
 
 class FakeDecodeWrapper:
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
-                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+    def __init__(
+        self,
+        float_workspace_buffer,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        use_tensor_cores=False,
+        paged_kv_indptr_buffer=None,
+        paged_kv_indices_buffer=None,
+        paged_kv_last_page_len_buffer=None,
+    ):
         assert kv_layout == "NHD"
         self.cuda_graph = use_cuda_graph
         self.bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
 
-    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
-             q_data_type, kv_data_type, sm_scale):
+    def plan(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        *,
+        q_data_type,
+        kv_data_type,
+        sm_scale,
+    ):
         assert {indptr.dtype, indices.dtype, last_page_len.dtype} == {torch.int32}
         if self.cuda_graph:  # as FlashInfer does: a fixed batch size, arrays copied into the buffers
             indptr_buf, indices_buf, last_buf = self.bufs
             assert len(last_page_len) == len(last_buf) and len(indices) <= len(indices_buf)
             indptr_buf.copy_(indptr)
             last_buf.copy_(last_page_len)
-            indices_buf[:len(indices)].copy_(indices)
+            indices_buf[: len(indices)].copy_(indices)
         else:
             self.bufs = (indptr, indices, last_page_len)
         self.dtype, self.sm_scale = q_data_type, sm_scale
@@ -132,8 +161,22 @@ class FakePrefillWrapper:
     def __init__(self, float_workspace_buffer, kv_layout="NHD"):
         assert kv_layout == "NHD"
 
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-             num_kv_heads, head_dim_qk, page_size, *, causal, q_data_type, kv_data_type, sm_scale):
+    def plan(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        page_size,
+        *,
+        causal,
+        q_data_type,
+        kv_data_type,
+        sm_scale,
+    ):
         self.arrays = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         self.causal, self.dtype, self.sm_scale = causal, q_data_type, sm_scale
 
@@ -164,9 +207,9 @@ def test_backend_matches_torch_native(fake_flashinfer, seed):
     q, k, v = torch.randn(t, H, D), torch.randn(t, KVH, D), torch.randn(t, KVH, D)
     caches = [(torch.randn(200, BS, KVH, D), torch.randn(200, BS, KVH, D))]
     caches.append(tuple(c.clone() for c in caches[0]))
-    fi = FlashInferBackend(H, KVH, D, BS, D ** -0.5, dtype=torch.float32, device="cpu")
+    fi = FlashInferBackend(H, KVH, D, BS, D**-0.5, dtype=torch.float32, device="cpu")
     out = run_step(fi, meta, caches[0], q, k, v)
-    ref = run_step(TorchNativeBackend(H, KVH, D, BS, D ** -0.5), meta, caches[1], q, k, v)
+    ref = run_step(TorchNativeBackend(H, KVH, D, BS, D**-0.5), meta, caches[1], q, k, v)
     torch.testing.assert_close(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1]))
 
@@ -175,14 +218,14 @@ def test_graph_decode_wrappers_with_padding(fake_flashinfer):
     """The per-size graph wrappers, fed by CUDAGraphRunner's padded static buffers, compute what
     torch_native computes for the real rows; padded rows touch only the dummy block."""
     rng = random.Random(0)
-    fi = FlashInferBackend(H, KVH, D, BS, D ** -0.5, dtype=torch.float32, device="cpu")
+    fi = FlashInferBackend(H, KVH, D, BS, D**-0.5, dtype=torch.float32, device="cpu")
     kv = (torch.randn(200, BS, KVH, D), torch.randn(200, BS, KVH, D))
     kv_ref = tuple(c.clone() for c in kv)
     graphs = CUDAGraphRunner(None, fi, [kv], max_num_seqs=12, max_blocks_per_seq=12, block_size=BS, dummy_block=0)
     for n in (7, 5, 12, 1, 3):  # each pads to a ladder size; 5 after 7 leaves stale rows to reset
         meta = random_batch(rng, n, 0)
         q, k, v = torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D)
-        ref = run_step(TorchNativeBackend(H, KVH, D, BS, D ** -0.5), meta, kv_ref, q, k, v)
+        ref = run_step(TorchNativeBackend(H, KVH, D, BS, D**-0.5), meta, kv_ref, q, k, v)
         bs, padded = graphs.load_inputs(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), meta)
         q, k, v = (torch.cat([x, x.new_zeros(bs - n, *x.shape[1:])]) for x in (q, k, v))
         with fi.cuda_graph_decode(bs):
@@ -204,21 +247,23 @@ def test_flashinfer_available_follows_the_import(monkeypatch, module, expected):
         flashinfer_available.cache_clear()  # later callers probe the real package
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not flashinfer_available(),
-                    reason="needs a CUDA device and the flashinfer package")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not flashinfer_available(), reason="needs a CUDA device and the flashinfer package"
+)
 def test_real_flashinfer_matches_torch_native_on_gpu():
     """Llama-3-8B attention shapes in bfloat16: FlashInfer's kernels against torch_native."""
     rng = random.Random(0)
     torch.manual_seed(0)
     h, kvh, d, bs = 32, 8, 128, 16
     like = dict(device="cuda", dtype=torch.bfloat16)
-    fi = FlashInferBackend(h, kvh, d, bs, d ** -0.5, dtype=torch.bfloat16, device="cuda")
-    native = TorchNativeBackend(h, kvh, d, bs, d ** -0.5)
+    fi = FlashInferBackend(h, kvh, d, bs, d**-0.5, dtype=torch.bfloat16, device="cuda")
+    native = TorchNativeBackend(h, kvh, d, bs, d**-0.5)
     for _ in range(5):
         meta = random_batch(rng, rng.randint(0, 5), rng.randint(1, 3), block_size=bs, device="cuda")
         t = meta.query_start_loc_cpu[-1]
         q, k, v = torch.randn(t, h, d, **like), torch.randn(t, kvh, d, **like), torch.randn(t, kvh, d, **like)
         kv = (torch.randn(200, bs, kvh, d, **like), torch.randn(200, bs, kvh, d, **like))
         kv_ref = tuple(c.clone() for c in kv)
-        torch.testing.assert_close(run_step(fi, meta, kv, q, k, v), run_step(native, meta, kv_ref, q, k, v),
-                                   atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            run_step(fi, meta, kv, q, k, v), run_step(native, meta, kv_ref, q, k, v), atol=2e-2, rtol=2e-2
+        )

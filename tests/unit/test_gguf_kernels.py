@@ -1,10 +1,12 @@
 """The GGUF kernels (models/kernels/csrc/gguf_linear.c) against gguf-py's numpy dequantize, for every
 supported type, on random blocks: exact dequantization (blocks and R16), the portable path to float
 rounding, and the R16 VNNI kernel within the bound its int16 activations allow."""
+
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
+from gguf import GGML_QUANT_SIZES, quants
+from gguf import GGMLQuantizationType as T
 
 from models.kernels import cpu_kernels, ops
 from models.quantization.gguf import QUANTIZED_TYPES, GGUFTensor
@@ -24,7 +26,7 @@ def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> torch.Tensor
     raw = rng.integers(0, 256, size=(nb, bb), dtype=np.uint8)
 
     def put(offset, low, high):
-        raw[:, offset:offset + 2] = rng.uniform(low, high, (nb, 1)).astype(np.float16).view(np.uint8)
+        raw[:, offset : offset + 2] = rng.uniform(low, high, (nb, 1)).astype(np.float16).view(np.uint8)
 
     if qtype in (T.Q4_0, T.Q8_0):
         put(0, -0.02, 0.02)
@@ -52,7 +54,7 @@ def int16_bound(x: torch.Tensor, w: np.ndarray, y_ref: np.ndarray) -> np.ndarray
     xb = x.double().numpy().reshape(x.shape[0], -1, 32)
     step = np.abs(xb).max(-1) / 32767  # [M, blocks]
     absw = np.abs(w).reshape(w.shape[0], -1, 32).sum(-1)  # [N, blocks]
-    return 0.5 * step @ absw.T * 1.001 + np.abs(y_ref) * 2.0 ** -8 + 1e-6
+    return 0.5 * step @ absw.T * 1.001 + np.abs(y_ref) * 2.0**-8 + 1e-6
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED_TYPES, ids=lambda t: t.name)
@@ -111,12 +113,14 @@ def test_linear_bfloat16(qtype, path, M):
     else:
         y = ops.gguf_linear(x, raw, qtype, rows, cols, r16=False)
     err = np.abs(y.double().numpy() - y_ref)
-    bound = np.abs(y_ref) * 2.0 ** -8 + 1e-5 if path == "portable" else int16_bound(x, w, y_ref)
+    bound = np.abs(y_ref) * 2.0**-8 + 1e-5 if path == "portable" else int16_bound(x, w, y_ref)
     assert (err <= bound).all(), f"max excess {(err - bound).max()}"
     if path == "r16":  # the output may be a strided view: one projection's columns of a fused output
         wide = torch.zeros(M, rows + 10, dtype=torch.bfloat16)
-        ops.gguf_linear(x, ops.gguf_repack_r16(raw, qtype, cols), qtype, rows, cols, r16=True, out=wide[:, 5:5 + rows])
-        assert torch.equal(wide[:, 5:5 + rows], y) and not wide[:, :5].any() and not wide[:, 5 + rows:].any()
+        ops.gguf_linear(
+            x, ops.gguf_repack_r16(raw, qtype, cols), qtype, rows, cols, r16=True, out=wide[:, 5 : 5 + rows]
+        )
+        assert torch.equal(wide[:, 5 : 5 + rows], y) and not wide[:, :5].any() and not wide[:, 5 + rows :].any()
 
 
 def test_gguf_tensor_repacks_for_bfloat16_only_where_the_cpu_can():

@@ -1,5 +1,6 @@
 """A GGUF file read directly (models/gguf.py): config, tokenizer and weights against transformers' own
 GGUF loading of the default model, and bad files as start-up errors naming what is wrong."""
+
 import os
 import shutil
 
@@ -9,9 +10,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from models.quantization.gguf import GGUFTensor
 from models.gguf import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer, read_header
 from models.loader import default_model_path
+from models.quantization.gguf import GGUFTensor
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +26,19 @@ def test_config_matches_transformers(gguf_path):
 
     ours = load_gguf_config(gguf_path)
     ref = AutoConfig.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
-    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "vocab_size",
-                "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+    for key in (
+        "num_hidden_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert getattr(ours, key) == getattr(ref, key), key
     assert ours.architectures == ["LlamaForCausalLM"] and ours.head_dim == 64
     assert ours.rope_parameters["rope_theta"] == 100000.0
@@ -43,8 +54,9 @@ def test_tokenizer_matches_transformers(gguf_path):
     for text in texts:
         assert ours.encode(text) == ref.encode(text)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == ref.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
     assert ours.eos_token == "<|im_end|>" and len(ours) == 49152
 
 
@@ -59,10 +71,15 @@ def test_tokenizer_cache_reads_back_the_same_tokenizer(gguf_path, tmp_path):
     for text in ["Hello world", "  two spaces, émojis 🎉 and\nnewlines\t<|im_end|>", "def f(x):\n    return x"]:
         assert cached.encode(text) == built.encode(text)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    assert cached.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        built.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    assert (cached.bos_token, cached.eos_token, cached.all_special_ids, len(cached)) == \
-        (built.bos_token, built.eos_token, built.all_special_ids, len(built))
+    assert cached.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == built.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
+    assert (cached.bos_token, cached.eos_token, cached.all_special_ids, len(cached)) == (
+        built.bos_token,
+        built.eos_token,
+        built.all_special_ids,
+        len(built),
+    )
 
 
 @pytest.mark.slow
@@ -90,9 +107,15 @@ def test_weights_match_transformers(gguf_path, hf_model_dir):
 def _write(path, arch="llama", qtype=GGMLQuantizationType.Q8_0, cut: int | None = None) -> str:
     """A one-layer GGUF of `arch` whose q projection is of `qtype` (cut to `cut` bytes if given)."""
     w = GGUFWriter(str(path), arch)
-    for key, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 64),
-                       ("feed_forward_length", 128), ("attention.head_count", 2), ("attention.head_count_kv", 2),
-                       ("attention.layer_norm_rms_epsilon", 1e-5)):
+    for key, value in (
+        ("block_count", 1),
+        ("context_length", 64),
+        ("embedding_length", 64),
+        ("feed_forward_length", 128),
+        ("attention.head_count", 2),
+        ("attention.head_count_kv", 2),
+        ("attention.layer_norm_rms_epsilon", 1e-5),
+    ):
         (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
     rng = np.random.default_rng(0)
     q = rng.normal(size=(64, 64)).astype(np.float32)

@@ -1,12 +1,12 @@
 """The C layer ops (residual-add + RMSNorm, rotary, SiLU-and-mul, the small-batch bfloat16 linear)
 against the torch computations they replace, on random data of the model's shapes."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import engine  # noqa: F401  (imports the engine before the model package, as the runner does)
-from models.kernels import cpu_kernels
-from models.kernels import ops
+from models.kernels import cpu_kernels, ops
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -59,7 +59,7 @@ def test_small_batch_bf16_linear(m, n, k):
     """Row counts around the 4x4 tiles, N not a multiple of 4, K not a multiple of 32."""
     torch.manual_seed(m)
     x = torch.randn(m, k + 8, dtype=torch.bfloat16)[:, :k]  # rows with a stride, as views give
-    w, b = torch.randn(n, k, dtype=torch.bfloat16) / k ** 0.5, torch.randn(n, dtype=torch.bfloat16)
+    w, b = torch.randn(n, k, dtype=torch.bfloat16) / k**0.5, torch.randn(n, dtype=torch.bfloat16)
     for bias in (None, b):
         expect = F.linear(x.float(), w.float(), None if bias is None else bias.float())
         torch.testing.assert_close(ops.linear(x, w, bias).float(), expect, atol=2e-2, rtol=2e-2)

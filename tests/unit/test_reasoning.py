@@ -1,5 +1,6 @@
 """The reasoning parsers on real token streams: a reasoning model's output as the default model's
 tokenizer cuts it, fed token by token (and cut at every character), equals the whole-text split."""
+
 import pytest
 
 from api.reasoning import ReasoningParser, split_reasoning
@@ -8,8 +9,12 @@ from models.loader import load_tokenizer, resolve_model
 THINKING = "<think>\nThe user asks for 2 + 2. That is 4; no tools needed.\n</think>\n\nThe answer is **4**."
 CASES = [  # (parser, output, reasoning, content)
     ("deepseek_r1", THINKING, "\nThe user asks for 2 + 2. That is 4; no tools needed.\n", "\n\nThe answer is **4**."),
-    ("deepseek_r1", THINKING.removeprefix("<think>"), "\nThe user asks for 2 + 2. That is 4; no tools needed.\n",
-     "\n\nThe answer is **4**."),  # the template opened the block
+    (
+        "deepseek_r1",
+        THINKING.removeprefix("<think>"),
+        "\nThe user asks for 2 + 2. That is 4; no tools needed.\n",
+        "\n\nThe answer is **4**.",
+    ),  # the template opened the block
     ("deepseek_r1", "Still thinking when max_tokens cut it", "Still thinking when max_tokens cut it", ""),
     ("qwen3", THINKING, "\nThe user asks for 2 + 2. That is 4; no tools needed.\n", "\n\nThe answer is **4**."),
     ("qwen3", "The answer is 4 (thinking disabled).", None, "The answer is 4 (thinking disabled)."),
@@ -37,7 +42,7 @@ def test_whole_and_streamed_token_by_token(tokenizer, name, output, reasoning, c
     ids = tokenizer.encode(output, add_special_tokens=False)
     texts = [tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
     assert texts[-1] == output
-    deltas = [b[len(a):] for a, b in zip(texts, texts[1:])]
+    deltas = [b[len(a) :] for a, b in zip(texts, texts[1:])]
     assert stream(ReasoningParser(name), deltas) == (reasoning or "", content)
 
 

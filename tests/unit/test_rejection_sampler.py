@@ -1,6 +1,7 @@
 """The rejection sampler: greedy verification token by token, and for random rows an output
 distributed as the target's processed distribution p (chi-square), with one-hot and non-one-hot
 draft distributions q; seeded requests reproduce their tokens."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -15,10 +16,16 @@ CHI2_CRITICAL_9DF = 33.72
 
 
 def request(drafts, params: SamplingParams, q=None, seed=None, output=()):
-    return SimpleNamespace(spec_token_ids=list(drafts), spec_token_probs=q, params=params,
-                           generator=None if seed is None else torch.Generator().manual_seed(seed),
-                           output_token_ids=list(output), all_token_ids=[1, 2, 3] + list(output),
-                           eos_token_ids=frozenset(), grammar=None)
+    return SimpleNamespace(
+        spec_token_ids=list(drafts),
+        spec_token_probs=q,
+        params=params,
+        generator=None if seed is None else torch.Generator().manual_seed(seed),
+        output_token_ids=list(output),
+        all_token_ids=[1, 2, 3] + list(output),
+        eos_token_ids=frozenset(),
+        grammar=None,
+    )
 
 
 def one_hot_logits(token_ids):
@@ -30,12 +37,15 @@ def one_hot_logits(token_ids):
 GREEDY = SamplingParams(temperature=0)
 
 
-@pytest.mark.parametrize("drafts, targets, expected", [
-    ([4, 5, 6], [4, 5, 6, 7], [4, 5, 6, 7]),  # all accepted + bonus
-    ([4, 5, 6], [4, 9, 6, 7], [4, 9]),  # second rejected: the target's token replaces it
-    ([4, 5, 6], [8, 5, 6, 7], [8]),  # first rejected
-    ([], [3], [3]),  # no draft: plain greedy
-])
+@pytest.mark.parametrize(
+    "drafts, targets, expected",
+    [
+        ([4, 5, 6], [4, 5, 6, 7], [4, 5, 6, 7]),  # all accepted + bonus
+        ([4, 5, 6], [4, 9, 6, 7], [4, 9]),  # second rejected: the target's token replaces it
+        ([4, 5, 6], [8, 5, 6, 7], [8]),  # first rejected
+        ([], [3], [3]),  # no draft: plain greedy
+    ],
+)
 def test_greedy_rows_follow_the_target_argmax(drafts, targets, expected):
     tokens, logprobs = RejectionSampler()(one_hot_logits(targets), [request(drafts, GREEDY)])
     assert tokens == [expected] and logprobs == [[None] * len(expected)]
@@ -117,8 +127,10 @@ def test_no_draft_row_draws_the_exponential_race_of_plain_sampling():
     order = probs.argsort(descending=True)
     covered = probs[order].cumsum(0) - probs[order]  # mass of the tokens ranked above each
     nucleus = torch.zeros_like(probs).scatter_(0, order, (covered < 0.9).float()) * probs
-    reference = [int((nucleus / torch.empty(VOCAB).exponential_(generator=torch.Generator().manual_seed(s))).argmax())
-                 for s in range(30)]
+    reference = [
+        int((nucleus / torch.empty(VOCAB).exponential_(generator=torch.Generator().manual_seed(s))).argmax())
+        for s in range(30)
+    ]
     assert ours == reference and len(set(ours)) > 1
 
 

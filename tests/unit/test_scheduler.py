@@ -2,8 +2,11 @@
 budget, running requests before new ones, chunked prefill, FCFS preemption, what the workers are told (new
 requests whole, the others as diffs; resumed ones with all their blocks; finished ids), draft rollback, stop
 checks, prompt-only finish, embeddings passed on, and a data-only seam that pickles."""
+
 import pickle
 import pickletools
+
+import torch
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
@@ -13,13 +16,16 @@ from engine.kv_transfer.connector import NoKVConnector
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 
-import torch
-
 
 def make_scheduler(num_blocks=100, block_size=16, max_num_seqs=8, max_num_batched_tokens=128, **kwargs):
-    return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=4096, connector=NoKVConnector(),
-                     **kwargs)
+    return Scheduler(
+        KVCacheManager(num_blocks, block_size),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=4096,
+        connector=NoKVConnector(),
+        **kwargs,
+    )
 
 
 def make_request(rid, num_prompt_tokens, max_tokens=16, **params):
@@ -29,11 +35,18 @@ def make_request(rid, num_prompt_tokens, max_tokens=16, **params):
 
 def sample(out: SchedulerOutput, sched: Scheduler, token: int = 7, drafts: dict | None = None) -> ModelRunnerOutput:
     """What a runner answers: `token` for every request whose scheduled tokens reach its last one."""
-    ids = [r for r, n in out.num_scheduled_tokens.items()
-           if sched.requests[r].num_computed_tokens + n >= sched.requests[r].num_tokens
-           and sched.requests[r].params.max_tokens != 0]
-    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=[[token] for _ in ids],
-                             logprobs=[[None] for _ in ids], draft_token_ids=drafts or {})
+    ids = [
+        r
+        for r, n in out.num_scheduled_tokens.items()
+        if sched.requests[r].num_computed_tokens + n >= sched.requests[r].num_tokens
+        and sched.requests[r].params.max_tokens != 0
+    ]
+    return ModelRunnerOutput(
+        req_ids=ids,
+        sampled_token_ids=[[token] for _ in ids],
+        logprobs=[[None] for _ in ids],
+        draft_token_ids=drafts or {},
+    )
 
 
 def run_step(sched: Scheduler, token: int = 7):
@@ -129,14 +142,26 @@ def test_finish_frees_blocks_at_once_and_tells_the_workers():
 
 def test_stop_checks_eos_stop_token_min_tokens_and_length():
     sched = make_scheduler()
-    eos, stop, short = make_request("eos", 4), make_request("stop", 4, stop_token_ids=[9]), make_request("short", 4, max_tokens=2)
+    eos, stop, short = (
+        make_request("eos", 4),
+        make_request("stop", 4, stop_token_ids=[9]),
+        make_request("short", 4, max_tokens=2),
+    )
     early = make_request("early", 4, min_tokens=2)
     for req in (eos, stop, short, early):
         sched.add_request(req)
     out = sched.schedule()
-    outputs = {o.request_id: o for o in sched.update_from_output(out, ModelRunnerOutput(
-        req_ids=["eos", "stop", "short", "early"], sampled_token_ids=[[2], [9], [5], [2]],
-        logprobs=[[Logprob(2, -0.5)], [None], [None], [None]]))}
+    outputs = {
+        o.request_id: o
+        for o in sched.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=["eos", "stop", "short", "early"],
+                sampled_token_ids=[[2], [9], [5], [2]],
+                logprobs=[[Logprob(2, -0.5)], [None], [None], [None]],
+            ),
+        )
+    }
     assert (outputs["eos"].finish_reason, outputs["eos"].stop_reason) == ("stop", None)
     assert outputs["eos"].new_token_ids == [2] and outputs["eos"].new_logprobs[0].logprob == -0.5
     assert (outputs["stop"].finish_reason, outputs["stop"].stop_reason) == ("stop", 9)
@@ -152,16 +177,29 @@ def test_draft_rollback_and_tokens_after_a_stop_dropped():
     for req in (a, b):
         sched.add_request(req)
     out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[7], [7]],
-                                                    logprobs=[[None], [None]],
-                                                    draft_token_ids={"a": [10, 11, 12], "b": [10, 11, 12]}))
+    sched.update_from_output(
+        out,
+        ModelRunnerOutput(
+            req_ids=["a", "b"],
+            sampled_token_ids=[[7], [7]],
+            logprobs=[[None], [None]],
+            draft_token_ids={"a": [10, 11, 12], "b": [10, 11, 12]},
+        ),
+    )
     assert a.spec_token_ids == [10, 11, 12]
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"a": 4, "b": 4} and out.scheduled_spec_decode_tokens["a"] == [10, 11, 12]
     # a: the first draft accepted, the second rejected (13 sampled instead); b: all accepted plus a bonus token,
     # but its third draft is a stop token
-    outputs = {o.request_id: o for o in sched.update_from_output(out, ModelRunnerOutput(
-        req_ids=["a", "b"], sampled_token_ids=[[10, 13], [10, 11, 12, 14]], logprobs=[[None] * 2, [None] * 4]))}
+    outputs = {
+        o.request_id: o
+        for o in sched.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=["a", "b"], sampled_token_ids=[[10, 13], [10, 11, 12, 14]], logprobs=[[None] * 2, [None] * 4]
+            ),
+        )
+    }
     assert a.num_computed_tokens == 6 + 1 + 1 and a.all_token_ids[6:] == [7, 10, 13] and not a.spec_token_ids
     assert outputs["b"].new_token_ids == [10, 11, 12] and outputs["b"].finish_reason == "stop"
     stats = sched.spec_decoding_stats

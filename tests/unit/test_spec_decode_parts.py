@@ -1,22 +1,23 @@
 """Speculative decoding's parts without the model: the n-gram proposer on hand-made histories, the
 config's vLLM defaults and errors, the scheduler and KV cache with draft tokens (only verified
 blocks enter the prefix cache), and the draft-length policy."""
+
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from engine.config import SpeculativeConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
+from engine.core.scheduler import Scheduler
 from engine.kv_transfer.connector import NoKVConnector
 from engine.sample.rejection_sampler import WithDrafts
-from engine.worker.input_batch import CachedRequestState
 from engine.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
-from engine.config import SpeculativeConfig
 from engine.spec_decode.ngram import find_ngram_proposal
 from engine.spec_decode.policy import DraftLengthPolicy
+from engine.worker.input_batch import CachedRequestState
 
 
 def propose(tokens, min_n, max_n, k):
@@ -54,8 +55,15 @@ def test_proposals_are_capped_by_max_tokens_and_max_model_len():
     spec.k, spec.max_model_len = 4, 20
 
     def view(prompt_len, max_tokens, sampled):
-        state = CachedRequestState("a", list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), frozenset(),
-                                   [], 0, token_ids=list(range(prompt_len)))
+        state = CachedRequestState(
+            "a",
+            list(range(prompt_len)),
+            SamplingParams(max_tokens=max_tokens),
+            frozenset(),
+            [],
+            0,
+            token_ids=list(range(prompt_len)),
+        )
         return WithDrafts(state, sampled)  # the request with the tokens it just sampled
 
     assert spec._cap(view(10, 3, [1])) == 1  # 3 output tokens at most: 1 sampled, 1 draft + the next step's
@@ -63,55 +71,99 @@ def test_proposals_are_capped_by_max_tokens_and_max_model_len():
     assert spec._cap(view(16, None, [1])) == 2  # room for 3 more tokens before max_model_len 20
 
 
-@pytest.mark.parametrize("data, expected", [
-    ({"method": "ngram", "num_speculative_tokens": 4}, (5, 5)),
-    ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}, (3, 3)),
-    ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}, (2, 2)),
-    ({"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 5}, (2, 5)),
-])
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 4}, (5, 5)),
+        ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}, (3, 3)),
+        ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}, (2, 2)),
+        ({"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 5}, (2, 5)),
+    ],
+)
 def test_config_defaults_as_vllm(data, expected):
     config = SpeculativeConfig.from_dict(data)
     assert config.method == "ngram" and (config.prompt_lookup_min, config.prompt_lookup_max) == expected
     assert SpeculativeConfig.from_dict({"model": "/some/dir", "num_speculative_tokens": 3}).method == "draft_model"
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 6, "prompt_lookup_max": 5}, "must be <="),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "ngram"}, "needs num_speculative_tokens"),
-    ({"method": "magic", "num_speculative_tokens": 2}, "unknown speculative_config method"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "not supported"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown speculative_config key"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[2, 8, 1]]},
-     "must start at 1"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 8, 1], [8, 9, 0]]},
-     "must not overlap"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 8]]},
-     "3 integers"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (
+            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 6, "prompt_lookup_max": 5},
+            "must be <=",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram"}, "needs num_speculative_tokens"),
+        ({"method": "magic", "num_speculative_tokens": 2}, "unknown speculative_config method"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "not supported"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown speculative_config key"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[2, 8, 1]]},
+            "must start at 1",
+        ),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "num_speculative_tokens_per_batch_size": [[1, 8, 1], [8, 9, 0]],
+            },
+            "must not overlap",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 8]]},
+            "3 integers",
+        ),
+    ],
+)
 def test_config_errors(data, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.from_dict(data)
 
 
 def test_batch_size_schedule_as_vllm():
-    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4,
-                                          "num_speculative_tokens_per_batch_size": [[17, 32, 1], [1, 8, 6], [64, 64, 0]]})
+    config = SpeculativeConfig.from_dict(
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "num_speculative_tokens_per_batch_size": [[17, 32, 1], [1, 8, 6], [64, 64, 0]],
+        }
+    )
     # k capped at num_speculative_tokens; gaps and the tail keep the k before them
-    assert [config.tokens_for_batch(b) for b in (1, 8, 9, 16, 17, 32, 33, 63, 64, 200)] == [4, 4, 4, 4, 1, 1, 1, 1, 0, 0]
+    assert [config.tokens_for_batch(b) for b in (1, 8, 9, 16, 17, 32, 33, 63, 64, 200)] == [
+        4,
+        4,
+        4,
+        4,
+        1,
+        1,
+        1,
+        1,
+        0,
+        0,
+    ]
     assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3}).tokens_for_batch(500) == 3
 
 
 @pytest.mark.slow
 def test_server_refuses_a_bad_config_in_one_line():
-    bad = subprocess.run([sys.executable, "server.py", "--speculative-config",
-                          '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 6, "prompt_lookup_max": 5}'],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "server.py",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 6, "prompt_lookup_max": 5}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
-        "server.py: error: --speculative-config: prompt_lookup_min (6) must be <= prompt_lookup_max (5)"]
+        "server.py: error: --speculative-config: prompt_lookup_min (6) must be <= prompt_lookup_max (5)"
+    ]
 
 
 def make_request(rid, prompt, drafts=()):
@@ -145,8 +197,9 @@ def test_only_verified_blocks_enter_the_prefix_cache():
 
 
 def test_scheduler_gives_drafts_slots_under_the_budget():
-    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10, max_model_len=4096,
-                      connector=NoKVConnector())
+    sched = Scheduler(
+        KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10, max_model_len=4096, connector=NoKVConnector()
+    )
     a, b = make_request("a", range(8)), make_request("b", range(100, 108))
     for req in (a, b):
         sched.add_request(req)

@@ -1,33 +1,61 @@
 """The tool-call parsers of tool_choice "auto" (`--tool-call-parser`) on real token streams: a model's output
 in each format, as the default model's tokenizer cuts it, fed token by token through `ToolCallStream`,
 reassembles to the whole-text parse and the expected calls; malformed outputs are content, with no calls."""
+
 import json
 
 import pytest
 
 from api.protocol import ChatCompletionRequest
-from api.tool_calls import TOOL_CALL_PARSERS, ToolCalls
+from api.tool_calls import ToolCalls
+from api.tool_parsers import TOOL_CALL_PARSERS
 from models.loader import load_tokenizer, resolve_model
 
-TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
-         for name in ("get_weather", "get_time")]
+TOOLS = [
+    {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    for name in ("get_weather", "get_time")
+]
 PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})
 TOKYO = ("get_time", {"timezone": "Asia/Tokyo", "utc_offset": 9, "dst": False, "aliases": ["JST", None]})
 CASES = [  # (parser, output, content, calls)
-    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
-               '"celsius"}}\n</tool_call>', "Let me check.\n", [PARIS]),
+    (
+        "hermes",
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+        '"celsius"}}\n</tool_call>',
+        "Let me check.\n",
+        [PARIS],
+    ),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None, [PARIS]),
-    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
-                    '{"name": "get_time", "arguments": {"timezone": "Asia/Tokyo", "utc_offset": 9, "dst": false, '
-                    '"aliases": ["JST", null]}}', None, [PARIS, TOKYO]),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+        '{"name": "get_time", "arguments": {"timezone": "Asia/Tokyo", "utc_offset": 9, "dst": false, '
+        '"aliases": ["JST", null]}}',
+        None,
+        [PARIS, TOKYO],
+    ),
     ("pythonic", '[get_weather(city="Paris", unit="celsius")]', None, [PARIS]),
-    ("pythonic", "[get_weather(city='Paris', unit=\"celsius\"),\n get_time(timezone=\"Asia/Tokyo\", "
-                 "utc_offset=9, dst=False, aliases=('JST', None))]", None, [PARIS, TOKYO]),
-    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
-     None, [PARIS]),
-    ("mistral", 'Checking both. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
-                '"celsius"}}, {"name": "get_time", "arguments": {"timezone": "Asia/Tokyo", "utc_offset": 9, '
-                '"dst": false, "aliases": ["JST", null]}}]', "Checking both. ", [PARIS, TOKYO]),
+    (
+        "pythonic",
+        '[get_weather(city=\'Paris\', unit="celsius"),\n get_time(timezone="Asia/Tokyo", '
+        "utc_offset=9, dst=False, aliases=('JST', None))]",
+        None,
+        [PARIS, TOKYO],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
+        None,
+        [PARIS],
+    ),
+    (
+        "mistral",
+        'Checking both. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+        '"celsius"}}, {"name": "get_time", "arguments": {"timezone": "Asia/Tokyo", "utc_offset": 9, '
+        '"dst": false, "aliases": ["JST", null]}}]',
+        "Checking both. ",
+        [PARIS, TOKYO],
+    ),
 ]
 CUT = [  # (parser, output, arguments streamed) cut by max_tokens: content whole, but streamed the call had started
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"', '{"city": "Paris"'),
@@ -54,8 +82,12 @@ def tokenizer():
 
 
 def tool_calls(parser: str) -> ToolCalls:
-    return ToolCalls(ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": "Weather in Paris, time in Tokyo?"}], "tools": TOOLS}), parser)
+    return ToolCalls(
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "Weather in Paris, time in Tokyo?"}], "tools": TOOLS}
+        ),
+        parser,
+    )
 
 
 def token_deltas(tokenizer, output: str) -> list[str]:
@@ -63,7 +95,7 @@ def token_deltas(tokenizer, output: str) -> list[str]:
     ids = tokenizer.encode(output, add_special_tokens=False)
     texts = [tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
     assert texts[-1] == output and all(b.startswith(a) for a, b in zip(texts, texts[1:]))
-    return [b[len(a):] for a, b in zip(texts, texts[1:])]
+    return [b[len(a) :] for a, b in zip(texts, texts[1:])]
 
 
 def stream(tools: ToolCalls, deltas: list[str]) -> tuple[str, list[dict]]:
@@ -119,17 +151,33 @@ def test_a_call_cut_short_stays_as_sent(tokenizer, parser, output, arguments):
 
 
 def required_tool_calls() -> ToolCalls:
-    return ToolCalls(ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": "Weather in Paris, time in Tokyo?"}], "tools": TOOLS,
-         "tool_choice": "required"}), None)
+    return ToolCalls(
+        ChatCompletionRequest.model_validate(
+            {
+                "messages": [{"role": "user", "content": "Weather in Paris, time in Tokyo?"}],
+                "tools": TOOLS,
+                "tool_choice": "required",
+            }
+        ),
+        None,
+    )
 
 
 ARGUMENT_CASES = [(tool_calls, parser, output, calls) for parser, output, _, calls in CASES if parser != "pythonic"] + [
-    (required_tool_calls, "required", '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
-                                      '{"name": "get_time", "parameters": {"timezone": "Asia/Tokyo", "utc_offset": 9, '
-                                      '"dst": false, "aliases": ["JST", null]}}]', [PARIS, TOKYO]),
-    (required_tool_calls, "required", '[{"name":"get_weather","parameters":{"city":"Paris","unit":"celsius"}}]',
-     [PARIS]),
+    (
+        required_tool_calls,
+        "required",
+        '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
+        '{"name": "get_time", "parameters": {"timezone": "Asia/Tokyo", "utc_offset": 9, '
+        '"dst": false, "aliases": ["JST", null]}}]',
+        [PARIS, TOKYO],
+    ),
+    (
+        required_tool_calls,
+        "required",
+        '[{"name":"get_weather","parameters":{"city":"Paris","unit":"celsius"}}]',
+        [PARIS],
+    ),
 ]
 
 
@@ -152,8 +200,11 @@ def test_arguments_stream_as_they_arrive(tokenizer, make, parser, output, calls)
         assert sum(1 for p in pieces[index] if p) > 1
         assert json.loads("".join(pieces[index])) == arguments
     whole = tools.parse(output)[1]
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamer.calls] == [
-        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == calls
+    assert (
+        [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamer.calls]
+        == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
+        == calls
+    )
 
 
 @pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
