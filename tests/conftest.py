@@ -1,5 +1,6 @@
 """Shared fixtures: engines on the real default model, the Hugging Face reference, leak checks."""
 
+import hashlib
 import json
 import os
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from engine import LLM
-from models.loader import export_hf_directory
+from models.cache_dir import CACHE_DIR
+from models.loader import export_hf_directory, file_key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ENGINES: list[LLM] = []  # every LLM a test made, checked for leaked blocks after each test
@@ -100,9 +102,18 @@ def hf_model_dir(llm) -> str:
 @pytest.fixture(scope="session")
 def hf_reference(llm, prompts, hf_model_dir):
     """Greedy tokens of Hugging Face transformers `generate` (float32) for `prompts`, 32 new tokens
-    each, with the gap between the top-two logits at every step (to judge near-ties)."""
+    each, with the gap between the top-two logits at every step (to judge near-ties). Kept in CACHE_DIR, keyed
+    by the model file, the prompts and the transformers and torch versions: the same inputs give the same
+    reference, and computing it takes a test run 15 s."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
+    key = hashlib.sha256(
+        json.dumps([file_key(llm.model_dir), prompts, transformers.__version__, torch.__version__]).encode()
+    ).hexdigest()[:32]
+    cached = CACHE_DIR / "test-reference" / f"{key}.json"
+    if cached.exists():
+        return [tuple(r) for r in json.loads(cached.read_text())]
     model = AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32).eval()
     refs = []
     with torch.inference_mode():
@@ -117,6 +128,8 @@ def hf_reference(llm, prompts, hf_model_dir):
             tokens = out.sequences[0, len(ids) :].tolist()
             gaps = [float(t.topk(2).values[0, 0] - t.topk(2).values[0, 1]) for t in out.logits]
             refs.append((tokens, gaps))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps(refs))
     return refs
 
 

@@ -10,13 +10,14 @@ from tests.conftest import _workload, assert_greedy_matches, make_llm
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
 
 
+@pytest.mark.slow  # the batched test below holds the same reference in make test-fast
 def test_each_prompt_alone_matches_hf(llm, prompts, hf_reference):
     for ids, ref in zip(prompts, hf_reference):
         out = llm.generate([ids], GREEDY, use_tqdm=False)[0]
         assert_greedy_matches(out.outputs[0].token_ids, ref)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch_native"])
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("torch_native", marks=pytest.mark.slow)])
 def test_batched_with_chunked_prefill_matches_hf(prompts, hf_reference, backend):
     # 64 tokens per step: the 400-token prompt takes 7 steps, so steps mix prefill chunks and decodes
     llm = make_llm(max_num_batched_tokens=64, enable_prefix_caching=False, attention_backend=backend)

@@ -11,6 +11,7 @@ def texts(outs):
     return [o.outputs[0].text for o in outs]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_across_batches(llm):
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate(["Once upon a time"], seeded, use_tqdm=False)[0].outputs[0].token_ids
@@ -51,6 +52,7 @@ def test_stop_token_ids_and_length(llm):
     assert out.finish_reason == "length" and len(out.token_ids) == 3
 
 
+@pytest.mark.slow
 def test_eos_min_tokens_and_ignore_eos(llm):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     short = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]

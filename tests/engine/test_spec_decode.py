@@ -67,6 +67,7 @@ def test_greedy_alone_equals_no_speculation(spec_llm, prompts, hf_reference, cop
         assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} {value}' in text
 
 
+@pytest.mark.slow
 def test_structured_request_beside_drafted_ones(spec_llm, copy_prompts, copy_reference):
     """A constrained request runs undrafted in the same steps as drafted ones: its grammar mask still
     applies, and the drafted requests keep their greedy tokens."""
@@ -155,6 +156,7 @@ def test_stops_apply_token_by_token(spec_llm, llm, copy_prompts, params):
         assert [lp.logprob for lp in ours.logprobs] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-3)
 
 
+@pytest.mark.slow
 def test_stop_token_ids(spec_llm, llm, copy_prompts):
     ids = copy_prompts[2]
     free = llm.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -163,6 +165,7 @@ def test_stop_token_ids(spec_llm, llm, copy_prompts):
     assert ours.token_ids == free[: free.index(free[10]) + 1] and ours.stop_reason == free[10]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_and_n_works(spec_llm, copy_prompts):
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=42, max_tokens=24, n=2)
     runs = [spec_llm.generate([copy_prompts[1]], seeded, use_tqdm=False)[0] for _ in range(2)]
