@@ -37,17 +37,17 @@ def select_rows(requests, starts, counts, query_start_loc) -> list[PromptRows]:
     tokens before the step, new tokens, and first rows (sequences of ints, [B], [B], [B + 1]).
     """
     out = []
-    for i, req in enumerate(requests):
-        have = req.num_prompt_logprobs
-        if have is None or have == req.num_prompt_tokens:
+    for i, state in enumerate(requests):
+        have = state.num_prompt_logprobs
+        if have is None or have == state.num_prompt_tokens:
             continue
         start, end = int(starts[i]), int(starts[i]) + int(counts[i])
         # entries are collected in order: the next one is for token `have`, predicted at have - 1
         assert start <= have - 1, "prompt logprobs need every prompt position computed, in order"
-        first, last = have - 1, min(end, req.num_prompt_tokens - 1)
+        first, last = have - 1, min(end, state.num_prompt_tokens - 1)
         if first < last:
-            out.append(PromptRows(req, int(query_start_loc[i]) + first - start, first, last - first))
-            req.num_prompt_logprobs += last - first
+            out.append(PromptRows(state, int(query_start_loc[i]) + first - start, first, last - first))
+            state.num_prompt_logprobs += last - first
     return out
 
 

@@ -81,7 +81,8 @@ class Speculator:
             if n == 0:
                 self.policy.keep_shadow(r.request_id, drafts)
             out[r.request_id] = drafts[:n]
-            r.request.spec_token_probs = probs[:n] if n and probs is not None else None
+            state = r.request  # the worker's copy, which keeps q for the verification
+            state.spec_token_probs = probs[:n] if n and probs is not None else None
         return out
 
     def _cap(self, request: WithDrafts) -> int:
