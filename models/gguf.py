@@ -39,6 +39,8 @@ LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Llama 3.1's rope scaling as llama.cpp's converter writes it: the divisor of each rotary frequency
+ROPE_FREQS = "rope_freqs.weight"
 MODEL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -136,6 +138,9 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
     vocab = md.get(f"{arch}.vocab_size") or next(i.shape[0] for i in header.tensors if i.name == "token_embd.weight")
     if md.get(f"{arch}.rope.scaling.type", "none") not in ("none", ""):
         raise ValueError(f"{path}: rope scaling {md[f'{arch}.rope.scaling.type']!r} is not supported")
+    rope = {"rope_type": "default", "rope_theta": _key(path, md, "rope.freq_base", 10000.0)}
+    if ROPE_FREQS in names:  # Llama 3.1+: the converter's per-dimension divisors of the frequencies
+        rope["freq_factors"] = _float_tensor(header, ROPE_FREQS).tolist()
     return GGUFModelConfig(
         architectures=[ARCHITECTURES[arch]],
         model_type=arch,
@@ -151,9 +156,20 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
-        rope_parameters={"rope_type": "default", "rope_theta": _key(path, md, "rope.freq_base", 10000.0)},
+        rope_parameters=rope,
         attention_bias=arch == "qwen2",
     )
+
+
+def _float_tensor(header, name: str) -> torch.Tensor:
+    """An F32 tensor of the file, read whole (a small one: rope_freqs). Raises ValueError for another type."""
+    from transformers.integrations.gguf.reader import load_gguf_state_dict
+
+    info = next(i for i in header.tensors if i.name == name)
+    if info.ggml_type != GGMLQuantizationType.F32:
+        raise ValueError(f"tensor {name} has ggml type {info.ggml_type}, F32 expected")
+    data = load_gguf_state_dict(header)[name].data
+    return torch.from_numpy(np.frombuffer(np.array(data).tobytes(), dtype=np.float32).copy()).reshape(info.shape)
 
 
 def load_gguf_tokenizer(path: str, cache: Path | None = None):
@@ -217,6 +233,8 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
     permute = md["general.architecture"] == "llama"
     raw = load_gguf_state_dict(header)
     for info in header.tensors:
+        if info.name == ROPE_FREQS:  # read into the config (load_gguf_config), not a weight
+            continue
         name = _hf_name(path, info.name)
         try:
             qtype = GGMLQuantizationType(info.ggml_type)

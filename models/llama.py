@@ -1,4 +1,6 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a paged KV cache.
+"""The Llama family over a paged KV cache: Llama 2/3, Mistral (sliding windows), Qwen2, Qwen3 (q/k norms),
+SmolLM2, SmolLM3 (no rotary on some layers), Granite (embedding, attention, residual and logits multipliers)
+and Phi-3 (fused q/k/v and gate/up tensors in its checkpoint).
 
 Llama: Touvron et al. 2023; RMSNorm (Zhang & Sennrich 2019), rotary embeddings (Su et al. 2021),
 grouped-query attention (Ainslie et al. 2023), SwiGLU (Shazeer 2020). Tokens of all sequences in a
@@ -19,7 +21,7 @@ from models.layers.layernorm import HeadRMSNorm, RMSNorm
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.layers.rotary_embedding import RotaryEmbedding
 from models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from models.quantization.gguf import GGUFConfig
+from models.quantization.gguf import GGUFConfig, GGUFTensor
 
 
 class LlamaAttention(nn.Module):
@@ -31,8 +33,10 @@ class LlamaAttention(nn.Module):
         tp: TPGroup | None,
         qk_norm_eps: float | None = None,
         quant_config: GGUFConfig | None = None,
+        use_rope: bool = True,
     ):
         super().__init__()
+        self.use_rope = use_rope  # SmolLM3 leaves every fourth layer without positions (NoPE)
         # this rank's heads (all of them without tensor parallelism)
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -66,7 +70,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
-        ops.rotary_(qkv[:, : self.num_heads + self.num_kv_heads], *rope)  # q and k in place, in one go
+        if self.use_rope:
+            ops.rotary_(qkv[:, : self.num_heads + self.num_kv_heads], *rope)  # q and k in place, in one go
         o = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(o.view(-1, self.q_size), out_dtype=x.dtype)
 
@@ -84,20 +89,33 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, shape: ModelShape, backend, bias, tp, qk_norm: bool, quant_config):
+    def __init__(self, config, shape: ModelShape, backend, bias, tp, qk_norm: bool, quant_config, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        no_rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 = rotary, 0 = none
         self.self_attn = LlamaAttention(
-            shape, backend, bias, tp, config.rms_norm_eps if qk_norm else None, quant_config
+            shape,
+            backend,
+            bias,
+            tp,
+            config.rms_norm_eps if qk_norm else None,
+            quant_config,
+            use_rope=bool(no_rope[layer]) if no_rope else True,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp, quant_config)
+        # Granite scales each sublayer's output before it joins the residual stream
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
 
     def forward(self, residual, x, rope, kv_cache, meta):
         """residual: the float32 stream [T, hidden], updated in place; x: the previous layer's MLP output
-        (None before the first layer). Returns this layer's MLP output, not yet added."""
+        (None before the first layer), already scaled by the residual multiplier. Returns this layer's MLP
+        output, so scaled, not yet added."""
         x = self.self_attn(self.input_layernorm(residual, x), rope, kv_cache, meta)
-        return self.mlp(self.post_attention_layernorm(residual, x))
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
+        x = self.mlp(self.post_attention_layernorm(residual, x))
+        return x * self.residual_multiplier if self.residual_multiplier != 1.0 else x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -108,15 +126,16 @@ class LlamaForCausalLM(nn.Module):
     [N, vocab] (on rank 0 only under tensor parallelism). `qkv_bias` is True for Qwen2 (and any config
     with `attention_bias`); `qk_norm` for Qwen3 (per-head RMSNorm of queries and keys); `quant_config` keeps a
     GGUF file's quantized weights in the linear layers and the embedding (models/quantization). `shape` is this
-    rank's (models.config); with `tp`, this rank holds its shard
-    of every layer (models/distributed).
+    rank's (models.config); with `tp`, this rank holds its shard of every layer (models/distributed).
+    `backend`: the attention backend of every layer, or a list with each layer's (layers with a sliding window
+    have their own: models.attention.make_backends).
     """
 
     def __init__(
         self,
         config,
         shape: ModelShape,
-        backend: AttentionBackend,
+        backend: AttentionBackend | list[AttentionBackend],
         max_model_len: int,
         qkv_bias: bool = False,
         qk_norm: bool = False,
@@ -124,16 +143,21 @@ class LlamaForCausalLM(nn.Module):
         quant_config: GGUFConfig | None = None,
     ):
         super().__init__()
+        check_config(config)
         self.config = config
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_model_len)
         bias = qkv_bias or bool(getattr(config, "attention_bias", False))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, quant_config)
+        backends = backend if isinstance(backend, list) else [backend] * config.num_hidden_layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, shape, backend, bias, tp, qk_norm, quant_config)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, shape, backends[i], bias, tp, qk_norm, quant_config, i)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.quantized = quant_config is not None
+        # Granite's multipliers of the embeddings and divisor of the logits (1 elsewhere)
+        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
+        self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
             None
@@ -151,13 +175,16 @@ class LlamaForCausalLM(nn.Module):
         # The residual stream stays float32 (see models/kernels/csrc/layer_ops.c); sublayers run in the model dtype
         # (a quantized model's linears in float32: load_weights).
         residual, x = self.embed_tokens(input_ids).float(), None
+        if self.embedding_multiplier != 1.0:
+            residual *= self.embedding_multiplier
         rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(residual, x, rope, kv_cache, meta)
         return self.norm(residual, x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
+        logits = (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
+        return logits / self.logits_scaling if logits is not None and self.logits_scaling != 1.0 else logits
 
     # checkpoint name -> (our parameter, shard index) for the fused projections
     _STACKED = {
@@ -167,6 +194,29 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    _FUSED = ("qkv_proj", "gate_up_proj")  # Phi-3's checkpoint holds them fused already
+
+    def _split_fused(self, name: str, tensor) -> list:
+        """(shard index, rows) of a fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj: the full model's
+        projections stacked), for the layer's weight loader, which keeps this rank's part of each."""
+        cfg = self.config
+        if name.split(".")[-2] == "qkv_proj":
+            d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            sizes = [cfg.num_attention_heads * d] + [cfg.num_key_value_heads * d] * 2
+        else:
+            sizes = [cfg.intermediate_size] * 2
+        if (tensor.rows if isinstance(tensor, GGUFTensor) else tensor.shape[0]) != sum(sizes):
+            raise ValueError(f"{name}: {sum(sizes)} fused rows expected")
+        out, start = [], 0
+        for shard, size in enumerate(sizes):
+            out.append(
+                (
+                    shard,
+                    tensor.row_range(start, size) if isinstance(tensor, GGUFTensor) else tensor.narrow(0, start, size),
+                )
+            )
+            start += size
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face checkpoint tensors into this model, stacking q/k/v and gate/up; a
@@ -194,16 +244,19 @@ class LlamaForCausalLM(nn.Module):
                 continue
             name = name.removeprefix("model.")
             parts = name.split(".")
-            shard = 0
+            shards = [(0, tensor)]
             if len(parts) >= 2 and parts[-2] in self._STACKED:
                 fused, shard = self._STACKED[parts[-2]]
-                name = ".".join(parts[:-2] + [fused, parts[-1]])
+                name, shards = ".".join(parts[:-2] + [fused, parts[-1]]), [(shard, tensor)]
+            elif len(parts) >= 2 and parts[-2] in self._FUSED:
+                shards = self._split_fused(name, tensor)
             param = params[name]
             loader = getattr(self.get_submodule(name.rpartition(".")[0]), "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor, shard)
-            else:
-                param.data.copy_(tensor)
+            for shard, part in shards:
+                if loader is not None:
+                    loader(param, part, shard)
+                else:
+                    param.data.copy_(part)
             loaded.add(name)
         missing = [n for n in params if n not in loaded]
         if missing:
@@ -212,3 +265,19 @@ class LlamaForCausalLM(nn.Module):
             if getattr(module, "quant_method", None) is not None:
                 module.quant_method.process_weights_after_loading(dtype)
         self.rotary.compute_table(self.embed_tokens.weight.device)
+
+
+def check_config(config) -> None:
+    """Raises ValueError naming a config field this model file does not build (so that a setting that would
+    change the output is refused, never ignored): another activation than SiLU, MLP biases, partial rotary
+    embeddings. Rope types and sliding windows are checked where they are built (rotary_embedding.py,
+    models.config)."""
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported by the Llama family (supported: silu)")
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("mlp_bias true is not supported")
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if factor not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor {factor} is not supported (rotary over the whole head only)")

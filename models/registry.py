@@ -8,6 +8,9 @@ _REGISTRY = {
     "MistralForCausalLM": (LlamaForCausalLM, {}),
     "Qwen2ForCausalLM": (LlamaForCausalLM, {"qkv_bias": True}),
     "Qwen3ForCausalLM": (LlamaForCausalLM, {"qk_norm": True}),
+    "Phi3ForCausalLM": (LlamaForCausalLM, {}),
+    "SmolLM3ForCausalLM": (LlamaForCausalLM, {}),
+    "GraniteForCausalLM": (LlamaForCausalLM, {}),
 }
 
 

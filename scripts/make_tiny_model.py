@@ -14,7 +14,16 @@ import os
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    GraniteConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
+)
 
 COMMON = dict(
     vocab_size=49152,
@@ -25,6 +34,9 @@ COMMON = dict(
     num_key_value_heads=2,
     max_position_embeddings=1024,
     tie_word_embeddings=False,
+    # weights 5x transformers' default spread, so that attention (and with it positions, windows and
+    # multipliers) changes the greedy tokens of a random model rather than the embeddings alone
+    initializer_range=0.1,
 )
 CONFIGS = {
     "llama3": lambda: LlamaConfig(
@@ -39,8 +51,17 @@ CONFIGS = {
         },
     ),
     "qwen2": lambda: Qwen2Config(**COMMON),
-    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+    # a window shorter than the tests' prompts, so that it changes the output
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=24),
+    # sliding layers past max_window_layers, full ones before: two attention kinds in one model
+    "qwen2_sliding": lambda: Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=24, max_window_layers=1),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),  # head_dim is not hidden_size / heads there
+    # fused qkv_proj and gate_up_proj in the checkpoint, a sliding window
+    "phi3": lambda: Phi3Config(**COMMON, sliding_window=24, pad_token_id=0),
+    "smollm3": lambda: SmolLM3Config(**COMMON, no_rope_layers=[1, 0]),  # no rotary on the second layer
+    "granite": lambda: GraniteConfig(  # multipliers far from 1, so that each one changes the output
+        **COMMON, embedding_multiplier=12.0, attention_multiplier=1.0, residual_multiplier=0.5, logits_scaling=6.0
+    ),
 }
 
 
@@ -53,7 +74,7 @@ def save_tiny_model(arch: str, path, tokenizer, **overrides):
         setattr(config, key, value)
     config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if arch == "qwen2":  # random init leaves biases at zero; make them matter
+    if arch.startswith("qwen2"):  # random init leaves biases at zero; make them matter
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.self_attn.q_proj.bias, std=0.5)
             torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=0.5)

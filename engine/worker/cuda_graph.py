@@ -17,6 +17,7 @@ backends with `supports_cuda_graphs` (the tests capture torch_native too).
 """
 
 import bisect
+import contextlib
 import logging
 import time
 
@@ -54,14 +55,16 @@ class CUDAGraphRunner:
     def __init__(
         self,
         model,
-        backend: AttentionBackend,
+        backend: AttentionBackend | list[AttentionBackend],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_num_seqs: int,
         max_blocks_per_seq: int,
         block_size: int,
         dummy_block: int,
     ):
-        self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        # the model's backends (one per sliding window, each planned for every graph)
+        self.backends = backend if isinstance(backend, list) else [backend]
+        self.model, self.kv_caches = model, kv_caches
         self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks_per_seq, self.block_size = max_blocks_per_seq, block_size
         self.dummy_block = dummy_block
@@ -74,9 +77,21 @@ class CUDAGraphRunner:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.block_tables[:, 0] = dummy_block
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        backend.init_cuda_graph_decode(self.sizes, max_blocks_per_seq)
+        for b in self.backends:
+            b.init_cuda_graph_decode(self.sizes, max_blocks_per_seq)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+
+    def _decode_state(self, batch_size: int) -> contextlib.ExitStack:
+        """Every backend's graph-safe decode state of `batch_size` rows, entered together."""
+        stack = contextlib.ExitStack()
+        for b in self.backends:
+            stack.enter_context(b.cuda_graph_decode(batch_size))
+        return stack
+
+    def _plan(self, meta: AttentionMetadata) -> None:
+        for b in self.backends:
+            b.plan(meta)
 
     def _meta(self, batch_size: int, seq_lens_cpu: list[int]) -> AttentionMetadata:
         return AttentionMetadata(
@@ -100,8 +115,8 @@ class CUDAGraphRunner:
         for bs in reversed(self.sizes):
             meta = self._meta(bs, [full] * bs)  # the static rows are all padding rows now
             ids, pos = self.input_ids[:bs], self.positions[:bs]
-            with self.backend.cuda_graph_decode(bs):
-                self.backend.plan(meta)
+            with self._decode_state(bs):
+                self._plan(meta)
                 self.model(ids, pos, self.kv_caches, meta)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -157,7 +172,7 @@ class CUDAGraphRunner:
         """One decode step through a graph: hidden states [n, hidden] (a view into the graph's output,
         valid until the next replay). The caller checks can_run(meta) first."""
         bs, padded = self.load_inputs(input_ids, positions, meta)
-        with self.backend.cuda_graph_decode(bs):
-            self.backend.plan(padded)
+        with self._decode_state(bs):
+            self._plan(padded)
         self._graphs[bs].replay()
         return self._outputs[bs][: meta.num_seqs]

@@ -15,7 +15,7 @@ from engine.spec_decode.speculator import NoSpeculation, Speculator
 from engine.worker import host_memory, pooler
 from engine.worker.cuda_graph import CUDAGraphRunner
 from engine.worker.input_batch import InputBatch, ModelInputs, StepBatch, build_model_inputs
-from models.attention import make_backend
+from models.attention import make_backends
 from models.attention.base import AttentionMetadata
 from models.config import ModelShape
 from models.distributed.group import TPGroup
@@ -61,12 +61,17 @@ class ModelRunner:
         self.max_model_len = min(
             config.max_model_len or self.shape.max_position_embeddings, self.shape.max_position_embeddings
         )
-        self.backend = make_backend(config.attention_backend, self.device, self.dtype, self.shape, self.block_size)
+        # each layer's attention backend; the layers of one sliding window (or none) share one
+        self.layer_backends = make_backends(
+            config.attention_backend, self.device, self.dtype, self.shape, self.block_size
+        )
+        self.backends = list(dict.fromkeys(self.layer_backends))  # each planned once per step
+        self.backend = self.backends[0]  # the layout, dtype and CUDA-graph support are the same for all
         self.model = load_model(
             model_dir,
             hf_config,
             self.shape,
-            self.backend,
+            self.layer_backends,
             self.max_model_len,
             self.device,
             self.dtype,
@@ -148,7 +153,7 @@ class ModelRunner:
         if use_graphs:
             self.graphs = CUDAGraphRunner(
                 self.model,
-                self.backend,
+                self.backends,
                 self.kv_caches,
                 self.config.max_num_seqs,
                 max_blocks_per_seq=-(-self.max_model_len // self.block_size),
@@ -199,7 +204,8 @@ class ModelRunner:
         )
         torch.cuda.reset_peak_memory_stats()
         with torch.inference_mode():
-            self.backend.plan(meta)
+            for backend in self.backends:
+                backend.plan(meta)
             hidden = self.model(
                 torch.zeros(n, dtype=torch.long, device=self.device),
                 torch.arange(n, device=self.device),
@@ -252,7 +258,8 @@ class ModelRunner:
         meta = inputs.attn_metadata
         if self.graphs is not None and self.graphs.can_run(meta):
             return self.graphs.run(inputs.input_ids, inputs.positions, meta)  # plans for the padded batch itself
-        self.backend.plan(meta)
+        for backend in self.backends:
+            backend.plan(meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
     @torch.inference_mode()

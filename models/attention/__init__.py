@@ -61,17 +61,35 @@ def choose_backend(
     return "torch_native"
 
 
-def make_backend(
+def make_backends(
     name: str | None, device: torch.device, dtype: torch.dtype, shape, block_size: int
+) -> list[AttentionBackend]:
+    """The attention backend of each layer of one rank (`shape`: models.config.ModelShape), as choose_backend
+    picks it: one backend per distinct sliding window (None: full attention), shared by the layers that have
+    it, so each is planned once per step. Raises ValueError as choose_backend does."""
+    windows = shape.sliding_windows or (None,) * shape.num_layers
+    by_window = {w: make_backend(name, device, dtype, shape, block_size, w) for w in dict.fromkeys(windows)}
+    return [by_window[w] for w in windows]
+
+
+def make_backend(
+    name: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    shape,
+    block_size: int,
+    sliding_window: int | None = None,
 ) -> AttentionBackend:
     """Builds the attention backend for one rank's heads (`shape`: models.config.ModelShape), as
-    choose_backend picks it. Raises ValueError as choose_backend does."""
+    choose_backend picks it, attending within `sliding_window` tokens if given. Raises ValueError as
+    choose_backend does."""
     # Probe only what the choice can use: importing flashinfer takes seconds, and the C kernels
     # are compiled on first use.
     flashinfer_ok = device.type == "cuda" and name in (None, "flashinfer") and flashinfer_available()
     cpu_kernels_ok = device.type == "cpu" and name in (None, "cpu") and cpu_kernels.load() is not None
     choice = choose_backend(name, device.type, dtype, flashinfer_ok, cpu_kernels_ok)
-    args = (shape.num_heads, shape.num_kv_heads, shape.head_dim, block_size, shape.head_dim**-0.5)
+    scale = shape.attention_scale or shape.head_dim**-0.5
+    args = (shape.num_heads, shape.num_kv_heads, shape.head_dim, block_size, scale)
     if choice == "flashinfer":
-        return FlashInferBackend(*args, dtype=dtype, device=device)
-    return CPUBackend(*args) if choice == "cpu" else TorchNativeBackend(*args)
+        return FlashInferBackend(*args, dtype=dtype, device=device, sliding_window=sliding_window)
+    return (CPUBackend if choice == "cpu" else TorchNativeBackend)(*args, sliding_window=sliding_window)

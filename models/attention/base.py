@@ -41,7 +41,8 @@ class AttentionBackend(ABC):
 
     The KV cache of one layer is a pair (k_cache, v_cache), each of `kv_cache_shape(num_blocks)` in
     the model dtype: [num_blocks, block_size, num_kv_heads, head_dim] (FlashInfer's "NHD" paged layout)
-    unless a backend says otherwise.
+    unless a backend says otherwise. With `sliding_window` W a query at position p attends to keys
+    p - W + 1 .. p only (the layers of one window share a backend; models.attention.make_backends).
 
     CUDA graphs (engine/worker/cuda_graph.py) call `init_cuda_graph_decode` once and then plan and
     run each captured decode inside `cuda_graph_decode(batch_size)`; both do nothing here.
@@ -53,9 +54,17 @@ class AttentionBackend(ABC):
     # max_model_len, which costs memory and time in proportion to it.
     supports_cuda_graphs: bool = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.block_size, self.scale = block_size, scale
+        self.block_size, self.scale, self.sliding_window = block_size, scale, sliding_window
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's K (or V) cache for `num_blocks` blocks."""
@@ -85,6 +94,6 @@ class AttentionBackend(ABC):
         """Write this step's K/V into the cache at `meta.slot_mapping`, then attend.
 
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; all in the model dtype.
-        Each query attends causally to its sequence's cached prefix and to the new tokens up to itself.
-        Returns [T, num_heads, head_dim].
+        Each query attends causally to its sequence's cached prefix and to the new tokens up to itself (the
+        last `sliding_window` of them with a window). Returns [T, num_heads, head_dim].
         """

@@ -73,6 +73,7 @@ class CPUBackend(AttentionBackend):
             self.block_size,
             meta.block_tables.shape[1],
             self.scale,
+            self.sliding_window or 0,
             torch.get_num_threads(),
             self.isa,
         )

@@ -117,8 +117,9 @@ class FlashInferBackend(AttentionBackend):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        sliding_window: int | None = None,
     ):
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale)
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window)
         import flashinfer
 
         self._flashinfer = flashinfer
@@ -183,7 +184,9 @@ class FlashInferBackend(AttentionBackend):
         nd, b = meta.num_decodes, meta.num_seqs
         args = (meta.block_tables, meta.seq_lens_cpu, meta.query_start_loc_cpu, self.block_size)
         dims = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
-        dtypes = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        # FlashInfer's window_left counts the keys left of the query's own: W - 1 for a window of W
+        window_left = self.sliding_window - 1 if self.sliding_window else -1
+        dtypes = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale, window_left=window_left)
         if nd:
             _, indptr, indices, last = paged_kv_indices(*args, 0, nd)
             self._decode.plan(indptr, indices, last, *dims, **dtypes)

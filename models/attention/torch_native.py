@@ -22,8 +22,12 @@ class TorchNativeBackend(AttentionBackend):
         if nd:
             self.decode_len = max(meta.seq_lens_cpu[:nd])
             self.decode_blocks = meta.block_tables[:nd, : -(-self.decode_len // self.block_size)]
-            pos = torch.arange(self.decode_len, device=meta.seq_lens.device)
-            self.decode_mask = (pos[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]  # [nd, 1, 1, L]
+            pos = torch.arange(self.decode_len, device=meta.seq_lens.device)[None, :]
+            lens = meta.seq_lens[:nd, None]
+            mask = pos < lens
+            if self.sliding_window is not None:  # the query at lens - 1 sees the last W keys
+                mask &= pos >= lens - self.sliding_window
+            self.decode_mask = mask[:, None, None, :]  # [nd, 1, 1, L]
 
     def _gather(self, cache, block_table, ctx_len):
         """K or V of the first ctx_len tokens of one or more block tables: [..., ctx_len, kvh, d]."""
@@ -47,15 +51,20 @@ class TorchNativeBackend(AttentionBackend):
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in range(nd, meta.num_seqs):
             start, end, ctx = qsl[i], qsl[i + 1], lens[i]
-            if ctx == end - start:  # nothing before this chunk: attend over its own fresh K/V
+            window = self.sliding_window
+            if ctx == end - start and (window is None or window >= ctx):  # nothing before: its own fresh K/V
                 kc, vc, mask = k[start:end], v[start:end], None
             else:
                 nb = -(-ctx // self.block_size)
                 kc = self._gather(k_cache, meta.block_tables[i, :nb], ctx)  # [ctx, kvh, d]
                 vc = self._gather(v_cache, meta.block_tables[i, :nb], ctx)
-                # query j sits at position ctx - q_len + j and sees keys up to that position
+                # query j sits at position ctx - q_len + j and sees keys up to that position (the last
+                # `window` of them)
                 qpos = torch.arange(ctx - (end - start), ctx, device=q.device)[:, None]
-                mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
+                kpos = torch.arange(ctx, device=q.device)[None, :]
+                mask = kpos <= qpos
+                if window is not None:
+                    mask &= kpos > qpos - window
             # 4-D [1, heads, len, d] views: SDPA's fused CPU kernel (with GQA) only takes 4-D inputs,
             # 3-D ones fall back to the slow math path.
             o = F.scaled_dot_product_attention(

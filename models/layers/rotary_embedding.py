@@ -8,7 +8,9 @@ from torch import nn
 
 
 def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
-    """Rotary inverse frequencies [head_dim // 2] (float32), with Llama 3's frequency scaling if set."""
+    """Rotary inverse frequencies [head_dim // 2] (float32), with Llama 3's frequency scaling if set: from the
+    config's parameters (a Hugging Face directory), or as the per-dimension divisors llama.cpp's converter
+    writes into a GGUF file as `rope_freqs` (`freq_factors`). Raises ValueError for another rope type."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
@@ -24,6 +26,8 @@ def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
     elif rope_type not in ("default", None):
         raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3)")
+    if "freq_factors" in params:
+        inv_freq = inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float32)
     return inv_freq
 
 

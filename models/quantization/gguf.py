@@ -56,6 +56,13 @@ class GGUFTensor:
             raise ValueError(f"{qtype.name} rows of {cols} weights are not whole blocks of {block}")
         return cols // block * nbytes
 
+    def row_range(self, start: int, count: int) -> "GGUFTensor":
+        """Rows start .. start + count - 1 (a fused checkpoint tensor's part): whole blocks, so a byte range.
+        Raises ValueError after `repack` (rows are interleaved then)."""
+        if self.r16:
+            raise ValueError("rows of a repacked tensor are interleaved")
+        return GGUFTensor(self.qtype, self.data[start : start + count], self.cols)
+
     def repack(self) -> None:
         """Repacks to R16 where the CPU and the type allow it (else keeps the blocks)."""
         packed = None if self.r16 else ops.gguf_repack_r16(self.data, self.qtype, self.cols)

@@ -1,16 +1,58 @@
 """Each supported architecture against transformers, on tiny random models saved as HF directories
 (scripts/make_tiny_model.py):
-Llama 3 (llama3 RoPE scaling, untied LM head), Qwen2 (q/k/v biases), Mistral, Qwen3 (per-head q/k RMSNorm,
-head_dim apart from hidden_size / heads). Plus the registry error."""
+Llama 3 (llama3 RoPE scaling, untied LM head), Qwen2 (q/k/v biases; and with sliding layers after full ones),
+Mistral (a sliding window shorter than the prompt), Qwen3 (per-head q/k RMSNorm, head_dim apart from
+hidden_size / heads), Phi-3 (fused q/k/v and gate/up tensors, a sliding window), SmolLM3 (a layer without
+rotary), Granite (multipliers); each feature shown to matter. The GGUF files llama.cpp's converter makes of
+them; and the registry error."""
+
+import dataclasses
+import json
+import shutil
 
 import pytest
 import torch
 
 from engine import SamplingParams
+from models.gguf import load_gguf_config
 from models.layers.rotary_embedding import rope_inv_freq
 from models.registry import get_model_class
+from scripts import llama_cpp
 from scripts.make_tiny_model import CONFIGS, save_tiny_model
 from tests.conftest import assert_greedy_matches, make_llm
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # > 64 positions, longer than the windows
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+FULL = {"sliding_window": None, "layer_types": ["full_attention"] * 2}
+# config edits that each take one feature of a tiny model away
+FEATURES = {
+    "mistral": [FULL],
+    "phi3": [FULL],
+    "qwen2_sliding": [FULL],
+    "smollm3": [{"no_rope_layers": [1, 1]}],
+    "granite": [
+        {"embedding_multiplier": 1.0},
+        {"attention_multiplier": 0.25},
+        {"residual_multiplier": 1.0},
+        {"logits_scaling": 1.0},
+    ],
+}
+
+
+def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' 16 greedy tokens after `prompt`, with the top-two logit gap at each (the near-tie rule)."""
+    with torch.inference_mode():
+        ref = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=16,
+            min_new_tokens=16,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return ref.sequences[0, len(prompt) :].tolist(), [
+        float(t.topk(2).values[0, 0] - t.topk(2).values[0, 1]) for t in ref.logits
+    ]
 
 
 @pytest.mark.slow
@@ -21,20 +63,37 @@ def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
         assert not torch.allclose(rope_inv_freq(CONFIGS[name](), 16), rope_inv_freq(plain, 16))
     ref_model = save_tiny_model(name, tmp_path, llm.tokenizer)
     ours = make_llm(model=str(tmp_path))
-    prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)  # > 64 positions
-    out = ours.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
-    with torch.inference_mode():
-        ref = ref_model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=16,
-            min_new_tokens=16,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = ref.sequences[0, len(prompt) :].tolist()
-    gaps = [float(t.topk(2).values[0, 0] - t.topk(2).values[0, 1]) for t in ref.logits]
-    assert_greedy_matches(out.outputs[0].token_ids, (tokens, gaps))
+    prompt = llm.tokenizer.encode(PROMPT)
+    out = ours.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert_greedy_matches(out.outputs[0].token_ids, hf_greedy(ref_model, prompt))
+    # each feature matters: without it (the config edited) our tokens, or their logprobs, change
+    scored = dataclasses.replace(GREEDY, logprobs=0)
+    first = ours.generate([prompt], scored, use_tqdm=False)[0].outputs[0]
+    for i, edit in enumerate(FEATURES.get(name, [])):
+        config = json.loads((tmp_path / "config.json").read_text()) | edit
+        plain = tmp_path.with_name(f"{tmp_path.name}-{i}")
+        shutil.copytree(tmp_path, plain)
+        (plain / "config.json").write_text(json.dumps(config))
+        other = make_llm(model=str(plain)).generate([prompt], scored, use_tqdm=False)[0].outputs[0]
+        assert (
+            other.token_ids != first.token_ids or abs(other.logprobs[0].logprob - first.logprobs[0].logprob) > 1e-3
+        ), f"{edit} changes nothing"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
+    """The GGUF llama.cpp's own convert_hf_to_gguf.py makes of the tiny model (float32), as users' files are
+    made: Llama 3's rope scaling arrives as the `rope_freqs` tensor of frequency divisors, applied."""
+    if llama_cpp.converter() is None:
+        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+    ref_model = save_tiny_model(name, tmp_path / "hf", llm.tokenizer)
+    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf")
+    factors = load_gguf_config(str(gguf)).rope_parameters.get("freq_factors")
+    assert (factors is not None and max(factors) > 1) == (name == "llama3")
+    prompt = llm.tokenizer.encode(PROMPT)
+    out = make_llm(model=str(gguf)).generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert_greedy_matches(out.outputs[0].token_ids, hf_greedy(ref_model, prompt))
 
 
 def test_unknown_architecture_names_the_supported_ones():

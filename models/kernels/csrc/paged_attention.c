@@ -7,8 +7,9 @@
  * block are contiguous, so a task streams whole 2 KiB runs instead of every num_kv_heads-th row).
  * block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs] (cached + new tokens);
  * query_start_loc int32 [num_seqs + 1]; slot_mapping int64 [num_tokens] (block * block_size + offset).
- * Query j of a sequence with q new tokens and n in all sits at position n - q + j and sees keys
- * 0 .. n - q + j (causal).
+ * Query j of a sequence with q new tokens and n in all sits at position p = n - q + j and sees keys
+ * 0 .. p (causal), or with a sliding window W > 0 keys p - W + 1 .. p: a task starts at the first key
+ * its tile's first query sees, so keys that have left the window are never read.
  *
  * Work. A task is (sequence, kv head, tile of up to QT query positions): it computes all G query heads
  * of the kv head's GQA group for those positions, so each K/V row is read once for G * QT query rows.
@@ -48,6 +49,7 @@
 typedef struct {
     int R, G, D;       /* rows, group size, head dim */
     int first_pos;     /* absolute position of the tile's first query */
+    int window;        /* sliding window in keys, 0 = none */
     float scale;
     float m[MAX_ROWS]; /* running max of each row's scores */
     float l[MAX_ROWS]; /* running sum of exp(score - m) */
@@ -82,9 +84,9 @@ static inline void softmax_update(Task *tk, float s[][CHUNK], int n, const float
     }
 }
 
-/* Rows that see key position `pos`: those whose query position is >= pos. */
-static inline int first_row_seeing(const Task *tk, int pos) {
-    return pos > tk->first_pos ? (pos - tk->first_pos) * tk->G : 0;
+/* Whether the query at position qpos sees the key at kpos: causal, and within the window if any. */
+static inline int sees(const Task *tk, int qpos, int kpos) {
+    return kpos <= qpos && (tk->window == 0 || kpos > qpos - tk->window);
 }
 
 #define LOAD_ROWS(T, CONVERT)                                                                          \
@@ -109,7 +111,7 @@ LOAD_ROWS(bf16, bf16_to_f32)
                 float dot = 0.f;                                                                       \
                 const float *kr = kvf + (size_t)t * D;                                                 \
                 for (int d = 0; d < D; d++) dot += q[d] * kr[d];                                       \
-                s[r][t] = pos0 + t <= qpos ? dot * tk->scale : NEG_INF;                                \
+                s[r][t] = sees(tk, qpos, pos0 + t) ? dot * tk->scale : NEG_INF;                        \
             }                                                                                          \
         }                                                                                              \
         load_rows_##T(vp, n, D, kvf);                                                                  \
@@ -207,9 +209,9 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
             float alpha[RB];                                                                           \
             int32_t pw[RB][CHUNK / 2]; /* bfloat16 weight pairs of keys 2q, 2q + 1 */                  \
             for (int j = 0; j < RB; j++) {                                                             \
-                const int r = row[j];                                                                  \
-                const __mmask16 seen = live & _mm512_cmple_epi32_mask(key_pos,                         \
-                    _mm512_set1_epi32(tk->first_pos + r / tk->G));                                     \
+                const int r = row[j], qpos = tk->first_pos + r / tk->G;                                \
+                const __mmask16 seen = live & _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(qpos)) \
+                    & _mm512_cmpgt_epi32_mask(key_pos, _mm512_set1_epi32(tk->window ? qpos - tk->window : -1)); \
                 alpha[j] = 1.f;                                                                        \
                 _mm256_storeu_si256((__m256i *)pw[j], _mm256_setzero_si256());                        \
                 if (!seen || r0 + j >= tk->R) continue;                                                \
@@ -351,7 +353,7 @@ static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query
                             T *k_cache, T *v_cache, const int64_t *slot_mapping, int num_tokens,       \
                             const int32_t *block_tables, const int32_t *seq_lens,                      \
                             const int32_t *query_start_loc, T *out, int num_seqs, int num_heads,       \
-                            int num_kv_heads, int D, int bs, int max_blocks, float scale,             \
+                            int num_kv_heads, int D, int bs, int max_blocks, float scale, int window,  \
                             int num_threads, int isa) {                                                \
         const int G = num_heads / num_kv_heads;                                                        \
         if (D > MAX_HEAD_DIM || G * QT > MAX_ROWS) return -1;                                          \
@@ -380,7 +382,8 @@ static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query
         int parts = 1;                                                                                 \
         if (num_tasks < 4 * num_threads) {                                                             \
             parts = (4 * num_threads + num_tasks - 1) / num_tasks;                                     \
-            const int most = (max_len + MIN_PART - 1) / MIN_PART;                                      \
+            const int span = window && window + QT < max_len ? window + QT : max_len; /* keys a task reads */ \
+            const int most = (span + MIN_PART - 1) / MIN_PART;                                         \
             parts = parts < most ? parts : most;                                                       \
         }                                                                                              \
         const size_t row_floats = (size_t)MAX_ROWS * D;                                                \
@@ -395,10 +398,12 @@ static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query
             const int s = ti.s, nq = ti.nq;                                                            \
             float *ws = thread_ws + (size_t)omp_get_thread_num() * (2 * row_floats + CHUNK * D);       \
             Task tk = {.R = nq * G, .G = G, .D = D, .first_pos = seq_lens[s] - ti.q_len + ti.j_first,  \
-                       .scale = scale, .acc = ws, .qf = ws + row_floats};                              \
-            const int L = tk.first_pos + nq; /* keys the tile's last query sees */                     \
-            const int per = (L + parts - 1) / parts;                                                   \
-            const int k_begin = part * per, k_end = k_begin + per < L ? k_begin + per : L;             \
+                       .window = window, .scale = scale, .acc = ws, .qf = ws + row_floats};            \
+            const int L = tk.first_pos + nq; /* keys up to the tile's last query */                    \
+            /* the first key the tile's first query sees */                                            \
+            const int lo = window && tk.first_pos - window + 1 > 0 ? tk.first_pos - window + 1 : 0;    \
+            const int per = (L - lo + parts - 1) / parts;                                              \
+            const int k_begin = lo + part * per, k_end = k_begin + per < L ? k_begin + per : L;        \
             const size_t tok0 = ti.tok0;                                                               \
             for (int r = 0; r < tk.R; r++) {                                                           \
                 const T *qr = q + (tok0 + r / G) * q_stride + ((size_t)h * G + r % G) * D;             \
