@@ -17,11 +17,12 @@ from models.attention.base import AttentionBackend, AttentionMetadata
 from models.config import ModelShape
 from models.distributed.group import TPGroup
 from models.kernels import ops
+from models.layers.checkpoint import keep_norms_float32, load_checkpoint
 from models.layers.layernorm import HeadRMSNorm, RMSNorm
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.layers.rotary_embedding import RotaryEmbedding
 from models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from models.quantization.gguf import GGUFConfig, GGUFTensor
+from models.quantization.gguf import GGUFConfig
 
 
 class LlamaAttention(nn.Module):
@@ -186,84 +187,19 @@ class LlamaForCausalLM(nn.Module):
         logits = (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
         return logits / self.logits_scaling if logits is not None and self.logits_scaling != 1.0 else logits
 
-    # checkpoint name -> (our parameter, shard index) for the fused projections
-    _STACKED = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-    _FUSED = ("qkv_proj", "gate_up_proj")  # Phi-3's checkpoint holds them fused already
-
-    def _split_fused(self, name: str, tensor) -> list:
-        """(shard index, rows) of a fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj: the full model's
-        projections stacked), for the layer's weight loader, which keeps this rank's part of each."""
-        cfg = self.config
-        if name.split(".")[-2] == "qkv_proj":
-            d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            sizes = [cfg.num_attention_heads * d] + [cfg.num_key_value_heads * d] * 2
-        else:
-            sizes = [cfg.intermediate_size] * 2
-        if (tensor.rows if isinstance(tensor, GGUFTensor) else tensor.shape[0]) != sum(sizes):
-            raise ValueError(f"{name}: {sum(sizes)} fused rows expected")
-        out, start = [], 0
-        for shard, size in enumerate(sizes):
-            out.append(
-                (
-                    shard,
-                    tensor.row_range(start, size) if isinstance(tensor, GGUFTensor) else tensor.narrow(0, start, size),
-                )
-            )
-            start += size
-        return out
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies Hugging Face checkpoint tensors into this model, stacking q/k/v and gate/up; a
-        parallel layer's `weight_loader` keeps this rank's part of each tensor. Also computes the rotary
-        table (not in checkpoints), so the model may be built on the meta device and materialized with
-        `models.loader.materialize` (no random init of weights the checkpoint overwrites).
+        """Copies Hugging Face checkpoint tensors into this model (models.layers.checkpoint: q/k/v and gate/up
+        stacked, each rank keeping its part). Also computes the rotary table (not in checkpoints), so the model
+        may be built on the meta device and materialized with `models.loader.materialize` (no random init of
+        weights the checkpoint overwrites).
 
         Raises KeyError for an unknown tensor name and ValueError when a parameter stays unset.
         """
         dtype = self.norm.weight.dtype  # the model dtype (--dtype)
         if self.quantized:
-            # The quantized linears quantize their inputs themselves (int16 per 32 values), so rounding the
-            # activations between them to bfloat16 first only loses precision: in a quantized model the
-            # norms keep the file's float32 weights and emit float32, the MLP and the projections' outputs
-            # stay float32, and only attention (q, k, v and the KV cache) runs in the model dtype. It costs
-            # nothing measurable (the weights' bytes dominate) and lifts greedy agreement with float32
-            # activations on W64's first 16 tokens from 84% to 91%. llama.cpp keeps float32 activations too.
-            for module in self.modules():
-                if isinstance(module, RMSNorm):
-                    module.weight.data = module.weight.data.float()
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            name = name.removeprefix("model.")
-            parts = name.split(".")
-            shards = [(0, tensor)]
-            if len(parts) >= 2 and parts[-2] in self._STACKED:
-                fused, shard = self._STACKED[parts[-2]]
-                name, shards = ".".join(parts[:-2] + [fused, parts[-1]]), [(shard, tensor)]
-            elif len(parts) >= 2 and parts[-2] in self._FUSED:
-                shards = self._split_fused(name, tensor)
-            param = params[name]
-            loader = getattr(self.get_submodule(name.rpartition(".")[0]), "weight_loader", None)
-            for shard, part in shards:
-                if loader is not None:
-                    loader(param, part, shard)
-                else:
-                    param.data.copy_(part)
-            loaded.add(name)
-        missing = [n for n in params if n not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
-        for module in self.modules():  # quantized layers stack their projections once all are in
-            if getattr(module, "quant_method", None) is not None:
-                module.quant_method.process_weights_after_loading(dtype)
+            keep_norms_float32(self)
+        skip = "lm_head.weight" if self.tie_word_embeddings else None
+        load_checkpoint(self, self.config, weights, dtype, skip=skip)
         self.rotary.compute_table(self.embed_tokens.weight.device)
 
 
