@@ -13,7 +13,8 @@ class ModelShape:
     head_dim: features per head; max_position_embeddings: the model's context limit in tokens.
     sliding_windows: each layer's attention window in tokens (a query sees the W positions up to its own),
     None for full attention (layer_sliding_windows). attention_scale: what the attention scores are multiplied
-    by when it is not 1 / sqrt(head_dim) (Granite's attention_multiplier), else None.
+    by when it is not 1 / sqrt(head_dim) (Granite's attention_multiplier, Gemma's query_pre_attn_scalar), else
+    None. attn_logit_softcapping: the attention scores' soft cap (Gemma 2), else None.
     """
 
     num_layers: int
@@ -28,6 +29,7 @@ class ModelShape:
     max_position_embeddings: int
     sliding_windows: tuple[int | None, ...] = ()
     attention_scale: float | None = None
+    attn_logit_softcapping: float | None = None
 
     @classmethod
     def from_hf(cls, config, tp_size: int = 1) -> "ModelShape":
@@ -46,7 +48,8 @@ class ModelShape:
             tp_size=tp_size,
             max_position_embeddings=getattr(config, "max_position_embeddings", None) or 1 << 20,
             sliding_windows=layer_sliding_windows(config),
-            attention_scale=getattr(config, "attention_multiplier", None),
+            attention_scale=attention_scale(config),
+            attn_logit_softcapping=getattr(config, "attn_logit_softcapping", None),
         )
 
 
@@ -93,3 +96,13 @@ def layer_sliding_windows(config) -> tuple[int | None, ...]:
             f"sliding_window must be a positive number of tokens for sliding_attention layers, got {window!r}"
         )
     return tuple(window if kind == "sliding_attention" else None for kind in types[:n])
+
+
+def attention_scale(config) -> float | None:
+    """What attention scores are multiplied by when the config says other than 1 / sqrt(head_dim): Granite's
+    attention_multiplier, or query_pre_attn_scalar ** -0.5 (Gemma); None otherwise."""
+    if getattr(config, "attention_multiplier", None) is not None:
+        return config.attention_multiplier
+    if getattr(config, "query_pre_attn_scalar", None) is not None:
+        return config.query_pre_attn_scalar**-0.5
+    return None

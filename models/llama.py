@@ -17,64 +17,13 @@ from models.attention.base import AttentionBackend, AttentionMetadata
 from models.config import ModelShape
 from models.distributed.group import TPGroup
 from models.kernels import ops
+from models.layers.attention import SelfAttention
 from models.layers.checkpoint import keep_norms_float32, load_checkpoint
-from models.layers.layernorm import HeadRMSNorm, RMSNorm
+from models.layers.layernorm import RMSNorm
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.layers.rotary_embedding import RotaryEmbedding
 from models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from models.quantization.gguf import GGUFConfig
-
-
-class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        shape: ModelShape,
-        backend: AttentionBackend,
-        bias: bool,
-        tp: TPGroup | None,
-        qk_norm_eps: float | None = None,
-        quant_config: GGUFConfig | None = None,
-        use_rope: bool = True,
-    ):
-        super().__init__()
-        self.use_rope = use_rope  # SmolLM3 leaves every fourth layer without positions (NoPE)
-        # this rank's heads (all of them without tensor parallelism)
-        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        # q, k and v projections fused into one matmul; the loader stacks the checkpoint's three.
-        self.qkv_proj = ColumnParallelLinear.qkv(shape, bias, tp, quant_config)
-        self.o_proj = RowParallelLinear(shape.total_num_heads * self.head_dim, shape.hidden_size, tp, quant_config)
-        self.backend = backend
-        # Qwen3 normalises each query and key head before the rotation
-        self.q_norm = HeadRMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = HeadRMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Grouped-query self-attention (Ainslie et al. 2023) with rotary positions (Su et al. 2021).
-
-        x: this step's normed hidden states [T, hidden] in the model dtype (float32 in a quantized model);
-        q, k and v are in the KV cache's dtype, the output in x's; rope: float32 (cos, sin)
-        [T, head_dim // 2] of each token's position; kv_cache: this layer's (k_cache, v_cache) in the
-        backend's layout; meta: the step's attention metadata. The new tokens' K/V are written to the
-        cache at `meta.slot_mapping` by the backend, which then attends causally over each sequence's
-        cached prefix and its new tokens. Returns [T, hidden] (summed over ranks by o_proj under
-        tensor parallelism).
-        """
-        qkv = self.qkv_proj(x, out_dtype=kv_cache[0].dtype).view(x.shape[0], -1, self.head_dim)
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # views of qkv
-        if self.q_norm is not None:
-            q.copy_(self.q_norm(q))
-            k.copy_(self.k_norm(k))
-        if self.use_rope:
-            ops.rotary_(qkv[:, : self.num_heads + self.num_kv_heads], *rope)  # q and k in place, in one go
-        o = self.backend.forward(q, k, v, kv_cache, meta)
-        return self.o_proj(o.view(-1, self.q_size), out_dtype=x.dtype)
 
 
 class LlamaMLP(nn.Module):
@@ -94,7 +43,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         no_rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 = rotary, 0 = none
-        self.self_attn = LlamaAttention(
+        self.self_attn = SelfAttention(
             shape,
             backend,
             bias,

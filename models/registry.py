@@ -1,5 +1,6 @@
 """The model registry: Hugging Face `config.architectures` names to our implementations."""
 
+from models.gemma import GemmaForCausalLM
 from models.llama import LlamaForCausalLM
 
 # architecture -> (class, extra constructor kwargs)
@@ -11,6 +12,8 @@ _REGISTRY = {
     "Phi3ForCausalLM": (LlamaForCausalLM, {}),
     "SmolLM3ForCausalLM": (LlamaForCausalLM, {}),
     "GraniteForCausalLM": (LlamaForCausalLM, {}),
+    "Gemma2ForCausalLM": (GemmaForCausalLM, {}),
+    "Gemma3ForCausalLM": (GemmaForCausalLM, {}),
 }
 
 

@@ -16,6 +16,8 @@ import sys
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -59,6 +61,27 @@ CONFIGS = {
     # fused qkv_proj and gate_up_proj in the checkpoint, a sliding window
     "phi3": lambda: Phi3Config(**COMMON, sliding_window=24, pad_token_id=0),
     "smollm3": lambda: SmolLM3Config(**COMMON, no_rope_layers=[1, 0]),  # no rotary on the second layer
+    # alternating sliding / global layers, soft caps that bind, query_pre_attn_scalar apart from head_dim
+    "gemma2": lambda: Gemma2Config(
+        **COMMON | dict(num_hidden_layers=4),
+        head_dim=16,
+        sliding_window=24,
+        query_pre_attn_scalar=64,
+        attn_logit_softcapping=0.3,
+        final_logit_softcapping=3.0,
+    ),
+    # 2 local : 1 global layers, a local rope base of its own, linear rope scaling on the global layers
+    "gemma3": lambda: Gemma3TextConfig(
+        **COMMON | dict(num_hidden_layers=3),
+        head_dim=16,
+        sliding_window=24,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+    ),
     "granite": lambda: GraniteConfig(  # multipliers far from 1, so that each one changes the output
         **COMMON, embedding_multiplier=12.0, attention_multiplier=1.0, residual_multiplier=0.5, logits_scaling=6.0
     ),

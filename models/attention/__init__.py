@@ -90,6 +90,7 @@ def make_backend(
     choice = choose_backend(name, device.type, dtype, flashinfer_ok, cpu_kernels_ok)
     scale = shape.attention_scale or shape.head_dim**-0.5
     args = (shape.num_heads, shape.num_kv_heads, shape.head_dim, block_size, scale)
+    kinds = dict(sliding_window=sliding_window, logits_soft_cap=shape.attn_logit_softcapping)
     if choice == "flashinfer":
-        return FlashInferBackend(*args, dtype=dtype, device=device, sliding_window=sliding_window)
-    return (CPUBackend if choice == "cpu" else TorchNativeBackend)(*args, sliding_window=sliding_window)
+        return FlashInferBackend(*args, dtype=dtype, device=device, **kinds)
+    return (CPUBackend if choice == "cpu" else TorchNativeBackend)(*args, **kinds)

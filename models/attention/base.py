@@ -42,7 +42,8 @@ class AttentionBackend(ABC):
     The KV cache of one layer is a pair (k_cache, v_cache), each of `kv_cache_shape(num_blocks)` in
     the model dtype: [num_blocks, block_size, num_kv_heads, head_dim] (FlashInfer's "NHD" paged layout)
     unless a backend says otherwise. With `sliding_window` W a query at position p attends to keys
-    p - W + 1 .. p only (the layers of one window share a backend; models.attention.make_backends).
+    p - W + 1 .. p only (the layers of one window share a backend; models.attention.make_backends). With
+    `logits_soft_cap` c the scaled scores s become c * tanh(s / c) before the softmax (Gemma 2).
 
     CUDA graphs (engine/worker/cuda_graph.py) call `init_cuda_graph_decode` once and then plan and
     run each captured decode inside `cuda_graph_decode(batch_size)`; both do nothing here.
@@ -62,9 +63,11 @@ class AttentionBackend(ABC):
         block_size: int,
         scale: float,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.scale, self.sliding_window = block_size, scale, sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's K (or V) cache for `num_blocks` blocks."""

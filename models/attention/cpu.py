@@ -74,6 +74,7 @@ class CPUBackend(AttentionBackend):
             meta.block_tables.shape[1],
             self.scale,
             self.sliding_window or 0,
+            self.logits_soft_cap or 0.0,
             torch.get_num_threads(),
             self.isa,
         )

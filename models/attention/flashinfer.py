@@ -118,8 +118,9 @@ class FlashInferBackend(AttentionBackend):
         dtype: torch.dtype,
         device: torch.device | str,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ):
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window)
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window, logits_soft_cap)
         import flashinfer
 
         self._flashinfer = flashinfer
@@ -186,7 +187,13 @@ class FlashInferBackend(AttentionBackend):
         dims = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
         # FlashInfer's window_left counts the keys left of the query's own: W - 1 for a window of W
         window_left = self.sliding_window - 1 if self.sliding_window else -1
-        dtypes = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale, window_left=window_left)
+        dtypes = dict(
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            sm_scale=self.scale,
+            window_left=window_left,
+            logits_soft_cap=self.logits_soft_cap,
+        )
         if nd:
             _, indptr, indices, last = paged_kv_indices(*args, 0, nd)
             self._decode.plan(indptr, indices, last, *dims, **dtypes)

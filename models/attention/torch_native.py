@@ -46,7 +46,7 @@ class TorchNativeBackend(AttentionBackend):
             # SDPA takes the gathered [nd, L, kvh, d] transposed as a strided view: no copy
             kd = self._gather(k_cache, self.decode_blocks, self.decode_len).transpose(1, 2)
             vd = self._gather(v_cache, self.decode_blocks, self.decode_len).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=self.scale)
+            o = self._attend(qd, kd, vd, self.decode_mask)
             out[:nd] = o.reshape(nd, self.num_heads, self.head_dim)
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in range(nd, meta.num_seqs):
@@ -67,14 +67,26 @@ class TorchNativeBackend(AttentionBackend):
                     mask &= kpos > qpos - window
             # 4-D [1, heads, len, d] views: SDPA's fused CPU kernel (with GQA) only takes 4-D inputs,
             # 3-D ones fall back to the slow math path.
-            o = F.scaled_dot_product_attention(
-                q[None, start:end].transpose(1, 2),
-                kc[None].transpose(1, 2),
-                vc[None].transpose(1, 2),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self.scale,
-                enable_gqa=True,
+            o = self._attend(
+                q[None, start:end].transpose(1, 2), kc[None].transpose(1, 2), vc[None].transpose(1, 2), mask
             )
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+    def _attend(self, q, k, v, mask):
+        """Attention of q [B, H, m, d] over k, v [B, KVH, n, d] (or q [B, KVH, G, d] for decodes) with a
+        boolean `mask` broadcastable to the scores (None: causal, aligned to the end). SDPA, except with a
+        soft cap, which SDPA does not take: then the scores are computed, capped and masked here."""
+        cap = self.logits_soft_cap
+        if cap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
+            )
+        if q.shape[-3] != k.shape[-3]:  # GQA: each KV head serves a group of query heads
+            k, v = (x.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for x in (k, v))
+        s = (q.float() @ k.float().transpose(-1, -2)) * self.scale
+        s = cap * torch.tanh(s / cap)
+        if mask is None:
+            m, n = s.shape[-2:]
+            mask = torch.arange(n, device=s.device)[None, :] <= torch.arange(n - m, n, device=s.device)[:, None]
+        return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v.float()).to(q.dtype)

@@ -41,8 +41,8 @@ RETURNS_STATUS = {
 }
 RETURNS_LONG = {"gguf_r16_bytes"}
 SIGNATURES = {
-    "paged_attention_float": [_p, _i, _p, _i, _p, _i, _p, _p, _p, _i, _p, _p, _p, _p] + [_i] * 6 + [_f, _i, _i, _i],
-    "paged_attention_bf16": [_p, _i, _p, _i, _p, _i, _p, _p, _p, _i, _p, _p, _p, _p] + [_i] * 6 + [_f, _i, _i, _i],
+    "paged_attention_float": [_p, _i, _p, _i, _p, _i, _p, _p, _p, _i, _p, _p, _p, _p] + [_i] * 6 + [_f, _i, _f, _i, _i],
+    "paged_attention_bf16": [_p, _i, _p, _i, _p, _i, _p, _p, _p, _i, _p, _p, _p, _p] + [_i] * 6 + [_f, _i, _f, _i, _i],
     "attention_isa": [],
     "linear_bf16": [_p, _i, _p, _p, _p, _i, _i, _i, _i],
     "gguf_linear": [_p, _i, _i, _p, _i, _p, _i, _i, _i, _i, _i, _i],

@@ -88,6 +88,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate) (tanh approximation, Hendrycks & Gimpel 2016) * up: GeGLU (Shazeer 2020), Gemma's MLP, of
+    gate_up [T, 2 * inter] = [gate | up]; returns [T, inter]. Torch ops on every device."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [T, hidden] (no residual), computed in float32, returned in x's dtype: a sublayer's
+    output normalised before it joins the residual stream (Gemma's post-norms)."""
+    return (F.rms_norm(x.float(), x.shape[-1:], eps=eps) * weight.float()).to(x.dtype)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], as F.linear.
 

@@ -3,7 +3,8 @@
 Llama 3 (llama3 RoPE scaling, untied LM head), Qwen2 (q/k/v biases; and with sliding layers after full ones),
 Mistral (a sliding window shorter than the prompt), Qwen3 (per-head q/k RMSNorm, head_dim apart from
 hidden_size / heads), Phi-3 (fused q/k/v and gate/up tensors, a sliding window), SmolLM3 (a layer without
-rotary), Granite (multipliers); each feature shown to matter. The GGUF files llama.cpp's converter makes of
+rotary), Granite (multipliers), Gemma 2 (soft caps, pre/post norms, GeGLU, alternating windows) and Gemma 3
+(q/k norms, a rope base per layer kind, linear scaling); each feature shown to matter. The GGUF files llama.cpp's converter makes of
 them; and the registry error."""
 
 import dataclasses
@@ -24,12 +25,34 @@ from tests.conftest import assert_greedy_matches, make_llm
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # > 64 positions, longer than the windows
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 FULL = {"sliding_window": None, "layer_types": ["full_attention"] * 2}
+FULL4 = {"sliding_window": None, "layer_types": ["full_attention"] * 4}
 # config edits that each take one feature of a tiny model away
 FEATURES = {
     "mistral": [FULL],
     "phi3": [FULL],
     "qwen2_sliding": [FULL],
     "smollm3": [{"no_rope_layers": [1, 1]}],
+    "gemma2": [
+        FULL4,
+        {"attn_logit_softcapping": None},
+        {"final_logit_softcapping": None},
+        {"query_pre_attn_scalar": 16},
+    ],
+    "gemma3": [
+        {"layer_types": ["full_attention"] * 3},
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            }
+        },
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            }
+        },
+    ],
     "granite": [
         {"embedding_multiplier": 1.0},
         {"attention_multiplier": 0.25},

@@ -21,12 +21,14 @@ def new_cache(backend, num_blocks, dtype, randn=False):
     return cache, nhd
 
 
-def dense(q, keys, values, scale, window=None):
+def dense(q, keys, values, scale, window=None, cap=None):
     """q [m, H, D] are the last m positions of a sequence with keys/values [n, KVH, D]; with `window` W a
     query at position p sees keys p - W + 1 .. p (transformers' sliding-window mask)."""
     m, n = q.shape[0], keys.shape[0]
     k, v = keys.repeat_interleave(H // KVH, 1), values.repeat_interleave(H // KVH, 1)
     s = torch.einsum("mhd,nhd->hmn", q, k) * scale
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
     kpos, qpos = torch.arange(n)[None, :], torch.arange(n - m, n)[:, None]
     s.masked_fill_(kpos > qpos, float("-inf"))
     if window is not None:
@@ -37,16 +39,16 @@ def dense(q, keys, values, scale, window=None):
 BACKENDS = [TorchNativeBackend, CPUBackend]
 
 
-@pytest.mark.parametrize("window", [None, 3, 7])
+@pytest.mark.parametrize("window, cap", [(None, None), (3, None), (7, None), (None, 0.5), (5, 0.5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend_cls", BACKENDS)
-def test_mixed_batch_matches_dense_attention(backend_cls, dtype, window):
+def test_mixed_batch_matches_dense_attention(backend_cls, dtype, window, cap):
     """Decodes, a prefill chunk after a cached prefix, and a fresh prompt in one step; with a sliding
-    window shorter than most of them."""
+    window shorter than most of them, and a soft cap on the scores that binds (Gemma 2's)."""
     rng = random.Random(0)
     torch.manual_seed(0)
     num_blocks = 64
-    backend = backend_cls(H, KVH, D, BS, D**-0.5, sliding_window=window)
+    backend = backend_cls(H, KVH, D, BS, D**-0.5, sliding_window=window, logits_soft_cap=cap)
     (k_cache, v_cache), (k_nhd, v_nhd) = new_cache(backend, num_blocks, dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -84,7 +86,7 @@ def test_mixed_batch_matches_dense_attention(backend_cls, dtype, window):
     backend.plan(meta)
     out = backend.forward(q, k_new, v_new, (k_cache, v_cache), meta)
     for i, (ctx, new, keys, values) in enumerate(seqs):
-        ref = dense(q[qsl[i] : qsl[i + 1]].float(), keys.float(), values.float(), D**-0.5, window)
+        ref = dense(q[qsl[i] : qsl[i + 1]].float(), keys.float(), values.float(), D**-0.5, window, cap)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[qsl[i] : qsl[i + 1]].float(), ref, atol=tol, rtol=tol)
     # and the new tokens' K/V landed in their slots
@@ -126,10 +128,11 @@ def random_step(rng, group, kvh, d, bs, shapes, dtype):
     return meta, qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :], num_blocks
 
 
-def run_against_torch_native(meta, q, k, v, block_size, num_blocks, window=None):
+def run_against_torch_native(meta, q, k, v, block_size, num_blocks, window=None, cap=None):
     """Both backends on the same step and the same (random) cache contents: (torch_native, cpu) outputs."""
     h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
-    backends = [cls(h, kvh, d, block_size, d**-0.5, sliding_window=window) for cls in (TorchNativeBackend, CPUBackend)]
+    kinds = dict(sliding_window=window, logits_soft_cap=cap)
+    backends = [cls(h, kvh, d, block_size, d**-0.5, **kinds) for cls in (TorchNativeBackend, CPUBackend)]
     (ref_cache, ref_nhd), (cpu_cache, cpu_nhd) = (new_cache(b, num_blocks, q.dtype) for b in backends)
     for src, dst in zip(ref_nhd, cpu_nhd):
         src.copy_(torch.randn(src.shape, dtype=src.dtype))
@@ -183,16 +186,17 @@ def test_cpu_kernel_long_contexts(isa, num_seqs, monkeypatch):
 
 @pytest.mark.parametrize("isa", ["native", "portable"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("window", [1, 5, 40, 300])
-def test_cpu_kernel_sliding_window(window, dtype, isa, monkeypatch):
+@pytest.mark.parametrize("window, cap", [(1, None), (5, None), (40, None), (300, None), (None, 0.7), (40, 0.7)])
+def test_cpu_kernel_sliding_window(window, cap, dtype, isa, monkeypatch):
     """A sliding window over long contexts, alone (keys split across threads, partitions starting at the
-    window) and batched with chunks whose queries see different windows, against torch_native's mask."""
+    window) and batched with chunks whose queries see different windows, against torch_native's mask; and a
+    soft cap on the scores."""
     if isa == "portable":
         monkeypatch.setenv("MINIVLLM_CPU_ISA", "portable")
     rng = random.Random(window)
-    torch.manual_seed(window)
+    torch.manual_seed(window or 0)
     for shapes in ([(700, 1)], [(500, 1), (37, 1), (300, 20), (0, 45)]):
         meta, q, k, v, num_blocks = random_step(rng, 3, 2, 64, 16, shapes, dtype)
-        ref, out = run_against_torch_native(meta, q, k, v, 16, num_blocks, window)
+        ref, out = run_against_torch_native(meta, q, k, v, 16, num_blocks, window, cap)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)

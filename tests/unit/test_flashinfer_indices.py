@@ -95,7 +95,7 @@ def test_indices_read_what_torch_native_reads(seed):
 # ---- a stand-in for the `flashinfer` module: FlashInfer's semantics in plain torch ----------------
 
 
-def _attend(q, kv_cache, qo_indptr, kv_indptr, indices, last, causal, sm_scale, window_left=-1):
+def _attend(q, kv_cache, qo_indptr, kv_indptr, indices, last, causal, sm_scale, window_left=-1, soft_cap=None):
     """Causal masks align to the KV's end: query r of m sees keys 0..n-m+r (FlashInfer's convention); with
     window_left >= 0 only the window_left keys before its own position and that one."""
     outs = []
@@ -105,6 +105,8 @@ def _attend(q, kv_cache, qo_indptr, kv_indptr, indices, last, causal, sm_scale, 
         qi = q[qo_indptr[i] : qo_indptr[i + 1]].float()
         m, n, group = qi.shape[0], k.shape[0], qi.shape[1] // k.shape[1]
         s = torch.einsum("mhd,nhd->hmn", qi, k.repeat_interleave(group, 1)) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * torch.tanh(s / soft_cap)
         kpos, qpos = torch.arange(n)[None, :], torch.arange(n - m, n)[:, None]
         if causal:
             s.masked_fill_(kpos > qpos, float("-inf"))
@@ -143,6 +145,7 @@ class FakeDecodeWrapper:
         kv_data_type,
         sm_scale,
         window_left=-1,
+        logits_soft_cap=None,
     ):
         assert {indptr.dtype, indices.dtype, last_page_len.dtype} == {torch.int32}
         if self.cuda_graph:  # as FlashInfer does: a fixed batch size, arrays copied into the buffers
@@ -153,13 +156,15 @@ class FakeDecodeWrapper:
             indices_buf[: len(indices)].copy_(indices)
         else:
             self.bufs = (indptr, indices, last_page_len)
-        self.dtype, self.sm_scale, self.window_left = q_data_type, sm_scale, window_left
+        self.dtype, self.sm_scale, self.window_left, self.cap = q_data_type, sm_scale, window_left, logits_soft_cap
 
     def run(self, q, paged_kv_cache, out):
         assert q.dtype == self.dtype and out.shape == q.shape
         indptr, indices, last = self.bufs  # read at run time, like a replayed graph
         qo = torch.arange(len(last) + 1)
-        out.copy_(_attend(q, paged_kv_cache, qo, indptr, indices, last, False, self.sm_scale, self.window_left))
+        out.copy_(
+            _attend(q, paged_kv_cache, qo, indptr, indices, last, False, self.sm_scale, self.window_left, self.cap)
+        )
 
 
 class FakePrefillWrapper:
@@ -182,13 +187,15 @@ class FakePrefillWrapper:
         kv_data_type,
         sm_scale,
         window_left=-1,
+        logits_soft_cap=None,
     ):
         self.arrays = (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         self.causal, self.dtype, self.sm_scale, self.window_left = causal, q_data_type, sm_scale, window_left
+        self.cap = logits_soft_cap
 
     def run(self, q, paged_kv_cache, out):
         assert q.dtype == self.dtype and out.shape == q.shape
-        out.copy_(_attend(q, paged_kv_cache, *self.arrays, self.causal, self.sm_scale, self.window_left))
+        out.copy_(_attend(q, paged_kv_cache, *self.arrays, self.causal, self.sm_scale, self.window_left, self.cap))
 
 
 @pytest.fixture
@@ -204,10 +211,11 @@ def run_step(backend, meta, cache, q, k, v):
     return backend.forward(q, k, v, cache, meta)
 
 
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window, cap", [(None, None), (5, None), (None, 0.5)])
 @pytest.mark.parametrize("seed", range(10))
-def test_backend_matches_torch_native(fake_flashinfer, seed, window):
-    """Also with a sliding window: FlashInfer's window_left is the window less the query's own key."""
+def test_backend_matches_torch_native(fake_flashinfer, seed, window, cap):
+    """Also with a sliding window (FlashInfer's window_left is the window less the query's own key) and a
+    soft cap."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     meta = random_batch(rng, rng.randint(0, 5), rng.randint(1, 3))
@@ -215,9 +223,10 @@ def test_backend_matches_torch_native(fake_flashinfer, seed, window):
     q, k, v = torch.randn(t, H, D), torch.randn(t, KVH, D), torch.randn(t, KVH, D)
     caches = [(torch.randn(200, BS, KVH, D), torch.randn(200, BS, KVH, D))]
     caches.append(tuple(c.clone() for c in caches[0]))
-    fi = FlashInferBackend(H, KVH, D, BS, D**-0.5, dtype=torch.float32, device="cpu", sliding_window=window)
+    kinds = dict(sliding_window=window, logits_soft_cap=cap)
+    fi = FlashInferBackend(H, KVH, D, BS, D**-0.5, dtype=torch.float32, device="cpu", **kinds)
     out = run_step(fi, meta, caches[0], q, k, v)
-    ref = run_step(TorchNativeBackend(H, KVH, D, BS, D**-0.5, sliding_window=window), meta, caches[1], q, k, v)
+    ref = run_step(TorchNativeBackend(H, KVH, D, BS, D**-0.5, **kinds), meta, caches[1], q, k, v)
     torch.testing.assert_close(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1]))
 

@@ -9,7 +9,8 @@
  * query_start_loc int32 [num_seqs + 1]; slot_mapping int64 [num_tokens] (block * block_size + offset).
  * Query j of a sequence with q new tokens and n in all sits at position p = n - q + j and sees keys
  * 0 .. p (causal), or with a sliding window W > 0 keys p - W + 1 .. p: a task starts at the first key
- * its tile's first query sees, so keys that have left the window are never read.
+ * its tile's first query sees, so keys that have left the window are never read. A soft cap c > 0 turns
+ * each scaled score s into c * tanh(s / c) (Gemma 2; the portable path computes it).
  *
  * Work. A task is (sequence, kv head, tile of up to QT query positions): it computes all G query heads
  * of the kv head's GQA group for those positions, so each K/V row is read once for G * QT query rows.
@@ -51,6 +52,7 @@ typedef struct {
     int first_pos;     /* absolute position of the tile's first query */
     int window;        /* sliding window in keys, 0 = none */
     float scale;
+    float softcap;     /* 0 = none */
     float m[MAX_ROWS]; /* running max of each row's scores */
     float l[MAX_ROWS]; /* running sum of exp(score - m) */
     float *acc;        /* [R, D] running sum of exp(score - m) * v */
@@ -84,6 +86,9 @@ static inline void softmax_update(Task *tk, float s[][CHUNK], int n, const float
     }
 }
 
+/* A scaled score through the soft cap, if any. */
+static inline float capped(const Task *tk, float s) { return tk->softcap > 0.f ? tk->softcap * tanhf(s / tk->softcap) : s; }
+
 /* Whether the query at position qpos sees the key at kpos: causal, and within the window if any. */
 static inline int sees(const Task *tk, int qpos, int kpos) {
     return kpos <= qpos && (tk->window == 0 || kpos > qpos - tk->window);
@@ -111,7 +116,7 @@ LOAD_ROWS(bf16, bf16_to_f32)
                 float dot = 0.f;                                                                       \
                 const float *kr = kvf + (size_t)t * D;                                                 \
                 for (int d = 0; d < D; d++) dot += q[d] * kr[d];                                       \
-                s[r][t] = sees(tk, qpos, pos0 + t) ? dot * tk->scale : NEG_INF;                        \
+                s[r][t] = sees(tk, qpos, pos0 + t) ? capped(tk, dot * tk->scale) : NEG_INF;            \
             }                                                                                          \
         }                                                                                              \
         load_rows_##T(vp, n, D, kvf);                                                                  \
@@ -354,10 +359,10 @@ static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query
                             const int32_t *block_tables, const int32_t *seq_lens,                      \
                             const int32_t *query_start_loc, T *out, int num_seqs, int num_heads,       \
                             int num_kv_heads, int D, int bs, int max_blocks, float scale, int window,  \
-                            int num_threads, int isa) {                                                \
+                            float softcap, int num_threads, int isa) {                                 \
         const int G = num_heads / num_kv_heads;                                                        \
         if (D > MAX_HEAD_DIM || G * QT > MAX_ROWS) return -1;                                          \
-        const int avx = isa && sizeof(T) == 2 && (D == 64 || D == 128) && cpu_has_avx512bf16();        \
+        const int avx = isa && sizeof(T) == 2 && (D == 64 || D == 128) && softcap == 0.f && cpu_has_avx512bf16(); \
         /* 1. the new tokens' K/V into their slots (every read below may need them) */                 \
         _Pragma("omp parallel for num_threads(num_threads)")                                           \
         for (int i = 0; i < num_tokens; i++) {                                                         \
@@ -398,7 +403,8 @@ static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query
             const int s = ti.s, nq = ti.nq;                                                            \
             float *ws = thread_ws + (size_t)omp_get_thread_num() * (2 * row_floats + CHUNK * D);       \
             Task tk = {.R = nq * G, .G = G, .D = D, .first_pos = seq_lens[s] - ti.q_len + ti.j_first,  \
-                       .window = window, .scale = scale, .acc = ws, .qf = ws + row_floats};            \
+                       .window = window, .scale = scale, .softcap = softcap, .acc = ws,                \
+                       .qf = ws + row_floats};                                                         \
             const int L = tk.first_pos + nq; /* keys up to the tile's last query */                    \
             /* the first key the tile's first query sees */                                            \
             const int lo = window && tk.first_pos - window + 1 > 0 ? tk.first_pos - window + 1 : 0;    \
