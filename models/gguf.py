@@ -24,7 +24,18 @@ from gguf import GGMLQuantizationType
 from models.quantization.gguf import FLOAT_TYPES, QUANTIZED_TYPES, GGUFTensor
 
 # general.architecture -> transformers architecture (and its config class)
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# architectures whose q/k rows llama.cpp's converter interleaves (LlamaModel.permute), undone at load
+PERMUTED = ("llama", "smollm3", "granite")
+# architectures whose norms the converter stores as 1 + w (Gemma's scale); w is given back to the model
+NORM_SHIFTED = ("gemma3",)
 # GGUF tensor name (after blk.N.) -> Hugging Face name (after model.layers.N.)
 LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -41,6 +52,12 @@ LAYER_TENSORS = {
 }
 # Llama 3.1's rope scaling as llama.cpp's converter writes it: the divisor of each rotary frequency
 ROPE_FREQS = "rope_freqs.weight"
+# Gemma's names of its four norms per layer (ffn_norm is the pre-feedforward one there)
+GEMMA_TENSORS = LAYER_TENSORS | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 MODEL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -125,6 +142,16 @@ class GGUFModelConfig:
     eos_token_id: int | None
     rope_parameters: dict = field(default_factory=dict)
     attention_bias: bool = False
+    # the architectures' own fields (their transformers names), neutral by default
+    hidden_act: str = "silu"
+    no_rope_layers: list[int] | None = None  # SmolLM3
+    embedding_multiplier: float = 1.0  # Granite
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    sliding_window: int | None = None  # Gemma 3
+    layer_types: list[str] | None = None
+    query_pre_attn_scalar: float | None = None
 
 
 def load_gguf_config(path: str) -> GGUFModelConfig:
@@ -136,28 +163,67 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
     hidden = _key(path, md, "embedding_length")
     names = {info.name for info in header.tensors}
     vocab = md.get(f"{arch}.vocab_size") or next(i.shape[0] for i in header.tensors if i.name == "token_embd.weight")
-    if md.get(f"{arch}.rope.scaling.type", "none") not in ("none", ""):
-        raise ValueError(f"{path}: rope scaling {md[f'{arch}.rope.scaling.type']!r} is not supported")
+    scaling = md.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "", "linear"):
+        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported")
     rope = {"rope_type": "default", "rope_theta": _key(path, md, "rope.freq_base", 10000.0)}
+    if scaling == "linear":
+        rope |= {"rope_type": "linear", "factor": _key(path, md, "rope.scaling.factor")}
     if ROPE_FREQS in names:  # Llama 3.1+: the converter's per-dimension divisors of the frequencies
         rope["freq_factors"] = _float_tensor(header, ROPE_FREQS).tolist()
+    layers = _key(path, md, "block_count")
+    head_dim = _key(path, md, "attention.key_length", hidden // heads)
+    extra = {}
+    if arch == "smollm3":  # llama.cpp's rule (no metadata): no rotary on every fourth layer
+        extra["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
+    elif arch == "granite":
+        extra = dict(
+            attention_multiplier=md.get(f"{arch}.attention.scale"),
+            embedding_multiplier=md.get(f"{arch}.embedding_scale", 1.0),
+            residual_multiplier=md.get(f"{arch}.residual_scale", 1.0),
+            logits_scaling=md.get(f"{arch}.logit_scale", 1.0),
+        )
+    elif arch == "gemma3":
+        extra = _gemma3_fields(path, md, layers, hidden, heads, head_dim, rope)
     return GGUFModelConfig(
         architectures=[ARCHITECTURES[arch]],
-        model_type=arch,
-        num_hidden_layers=_key(path, md, "block_count"),
+        model_type="gemma3_text" if arch == "gemma3" else arch,
+        num_hidden_layers=layers,
         hidden_size=hidden,
         intermediate_size=_key(path, md, "feed_forward_length"),
         num_attention_heads=heads,
         num_key_value_heads=_key(path, md, "attention.head_count_kv", heads),
-        head_dim=_key(path, md, "attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=_key(path, md, "attention.layer_norm_rms_epsilon"),
         max_position_embeddings=_key(path, md, "context_length"),
         vocab_size=vocab,
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
-        rope_parameters=rope,
+        rope_parameters=extra.pop("rope_parameters", rope),
         attention_bias=arch == "qwen2",
+        **extra,
+    )
+
+
+def _gemma3_fields(path: str, md: dict, layers: int, hidden: int, heads: int, head_dim: int, rope: dict) -> dict:
+    """Gemma 3's fields as llama.cpp reads them: the sliding window on 5 of every 6 layers (or the file's
+    sliding_window_pattern), the sliding layers' own rope base, 1 / sqrt(head_dim) as the attention scale
+    (hidden / heads for the 62-layer 27B model)."""
+    window = md.get("gemma3.attention.sliding_window")
+    pattern = md.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        sliding = [bool(x) for x in pattern]
+    else:
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    scalar = hidden // heads if layers == 62 else head_dim
+    local = {"rope_type": "default", "rope_theta": md.get("gemma3.rope.freq_base_swa", 10000.0)}
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=window or None,
+        layer_types=["sliding_attention" if window and s else "full_attention" for s in sliding],
+        query_pre_attn_scalar=scalar,
+        rope_parameters={"sliding_attention": local, "full_attention": rope},
     )
 
 
@@ -200,13 +266,14 @@ def load_gguf_tokenizer(path: str, cache: Path | None = None):
     return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=path, **args)
 
 
-def _hf_name(path: str, name: str) -> str:
+def _hf_name(path: str, name: str, arch: str) -> str:
     if name in MODEL_TENSORS:
         return MODEL_TENSORS[name]
+    names = GEMMA_TENSORS if arch.startswith("gemma") else LAYER_TENSORS
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m is None or m[2] not in LAYER_TENSORS:
+    if m is None or m[2] not in names:
         raise ValueError(f"{path}: tensor {name} is not one this server knows how to load")
-    return f"model.layers.{m[1]}.{LAYER_TENSORS[m[2]]}.{m[3]}"
+    return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
 
 
 def _unpermute(rows: int, heads: int) -> torch.Tensor:
@@ -221,8 +288,9 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
     Float tensors (F32/F16/BF16) come as float32 [out, in] (torch order). Quantized ones come as
     `GGUFTensor`s of their raw blocks when `quantized`, else dequantized to float32 (gguf-py's
     dequantize). Data is copied out of the memory map, so nothing keeps the file mapped. q/k rows are
-    put back in the Hugging Face order for arch llama. Raises ValueError naming the file and tensor for
-    a type or name that cannot be loaded.
+    put back in the Hugging Face order where the converter permuted them (PERMUTED), and Gemma's norms back
+    to w where it stored 1 + w. Raises ValueError naming the file and tensor for a type or name that cannot be
+    loaded.
     """
     from gguf.quants import dequantize
     from transformers.integrations.gguf.reader import load_gguf_state_dict
@@ -230,12 +298,13 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
     header, md = read_header(path)
     heads = {"attn_q": _key(path, md, "attention.head_count")}
     heads["attn_k"] = _key(path, md, "attention.head_count_kv", heads["attn_q"])
-    permute = md["general.architecture"] == "llama"
+    arch = md["general.architecture"]
+    permute, shifted = arch in PERMUTED, arch in NORM_SHIFTED
     raw = load_gguf_state_dict(header)
     for info in header.tensors:
         if info.name == ROPE_FREQS:  # read into the config (load_gguf_config), not a weight
             continue
-        name = _hf_name(path, info.name)
+        name = _hf_name(path, info.name, arch)
         try:
             qtype = GGMLQuantizationType(info.ggml_type)
         except ValueError:
@@ -273,4 +342,6 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
                 if isinstance(w, GGUFTensor)
                 else w[order].contiguous()
             )
+        if shifted and name.endswith("norm.weight"):  # the converter's 1 + w back to w
+            w = w - 1
         yield name, w

@@ -60,7 +60,8 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),  # head_dim is not hidden_size / heads there
     # fused qkv_proj and gate_up_proj in the checkpoint, a sliding window
     "phi3": lambda: Phi3Config(**COMMON, sliding_window=24, pad_token_id=0),
-    "smollm3": lambda: SmolLM3Config(**COMMON, no_rope_layers=[1, 0]),  # no rotary on the second layer
+    # no rotary on every fourth layer (the default; llama.cpp assumes it)
+    "smollm3": lambda: SmolLM3Config(**COMMON | dict(num_hidden_layers=4)),
     # alternating sliding / global layers, soft caps that bind, query_pre_attn_scalar apart from head_dim
     "gemma2": lambda: Gemma2Config(
         **COMMON | dict(num_hidden_layers=4),
@@ -70,13 +71,13 @@ CONFIGS = {
         attn_logit_softcapping=0.3,
         final_logit_softcapping=3.0,
     ),
-    # 2 local : 1 global layers, a local rope base of its own, linear rope scaling on the global layers
+    # 5 local : 1 global layers (the default; llama.cpp assumes it), a local rope base of its own, linear rope
+    # scaling on the global layers
     "gemma3": lambda: Gemma3TextConfig(
-        **COMMON | dict(num_hidden_layers=3),
+        **COMMON | dict(num_hidden_layers=6),
         head_dim=16,
         sliding_window=24,
         query_pre_attn_scalar=16,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},

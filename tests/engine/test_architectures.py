@@ -4,8 +4,8 @@ Llama 3 (llama3 RoPE scaling, untied LM head), Qwen2 (q/k/v biases; and with sli
 Mistral (a sliding window shorter than the prompt), Qwen3 (per-head q/k RMSNorm, head_dim apart from
 hidden_size / heads), Phi-3 (fused q/k/v and gate/up tensors, a sliding window), SmolLM3 (a layer without
 rotary), Granite (multipliers), Gemma 2 (soft caps, pre/post norms, GeGLU, alternating windows) and Gemma 3
-(q/k norms, a rope base per layer kind, linear scaling); each feature shown to matter. The GGUF files llama.cpp's converter makes of
-them; and the registry error."""
+(q/k norms, a rope base per layer kind, linear scaling); each feature shown to matter. The GGUF files
+llama.cpp's converter makes of them (where it needs no sentencepiece tokenizer); and the registry error."""
 
 import dataclasses
 import json
@@ -31,7 +31,7 @@ FEATURES = {
     "mistral": [FULL],
     "phi3": [FULL],
     "qwen2_sliding": [FULL],
-    "smollm3": [{"no_rope_layers": [1, 1]}],
+    "smollm3": [{"no_rope_layers": [1, 1, 1, 1]}],
     "gemma2": [
         FULL4,
         {"attn_logit_softcapping": None},
@@ -39,7 +39,7 @@ FEATURES = {
         {"query_pre_attn_scalar": 16},
     ],
     "gemma3": [
-        {"layer_types": ["full_attention"] * 3},
+        {"layer_types": ["full_attention"] * 6},
         {
             "rope_parameters": {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0},
@@ -104,10 +104,13 @@ def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "smollm3", "granite", "gemma3"])
 def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
     """The GGUF llama.cpp's own convert_hf_to_gguf.py makes of the tiny model (float32), as users' files are
-    made: Llama 3's rope scaling arrives as the `rope_freqs` tensor of frequency divisors, applied."""
+    made: Llama 3's rope scaling arrives as the `rope_freqs` tensor of frequency divisors, applied; SmolLM3's
+    rotary-free layers and Gemma 3's sliding layers follow llama.cpp's fixed patterns (the files carry neither),
+    which the tiny configs share; Granite's multipliers and Gemma 3's rope bases come from the metadata, Gemma's
+    norms stored as 1 + w."""
     if llama_cpp.converter() is None:
         pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
     ref_model = save_tiny_model(name, tmp_path / "hf", llm.tokenizer)
