@@ -75,6 +75,7 @@ def read_header(path: str):
     every tensor's bytes lie inside the file. Raises ValueError naming the file for anything malformed."""
     from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
 
+    _teach_transformers_block_sizes()
     try:
         header = GgufHeader.from_file(path)
         metadata, _ = read_gguf_metadata(path)
@@ -93,6 +94,19 @@ def read_header(path: str):
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     return header, metadata
+
+
+@functools.cache
+def _teach_transformers_block_sizes() -> None:
+    """transformers' reader sizes each tensor from its own table of the types it can dequantize, which lacks
+    Q5_0 and Q5_1 (a file holding them is refused as a whole): the sizes of the types our kernels compute with
+    are added to it, from gguf-py's GGML_QUANT_SIZES."""
+    from gguf import GGML_QUANT_SIZES
+    from transformers.integrations.gguf import dequant
+
+    for qtype in QUANTIZED_TYPES:
+        dequant.GGML_BLOCK.setdefault(int(qtype), GGML_QUANT_SIZES[qtype])
+        dequant.GGML_NAME.setdefault(int(qtype), qtype.name)
 
 
 def _unsupported_tensor(path: str) -> str | None:

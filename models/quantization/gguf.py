@@ -14,8 +14,25 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from models.kernels import ops
 
-# ggml types whose blocks the C kernels (models/kernels/csrc/gguf_linear.c) compute with
+# ggml types whose blocks the C kernels (models/kernels/csrc/gguf_linear.c) compute with: every one on the portable
+# path, exactly as gguf-py dequantizes them
 QUANTIZED_TYPES = (
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.IQ4_NL,
+    GGMLQuantizationType.Q2_K,
+    GGMLQuantizationType.Q3_K,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.IQ4_XS,
+)
+# of those, the ones the AVX512-VNNI kernel has a repacked (R16) layout for; the others keep their blocks (the
+# portable kernel for a few rows, dequantize + GEMM for more) on every CPU
+R16_TYPES = (
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
     GGMLQuantizationType.Q8_0,

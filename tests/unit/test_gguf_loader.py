@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from models.gguf import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer, read_header
@@ -121,6 +121,9 @@ def _write(path, arch="llama", qtype=GGMLQuantizationType.Q8_0, cut: int | None 
     q = rng.normal(size=(64, 64)).astype(np.float32)
     if qtype in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0):
         w.add_tensor("blk.0.attn_q.weight", quantize(q, qtype), raw_dtype=qtype)
+    elif qtype is not None:  # a type gguf-py cannot make: random blocks of 256 weights
+        rows_bytes = rng.integers(0, 256, size=(64, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+        w.add_tensor("blk.0.attn_q.weight", rows_bytes, raw_dtype=qtype)
     w.add_tensor("token_embd.weight", rng.normal(size=(32, 64)).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -142,8 +145,12 @@ def test_a_small_written_file_loads(tmp_path):
 def test_bad_files_are_errors_naming_what_is_wrong(tmp_path, gguf_path):
     with pytest.raises(ValueError, match=r"bad_arch\.gguf.*architecture 'gpt2' is not supported"):
         read_header(_write(tmp_path / "bad_arch.gguf", arch="gpt2"))
-    path = _write(tmp_path / "q5.gguf", qtype=GGMLQuantizationType.Q5_0)
-    with pytest.raises(ValueError, match=r"q5\.gguf: tensor blk\.0\.attn_q\.weight has ggml type Q5_0, not supported"):
+    path = _write(tmp_path / "q5.gguf", qtype=GGMLQuantizationType.Q5_0)  # read since transformers is taught Q5_0
+    assert isinstance(dict(iter_gguf_weights(path, True))["model.layers.0.self_attn.q_proj.weight"], GGUFTensor)
+    path = _write(tmp_path / "iq2.gguf", qtype=GGMLQuantizationType.IQ2_XXS)
+    with pytest.raises(
+        ValueError, match=r"iq2\.gguf: tensor blk\.0\.attn_q\.weight has ggml type IQ2_XXS, not supported"
+    ):
         list(iter_gguf_weights(path, quantized=True))
     size = os.path.getsize(gguf_path)
     for cut in (1 << 20, size // 2, size - 1):

@@ -12,6 +12,16 @@
  *   Q5_K (256 w, 176 B): as Q4_K plus 32 B holding each weight's fifth bit (bit j for sub-block j)
  *   Q6_K (256 w, 210 B): 128 B low 4 bits, 64 B high 2 bits, 16 int8 scales (one per 16), fp16 d last:
  *                        w = d sc (q - 32)
+ *   Q5_0 (32 w, 22 B): fp16 d, 4 B holding each weight's fifth bit, nibbles as Q4_0:      w = d (q - 16)
+ *   Q5_1 (32 w, 24 B): fp16 d, fp16 m, fifth bits, nibbles:                               w = d q + m
+ *   Q2_K (256 w, 84 B): 16 B of 4-bit scale | 4-bit min (one per 16), 64 B of 2-bit codes, fp16 d, fp16 dmin:
+ *                       w = d sc q - dmin m
+ *   Q3_K (256 w, 110 B): 32 B high bits, 64 B low 2 bits, 12 B of 6-bit scales (one per 16), fp16 d:
+ *                        w = d (sc - 32) (q - 4), q = low | high << 2
+ *   IQ4_NL (32 w, 18 B): fp16 d, nibbles as Q4_0 indexing the non-linear table KVALUES: w = d KVALUES[q]
+ *   IQ4_XS (256 w, 136 B): fp16 d, 16 high and 4 B low bits of 8 6-bit sub-block scales, 128 B nibbles
+ *                          (16 B per 32 w, low then high): w = d (sc - 32) KVALUES[q]
+ * The IQ4 types' codes are table indices: their value is KVALUES[q] (min 0) instead of q.
  *
  * Two kernels:
  *  - portable C on the file's blocks (float32 activations, CPUs without AVX512-VNNI/BF16, and the
@@ -31,7 +41,13 @@
 
 #include "bf16.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* GGMLQuantizationType values */
+/* GGMLQuantizationType values */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+       IQ4_NL = 20, IQ4_XS = 23 };
+
+/* the values of IQ4_NL's and IQ4_XS's 4-bit codes (ggml's kvalues_iq4nl) */
+static const float KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static inline int is_iq4(int type) { return type == IQ4_NL || type == IQ4_XS; }
 
 static inline float fp16_to_f32(const uint8_t *p) { /* exact, without F16C */
     const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
@@ -52,17 +68,27 @@ static inline float fp16_to_f32(const uint8_t *p) { /* exact, without F16C */
 }
 
 /* weights per block and bytes per block of a type; 0 for an unknown type */
-static int block_weights(int type) {
-    return type == Q4_0 || type == Q4_1 || type == Q8_0 ? 32 : type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 0;
-}
 static int block_bytes(int type) {
     switch (type) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
+    case IQ4_NL: return 18;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
+    case IQ4_XS: return 136;
+    default: return 0;
+    }
+}
+static int block_weights(int type) {
+    switch (type) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: return 32;
+    case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return 256;
     default: return 0;
     }
 }
@@ -93,6 +119,75 @@ static void unpack_row(int type, const uint8_t *row, int nb, uint8_t *q, float *
             }
             scale[2 * b] = scale[2 * b + 1] = d;
             min[2 * b] = min[2 * b + 1] = m;
+        }
+        break;
+    case Q5_0:
+    case Q5_1:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (size_t)b * block_bytes(type);
+            const float d = fp16_to_f32(blk), m = type == Q5_0 ? -16.f * d : fp16_to_f32(blk + 2);
+            const uint8_t *qh = blk + (type == Q5_0 ? 2 : 4), *qs = qh + 4;
+            const uint32_t high = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+            for (int j = 0; j < 16; j++) {
+                q[32 * b + j] = (qs[j] & 0xF) | ((high >> j) & 1) << 4;
+                q[32 * b + j + 16] = (qs[j] >> 4) | ((high >> (j + 16)) & 1) << 4;
+            }
+            scale[2 * b] = scale[2 * b + 1] = d;
+            min[2 * b] = min[2 * b + 1] = m;
+        }
+        break;
+    case IQ4_NL:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (size_t)b * 18;
+            for (int j = 0; j < 16; j++) {
+                q[32 * b + j] = blk[2 + j] & 0xF;
+                q[32 * b + j + 16] = blk[2 + j] >> 4;
+            }
+            scale[2 * b] = scale[2 * b + 1] = fp16_to_f32(blk);
+            min[2 * b] = min[2 * b + 1] = 0.f;
+        }
+        break;
+    case Q2_K:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (size_t)b * 84, *sc = blk, *qs = blk + 16;
+            const float d = fp16_to_f32(blk + 80), dmin = fp16_to_f32(blk + 82);
+            uint8_t *qb = q + 256 * b;
+            for (int v = 0; v < 256; v++) qb[v] = (qs[32 * (v / 128) + v % 32] >> (2 * ((v % 128) / 32))) & 3;
+            for (int g = 0; g < 16; g++) { /* as gguf-py: (d * sc) * q - dmin * m */
+                scale[16 * b + g] = d * (float)(sc[g] & 0xF);
+                min[16 * b + g] = -(dmin * (float)(sc[g] >> 4));
+            }
+        }
+        break;
+    case Q3_K:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (size_t)b * 110, *hm = blk, *qs = blk + 32, *sc = blk + 96;
+            const float d = fp16_to_f32(blk + 108);
+            uint8_t *qb = q + 256 * b;
+            for (int v = 0; v < 256; v++)
+                qb[v] = ((qs[32 * (v / 128) + v % 32] >> (2 * ((v % 128) / 32))) & 3) | ((hm[v % 32] >> (v / 32)) & 1) << 2;
+            for (int g = 0; g < 16; g++) {
+                const int lo = (sc[g % 8] >> (4 * (g / 8))) & 0xF, hi = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+                scale[16 * b + g] = d * (float)((lo | hi << 4) - 32);
+                min[16 * b + g] = -4.f * scale[16 * b + g];
+            }
+        }
+        break;
+    case IQ4_XS:
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (size_t)b * 136, *sl = blk + 4, *qs = blk + 8;
+            const float d = fp16_to_f32(blk);
+            const int sh = blk[2] | blk[3] << 8;
+            uint8_t *qb = q + 256 * b;
+            for (int ib = 0; ib < 8; ib++) {
+                for (int j = 0; j < 16; j++) {
+                    qb[32 * ib + j] = qs[16 * ib + j] & 0xF;
+                    qb[32 * ib + 16 + j] = qs[16 * ib + j] >> 4;
+                }
+                const int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0xF) | ((sh >> (2 * ib)) & 3) << 4;
+                scale[16 * b + 2 * ib] = scale[16 * b + 2 * ib + 1] = d * (float)(ls - 32);
+                min[16 * b + 2 * ib] = min[16 * b + 2 * ib + 1] = 0.f;
+            }
         }
         break;
     case Q8_0:
@@ -159,18 +254,21 @@ int gguf_dequantize(int type, const uint8_t *src, int rows, int cols, void *dst,
     _Pragma("omp parallel num_threads(num_threads) if (rows > 1)") {
         uint8_t *q = malloc((size_t)cols);
         float *scale = malloc(sizeof(float) * (cols / 16)), *min = malloc(sizeof(float) * (cols / 16));
+        float *q_f = dst_bf16 ? malloc(sizeof(float) * (size_t)cols) : NULL; /* a float32 row before rounding */
         _Pragma("omp for schedule(static)")
         for (int r = 0; r < rows; r++) {
             unpack_row(type, src + r * row_bytes, nb, q, scale, min);
-            if (dst_bf16) {
-                bf16 *o = (bf16 *)dst + (size_t)r * cols;
-                for (int k = 0; k < cols; k++) o[k] = f32_to_bf16(scale[k / 16] * (float)q[k] + min[k / 16]);
-            } else {
-                float *o = (float *)dst + (size_t)r * cols;
+            float *o = dst_bf16 ? (float *)q_f : (float *)dst + (size_t)r * cols;
+            if (is_iq4(type))
+                for (int k = 0; k < cols; k++) o[k] = scale[k / 16] * KVALUES[q[k]];
+            else
                 for (int k = 0; k < cols; k++) o[k] = scale[k / 16] * (float)q[k] + min[k / 16];
+            if (dst_bf16) {
+                bf16 *ob = (bf16 *)dst + (size_t)r * cols;
+                for (int k = 0; k < cols; k++) ob[k] = f32_to_bf16(o[k]);
             }
         }
-        free(q), free(scale), free(min);
+        free(q), free(scale), free(min), free(q_f);
     }
     return 0;
 }
@@ -180,13 +278,17 @@ static inline float load_x(const void *x, int x_bf16, size_t i) {
     return x_bf16 ? bf16_to_f32(((const bf16 *)x)[i]) : ((const float *)x)[i];
 }
 
-/* y[m][n] = sum_g scale_g (sum_{k in g} x q) + min_g (sum_{k in g} x), in float32 */
+/* y[m][n] = sum_g scale_g (sum_{k in g} x q) + min_g (sum_{k in g} x), in float32; the IQ4 types' codes
+ * through their table */
 static float row_dot_portable(const float *x, const float *xsum, const uint8_t *q, const float *scale,
-                              const float *min, int K) {
+                              const float *min, int K, int iq4) {
     float acc = 0.f;
     for (int g = 0; g < K / 16; g++) {
         float s = 0.f;
-        for (int i = 0; i < 16; i++) s += x[16 * g + i] * (float)q[16 * g + i];
+        if (iq4)
+            for (int i = 0; i < 16; i++) s += x[16 * g + i] * KVALUES[q[16 * g + i]];
+        else
+            for (int i = 0; i < 16; i++) s += x[16 * g + i] * (float)q[16 * g + i];
         acc += scale[g] * s + min[g] * xsum[g];
     }
     return acc;
@@ -217,7 +319,8 @@ int gguf_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int t
         for (int n = 0; n < N; n++) {
             unpack_row(type, w + n * row_bytes, nb, q, scale, min);
             for (int m = 0; m < M; m++) {
-                const float v = row_dot_portable(xf + (size_t)m * K, xsum + (size_t)m * (K / 16), q, scale, min, K);
+                const float v = row_dot_portable(xf + (size_t)m * K, xsum + (size_t)m * (K / 16), q, scale, min, K,
+                                                 is_iq4(type));
                 const size_t at = (size_t)m * y_stride + n;
                 if (y_bf16)
                     ((bf16 *)y)[at] = f32_to_bf16(v);

@@ -68,7 +68,9 @@ ROTARY(bf16, bf16_to_f32, f32_to_bf16)
             T *o = out + (size_t)t * inter;                                                            \
             for (int i = 0; i < inter; i++) {                                                          \
                 const float a = TO_F32(g[i]);                                                          \
-                o[i] = FROM_F32(a / (1.f + expf(-a)) * TO_F32(u[i]));                                  \
+                /* exp's argument held below float32's overflow: -ffast-math assumes no infinities, and   \
+                 * an inf there (a < -88) came out as NaN; silu(a) is -0 to float precision anyway */      \
+                o[i] = FROM_F32(a / (1.f + expf(fminf(-a, 88.f))) * TO_F32(u[i]));                     \
             }                                                                                          \
         }                                                                                              \
     }
