@@ -5,6 +5,12 @@ identified by a chained hash of (parent block's hash, its token ids), so equal p
 blocks. Blocks are ref-counted; a block whose count drops to zero keeps its hash and joins an LRU
 free queue, so a later request with the same prefix can take it back; it loses its hash only when
 allocation evicts it.
+
+With a sliding window (every layer of the model attends to the last W positions: Mistral, Phi-3), a
+request's blocks that lie wholly before the window of its next queries are freed as it advances, as vLLM's
+SlidingWindowManager does: in the block table they become the null block (never allocated, never read, as
+the attention kernels start at the window), and they keep their hash, so a later request can still hit
+them. A request then holds at most ceil(W / block_size) + 1 blocks beyond the tokens of its step.
 """
 
 from collections import OrderedDict
@@ -91,11 +97,20 @@ class KVCacheManager:
 
     Requests are objects with `request_id`, `all_token_ids` (prompt + output), `num_computed_tokens`
     and `block_hashes` (a list this manager extends as blocks fill). Counters are in tokens.
+    `sliding_window`: the window of every layer (vLLM's SlidingWindowSpec), None for full attention (or a
+    model that mixes both: its blocks are kept whole); with one, block 0 is the null block.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int | None = None
+    ):
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.null_block: Block | None = None
+        if sliding_window is not None:  # never handed out: stands for the blocks that left the window
+            self.null_block = self.pool.free_queue.pop(0)
+        self.num_skipped: dict[str, int] = {}  # leading blocks of a request freed as out of its window
         self.req_blocks: dict[str, list[Block]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request registered in the cache
         self.prefix_cache_queries = 0
@@ -107,8 +122,8 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
-        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+        """Fraction of blocks held by requests (cached-but-free blocks count as free; the null block is none)."""
+        return 1.0 - self.pool.num_free_blocks / (self.num_blocks - (self.null_block is not None))
 
     def get_computed_blocks(self, request) -> tuple[list[Block], int]:
         """The longest cached prefix of a new request: (blocks, number of tokens they hold).
@@ -147,6 +162,8 @@ class KVCacheManager:
         KV transfer) nothing is registered: `cache_blocks` does it once the K/V has arrived.
         """
         blocks = self.req_blocks.get(request.request_id, [])
+        if blocks and self.sliding_window is not None:
+            self.remove_skipped_blocks(request, request.num_computed_tokens)
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = -(-(num_tokens + num_lookahead_tokens) // self.block_size) - len(blocks) - len(computed_blocks)
         # cached blocks we are about to touch are counted in the free queue but are not available
@@ -162,7 +179,27 @@ class KVCacheManager:
         self._update_hashes(request, num_verified)
         if not delay_cache:
             self.cache_blocks(request, num_verified)
+        if computed_blocks and self.sliding_window is not None:  # a hit reaching past the first window
+            self.remove_skipped_blocks(request, len(computed_blocks) * self.block_size)
         return True
+
+    def remove_skipped_blocks(self, request, num_computed_tokens: int) -> None:
+        """Frees the request's blocks that no query from position `num_computed_tokens` on can see (they end
+        before its window), putting the null block in their place (vLLM's name). They keep their hash."""
+        blocks = self.req_blocks[request.request_id]
+        first_seen = max(0, num_computed_tokens - self.sliding_window + 1)  # the first key a next query sees
+        skipped = min(first_seen // self.block_size, len(blocks))
+        start = self.num_skipped.get(request.request_id, 0)
+        freed = []
+        for i in range(start, skipped):
+            freed.append(blocks[i])
+            blocks[i] = self.null_block
+        self.pool.free(freed)
+        self.num_skipped[request.request_id] = max(start, skipped)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks a request holds (the null block not counted)."""
+        return sum(b is not self.null_block for b in self.req_blocks.get(request_id, ()))
 
     def cache_blocks(self, request, num_tokens: int) -> None:
         """Registers in the prefix cache the request's blocks that its first `num_tokens` tokens fill
@@ -171,7 +208,8 @@ class KVCacheManager:
         first = self.num_cached_blocks.get(request.request_id, 0)  # blocks before it are registered
         last = num_tokens // self.block_size
         for i in range(first, last):
-            self.pool.cache(blocks[i], request.block_hashes[i])
+            if blocks[i] is not self.null_block:
+                self.pool.cache(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = max(first, last)
 
     def _update_hashes(self, request, num_tokens: int) -> None:
@@ -186,8 +224,9 @@ class KVCacheManager:
     def free(self, request, uncache: bool = False) -> None:
         """Releases all blocks of a request, tail first. `uncache` also drops their prefix-cache
         hashes (their K/V may be garbage after a failed step)."""
-        blocks = self.req_blocks.pop(request.request_id, [])
+        blocks = [b for b in self.req_blocks.pop(request.request_id, []) if b is not self.null_block]
         self.num_cached_blocks.pop(request.request_id, None)
+        self.num_skipped.pop(request.request_id, None)
         if uncache:
             self.pool.uncache([b for b in blocks if b.ref_cnt == 1])
         self.pool.free(list(reversed(blocks)))

@@ -125,3 +125,26 @@ def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
 def test_unknown_architecture_names_the_supported_ones():
     with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM"):
         get_model_class(type("Config", (), {"architectures": ["GPT2LMHeadModel"]})())
+
+
+@pytest.mark.slow
+def test_sliding_window_blocks_are_freed_as_a_request_advances(llm, tmp_path):
+    """Mistral with a window of 24 (every layer): prefilled in chunks of 64, then decoding four windows, the
+    request holds at most ceil(24 / 16) + 1 blocks per decode step, and the dashboard's snapshot shows those."""
+    from engine.snapshot import Snapshotter
+
+    save_tiny_model("mistral", tmp_path, llm.tokenizer)
+    ours = make_llm(model=str(tmp_path), max_num_batched_tokens=64)
+    engine, kv = ours.engine, ours.engine.engine_core.kv
+    prompt = llm.tokenizer.encode(PROMPT)
+    rid = engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=4 * 24, ignore_eos=True))
+    snapshots, decodes = Snapshotter(engine), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        req = engine.engine_core.scheduler.requests.get(rid)
+        if req is not None and req.num_computed_tokens > len(prompt):  # a decode step was scheduled
+            decodes += 1
+            assert kv.num_held_blocks(rid) <= 3
+            [row] = snapshots.take()["requests"]
+            assert len(row["blocks"]) == kv.num_held_blocks(rid)
+    assert decodes >= 4 * 24 - 2 and kv.pool.num_free_blocks == kv.num_blocks - 1

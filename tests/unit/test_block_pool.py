@@ -101,3 +101,33 @@ def test_caching_disabled_never_hits():
     kv.allocate_slots(a, 5)
     kv.free(a)
     assert kv.get_computed_blocks(seq("b", [1, 2, 3, 4, 5])) == ([], 0)
+
+
+def test_sliding_window_holds_only_the_windows_blocks():
+    """A request four windows long holds at most ceil(W / block_size) + 1 blocks at every step (the bound of
+    issue 28): the blocks that left its window go back to the pool, the null block in their place, their
+    hashes kept, so the same prefix later is still a hit."""
+    window, bs = 32, 16
+    kv = KVCacheManager(num_blocks=24, block_size=bs, sliding_window=window)
+    assert kv.null_block.block_id == 0 and kv.pool.num_free_blocks == 23
+    a = seq("a", range(1, 41))
+    assert kv.allocate_slots(a, 40)  # a 40-token prompt in one chunk
+    a.num_computed_tokens = 40
+    bound = -(-window // bs) + 1
+    while len(a.all_token_ids) < 4 * window:  # decode one token at a time
+        a.all_token_ids.append(len(a.all_token_ids) + 1)
+        assert kv.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+        assert kv.num_held_blocks("a") <= bound
+        assert kv.pool.num_free_blocks == 23 - kv.num_held_blocks("a")
+    table = kv.block_ids("a")
+    assert table[: (a.num_computed_tokens - window) // bs] == [0] * ((a.num_computed_tokens - window) // bs)
+    kv.free(a)
+    assert kv.pool.num_free_blocks == 23 and not kv.num_skipped
+    b = seq("b", a.all_token_ids)
+    hits, n = kv.get_computed_blocks(b)
+    assert n == (len(b.all_token_ids) - 1) // bs * bs  # every block of the prefix, freed or not, still cached
+    assert kv.allocate_slots(b, len(b.all_token_ids) - n, hits)
+    assert kv.num_held_blocks("b") <= bound  # the hit's blocks before the window go straight back
+    kv.free(b)
+    assert kv.pool.num_free_blocks == 23
