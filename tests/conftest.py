@@ -7,42 +7,17 @@ import os
 import pytest
 import torch
 
-from engine import LLM
 from models.cache_dir import CACHE_DIR
 from models.loader import export_hf_directory, file_key
+from tests.engines import ENGINES, assert_no_leak, make_llm  # noqa: F401 (the tests import them from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_ENGINES: list[LLM] = []  # every LLM a test made, checked for leaked blocks after each test
-
-
-def make_llm(**kwargs) -> LLM:
-    """An LLM on the default model in float32 with a small KV cache unless told otherwise."""
-    kwargs.setdefault("dtype", "float32")
-    kwargs.setdefault("kv_cache_memory", 128 << 20)
-    llm = LLM(**kwargs)
-    _ENGINES.append(llm)
-    return llm
-
-
-def assert_no_leak(engine) -> None:
-    """Every block is back in the free pool with ref count zero, and no request is left: not in the output
-    processor, not in the scheduler, and in the worker only those whose finish the next step tells it."""
-    assert not engine.request_ids(), f"requests left: {engine.request_ids()}"
-    core = engine.engine_core
-    assert not core.scheduler.running and not core.scheduler.waiting and not core.scheduler.requests
-    assert not engine.output_processor.samples
-    pool = core.kv.pool
-    assert pool.num_free_blocks == len(pool.blocks)
-    assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert not core.kv.req_blocks
-    runner = core.executor.runner
-    assert set(runner.input_batch.requests) <= core.scheduler._finished_req_ids
 
 
 @pytest.fixture(autouse=True)
 def _check_no_leaks():
     yield
-    for llm in _ENGINES:
+    for llm in list(ENGINES):
         assert_no_leak(llm.engine)
 
 
