@@ -16,12 +16,14 @@ streams of our /dashboard/events stay open and read for each run (the dashboard'
 Usage:
   python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --request-rate 1 2 4 inf \\
       --result-dir results/serving --label ours
+  python scripts/bench_serving.py --duration 30 --request-rate 8 inf --max-concurrency 64  # 30 s per rate
   python scripts/bench_serving.py --plot latency.png results/serving/*.json   # only plots
   python scripts/bench_serving.py --dashboards 4 --label ours-dash4 ...      # with 4 dashboards open
 """
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import time
@@ -117,6 +119,8 @@ async def run_at_rate(
     open; returns the results in request order, the benchmark's wall time in seconds (first send to
     last response) and the events each dashboard stream received."""
     rng = np.random.default_rng(args.seed)
+    if args.duration and not math.isinf(rate):  # the workload repeated for `duration` seconds of arrivals
+        reqs = list(itertools.islice(itertools.cycle(reqs), math.ceil(rate * args.duration)))
     # Arrival times fixed up front, so a slow event loop delays requests but does not change the schedule.
     gaps = np.zeros(len(reqs)) if math.isinf(rate) else rng.exponential(1.0 / rate, len(reqs))
     arrivals = np.cumsum(gaps) - gaps[0]
@@ -129,7 +133,12 @@ async def run_at_rate(
             asyncio.create_task(watch_dashboard(client, dashboard_url, events, i)) for i in range(args.dashboards)
         ]
         await asyncio.sleep(1.0 if watchers else 0.0)  # connected, first snapshot sent
-        with tqdm(total=len(reqs), desc=f"rate {rate}", unit="req", disable=args.disable_tqdm) as pbar:
+        with tqdm(
+            total=None if args.duration and math.isinf(rate) else len(reqs),
+            desc=f"rate {rate}",
+            unit="req",
+            disable=args.disable_tqdm,
+        ) as pbar:
 
             async def one(req: Request, at: float) -> RequestResult:
                 await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
@@ -138,8 +147,25 @@ async def run_at_rate(
                 pbar.update(1)
                 return res
 
+            async def closed_loop(todo) -> list[RequestResult]:
+                """One of max_concurrency clients: sends the next request as soon as its last one ended,
+                until `duration` seconds have passed."""
+                done = []
+                while time.perf_counter() - start < args.duration:
+                    req = next(todo)
+                    done.append(
+                        await send(client, url, payload_for(req, model, args.ignore_eos), len(req.prompt_token_ids))
+                    )
+                    pbar.update(1)
+                return done
+
             start = time.perf_counter()
-            results = await asyncio.gather(*(one(r, t) for r, t in zip(reqs, arrivals)))
+            if args.duration and math.isinf(rate):
+                todo = itertools.cycle(reqs)
+                clients = await asyncio.gather(*(closed_loop(todo) for _ in range(args.max_concurrency)))
+                results = [r for done in clients for r in done]
+            else:
+                results = await asyncio.gather(*(one(r, t) for r, t in zip(reqs, arrivals)))
             duration = time.perf_counter() - start
         for task in watchers:
             if task.done():
@@ -285,6 +311,13 @@ def main():
     )
     ap.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     ap.add_argument(
+        "--duration",
+        type=float,
+        metavar="S",
+        help="run each rate for S seconds, the workload repeated: Poisson arrivals for S seconds at a finite "
+        "rate; at inf, --max-concurrency clients each sending its next request when the last ends",
+    )
+    ap.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -307,6 +340,8 @@ def main():
     )
     ap.add_argument("--disable-tqdm", action="store_true")
     args = ap.parse_args()
+    if args.duration and math.inf in args.request_rate and not args.max_concurrency:
+        ap.error("--duration at rate inf needs --max-concurrency")
     if args.results:
         if not args.plot:
             ap.error("result JSONs given without --plot")
@@ -334,7 +369,12 @@ def main():
         if summary["errors"]:
             print(f"first error: {summary['errors'][0]}")
         expected = sum(r.max_tokens for r in reqs)
-        if args.ignore_eos and not summary["failed"] and summary["total_output_tokens"] != expected:
+        if (
+            args.ignore_eos
+            and not args.duration
+            and not summary["failed"]
+            and summary["total_output_tokens"] != expected
+        ):
             print(f"WARNING: the server generated {summary['total_output_tokens']} tokens, expected {expected}")
         if args.result_dir:
             label = args.label or base_url

@@ -17,41 +17,34 @@ forward, logits, greedy argmax, token ids to the host. Exits with status 1 when 
 Steps use the engine's own pieces, as its model runner does: AttentionMetadata from block tables,
 `backend.plan(meta)` then `model(...)` for eager steps, CUDAGraphRunner for graphed decodes.
 
-Carrying FlashInfer (the GPU machine has no network). Its image has torch 2.11 (CUDA 13), nvcc,
-ninja, numpy, requests, packaging, tqdm, nvidia-ml-py, jinja2 and filelock; `import flashinfer`
-0.6.4 needs beyond those only apache-tvm-ffi (found by installing the wheel with --no-deps and
-importing it). Its other declared requirements (nvidia-cutlass-dsl, nvidia-cudnn-frontend, ...)
-serve kernels this engine does not call and are not imported. Here, in the repo root (.gitignore
-already ignores /.whl/), once:
+(f) with --profile B: batch B's step split into host inputs + plan, graph replay, logits; torch.profiler's
+kernels per step and the heaviest ones. --compile-only HEADS KV_HEADS HEAD_DIM only JIT-compiles FlashInfer's
+kernels for a shape (run beside another job; FlashInfer locks a module while it builds).
 
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
-        flashinfer-python==0.6.4 apache-tvm-ffi==0.1.9          # 7.8 MB + 2.3 MB; never commit .whl
-
-then one device call with carry [".whl"] and this command. FlashInfer JIT-compiles its kernels with
-nvcc on first use (in check (b), tens of seconds each); the run has not been timed yet, but is
-meant to fit one call's 10 minutes (`--batch-sizes 1 8 32` shortens the benchmark):
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail;
-    PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py 2>&1 | tee $OUT/gpu_check.log
+The GPU machine has no network: flashinfer-python 0.6.4 and apache-tvm-ffi travel as wheels, with the server's
+(../shared/gpu/README.md lists them and gives the whole device call, with scripts/gpu_e2e.py beside this
+script). On an H200 (2026-11-26) FlashInfer's JIT took ~100 s for the 8B shape's kernels and the rest of
+`--batch-sizes 1 32 128 256` under a minute; the results are in docs/benchmarks.md ("CUDA").
 """
 
 import argparse
 import itertools
 import logging
+import os
 import sys
 import time
 
 import torch
 from transformers import LlamaConfig
 
-from engine.worker.cuda_graph import CUDAGraphRunner
-from models.attention.base import AttentionMetadata
-from models.attention.flashinfer import FlashInferBackend, flashinfer_available
-from models.attention.torch_native import TorchNativeBackend
-from models.config import ModelShape
-from models.llama import LlamaForCausalLM
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from engine.worker.cuda_graph import CUDAGraphRunner  # noqa: E402
+from models.attention.base import AttentionMetadata  # noqa: E402
+from models.attention.flashinfer import FlashInferBackend, flashinfer_available  # noqa: E402
+from models.attention.torch_native import TorchNativeBackend  # noqa: E402
+from models.config import ModelShape  # noqa: E402
+from models.llama import LlamaForCausalLM  # noqa: E402
 
 BLOCK, MAX_LEN, DTYPE, DEVICE = 16, 2048, torch.bfloat16, "cuda"
 LLAMA_31_8B = dict(
@@ -256,11 +249,110 @@ def bench(model, cfg, fi, graphs, kv, bandwidth, batch_sizes, context, iters):
         print(f"| {b} | {floor:.2f} | {g:.2f} | {g / floor:.2f} | {e:.2f} | {e / floor:.2f} | {e / g:.2f} |")
 
 
+def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Runs FlashInfer's eager decode, prefill and graph-mode decode once on a tiny cache, so that their
+    JIT compilation (nvcc, tens of seconds a module) is done, and cached in ~/.cache/flashinfer, before a
+    timed run needs them. Several of these can run at once: FlashInfer locks each module while it builds."""
+    t = time.perf_counter()
+    dims = (num_heads, num_kv_heads, head_dim, BLOCK, head_dim**-0.5)
+    fi = FlashInferBackend(*dims, dtype=DTYPE, device=DEVICE)
+    kv = torch.zeros(2, 8, BLOCK, num_kv_heads, head_dim, dtype=DTYPE, device=DEVICE)
+    cache = (kv[0], kv[1])
+
+    def step(rows):  # rows: (tokens cached, new tokens) per sequence, decodes first; sequence i owns block i
+        qsl, lens, slots = [0], [], []
+        for i, (start, n) in enumerate(rows):
+            qsl.append(qsl[-1] + n)
+            lens.append(start + n)
+            slots += [i * BLOCK + p for p in range(start, start + n)]
+        i32 = dict(dtype=torch.int32, device=DEVICE)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, **i32),
+            seq_lens=torch.tensor(lens, **i32),
+            block_tables=torch.arange(len(rows), **i32)[:, None],
+            slot_mapping=torch.tensor(slots, device=DEVICE),
+            num_decodes=sum(n == 1 for _, n in rows),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=lens,
+        )
+        q = torch.randn(qsl[-1], num_heads, head_dim, dtype=DTYPE, device=DEVICE)
+        k = torch.randn(qsl[-1], num_kv_heads, head_dim, dtype=DTYPE, device=DEVICE)
+        fi.plan(meta)
+        fi.forward(q, k, k.clone(), cache, meta)
+
+    with torch.inference_mode():
+        step([(5, 1), (0, 9)])  # an eager decode and a prefill
+        fi.init_cuda_graph_decode([1], 1)
+        with fi.cuda_graph_decode(1):
+            step([(5, 1)])
+        torch.cuda.synchronize()
+    print(f"FlashInfer kernels for {num_heads}/{num_kv_heads} heads of {head_dim}: {time.perf_counter() - t:.1f} s")
+
+
+def profile(model, cfg, graphs, kv, batch_size: int, context: int, n: int = 30) -> None:
+    """Where a graphed decode step's time goes at one batch size: the host's input copies and FlashInfer
+    plan, the graph replay alone (the forward's GPU time), the logits with the greedy token to the host, and
+    the whole step; then torch.profiler's heaviest kernels of a few whole steps and the kernels per step."""
+    per_seq = context // BLOCK
+    rows = [(list(range(i * per_seq, (i + 1) * per_seq)), context - 1, 1) for i in range(batch_size)]
+    ids, pos, meta = step_inputs(rows, [[0] * context] * batch_size)
+    hidden = graphs.run(ids, pos, meta)
+    bs = graphs.load_inputs(ids, pos, meta)[0]
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / n * 1e3
+
+    def plan():
+        padded = graphs.load_inputs(ids, pos, meta)[1]
+        with graphs._decode_state(bs):
+            graphs._plan(padded)
+
+    parts = {
+        "inputs + plan (host)": timed(plan),
+        "graph replay": timed(graphs._graphs[bs].replay),
+        "logits + argmax to host": timed(lambda: model.compute_logits(hidden).argmax(-1).cpu()),
+        "whole step": timed(lambda: model.compute_logits(graphs.run(ids, pos, meta)).argmax(-1).cpu()),
+    }
+    print(f"(f) batch {batch_size}, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    steps = 5
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model.compute_logits(graphs.run(ids, pos, meta)).argmax(-1).cpu()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events)
+    kernels = sum(e.count for e in events) / steps
+    print(f"    kernels per step {kernels:.0f}, GPU time per step {total / steps / 1e3:.2f} ms")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+        share = e.self_device_time_total / total
+        name = e.key[:90]
+        print(f"    {e.self_device_time_total / steps / 1e3:6.3f} ms {share:6.1%} x{e.count // steps:4d}  {name}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128, 256])
     parser.add_argument("--context", type=int, default=1024, help="KV tokens per sequence (multiple of 16)")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--skip-checks", action="store_true", help="only the benchmark (and --profile)")
+    parser.add_argument(
+        "--profile", type=int, nargs="*", default=[], metavar="BATCH", help="break these batch sizes' steps down"
+    )
+    parser.add_argument(
+        "--compile-only",
+        type=int,
+        nargs=3,
+        metavar=("HEADS", "KV_HEADS", "HEAD_DIM"),
+        help="only JIT-compile FlashInfer's kernels for this shape (to run beside another job) and exit",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if not torch.cuda.is_available():
@@ -269,6 +361,8 @@ def main():
         sys.exit("flashinfer is not importable: carry and install its wheels as this script's docstring says")
     import flashinfer
 
+    if args.compile_only:
+        return compile_kernels(*args.compile_only)
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {flashinfer.__version__}, "
         f"{time.strftime('%Y-%m-%d')}"
@@ -288,17 +382,22 @@ def main():
         f"parameters in {time.perf_counter() - t:.1f} s"
     )
     with torch.inference_mode():
-        ok = check_mixed(model, cfg, fi, native)
+        ok = args.skip_checks or check_mixed(model, cfg, fi, native)
         torch.cuda.empty_cache()
         # enough blocks and graph sizes for the benchmark and for check_graphs' 27 sequences of < 320 tokens
         num_blocks = max(max(args.batch_sizes) * args.context // BLOCK, 27 * 20 + 20) + 1
         kv = new_cache(cfg, num_blocks)
-        max_seqs = max(*args.batch_sizes, 27)
+        max_seqs = max(*args.batch_sizes, *args.profile, 27)
         graphs = CUDAGraphRunner(model, fi, kv, max_seqs, MAX_LEN // BLOCK, BLOCK, dummy_block=num_blocks - 1)
         use_backend(model, fi)
         graphs.capture()
-        ok &= check_graphs(model, cfg, fi, graphs, kv)
+        ok &= args.skip_checks or check_graphs(model, cfg, fi, graphs, kv)
         bench(model, cfg, fi, graphs, kv, bandwidth, args.batch_sizes, args.context, args.iters)
+        for b in args.profile:
+            try:
+                profile(model, cfg, graphs, kv, b, args.context)
+            except Exception as e:  # a profile is a report, not a check
+                logging.exception("profile of batch %d failed: %r", b, e)
     print("ALL CHECKS PASS" if ok else "SOME CHECK FAILED")
     sys.exit(0 if ok else 1)
 

@@ -70,7 +70,9 @@ def hf_tensors(shape: dict, seed: int):
     yield "model.norm.weight", torch.ones(h, dtype=torch.bfloat16)
 
 
-def write_hf(out: Path, shape: dict, seed: int) -> None:
+def write_hf(out: Path, shape: dict, seed: int, tokenizer: str | None = None) -> None:
+    """The Hugging Face directory: config, generation config, tokenizer (the default model's, or the one
+    saved in the directory `tokenizer`) and model.safetensors."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
@@ -93,7 +95,7 @@ def write_hf(out: Path, shape: dict, seed: int) -> None:
         architectures=["LlamaForCausalLM"],
     ).save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    load_tokenizer(default_model_path()).save_pretrained(out)
+    load_tokenizer(tokenizer or default_model_path(), tokenizer).save_pretrained(out)
     save_file(dict(hf_tensors(shape, seed)), out / "model.safetensors", metadata={"format": "pt"})
 
 

@@ -68,6 +68,10 @@ class EngineConfig:
     gpu_memory_utilization: float = setting(
         0.9, "on CUDA, the fraction of each GPU's memory for the model and its KV cache"
     )
+    num_gpu_blocks_override: int | None = setting(
+        None,
+        "KV blocks to allocate instead of the number the memory budget gives (vLLM's; for tests of preemption)",
+    )
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes seen before")
     enforce_eager: bool = setting(False, "on CUDA, do not capture CUDA graphs")
     attention_backend: str | None = setting(
@@ -163,6 +167,8 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_seconds must be >= 1, got {self.distributed_timeout_seconds}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in DTYPES:

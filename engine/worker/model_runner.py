@@ -177,12 +177,16 @@ class ModelRunner:
 
     def available_kv_blocks(self, kv_cache_memory: int) -> int:
         """KV blocks that fit this rank's budget: `kv_cache_memory` bytes on the CPU; on CUDA what
-        gpu_memory_utilization leaves after the weights and a profiled forward. Raises ValueError
-        below one block."""
+        gpu_memory_utilization leaves after the weights and a profiled forward; `num_gpu_blocks_override`
+        when set. Raises ValueError below one block."""
         budget = self._profile_cuda_budget() if self.device.type == "cuda" else kv_cache_memory
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:
             raise ValueError(f"KV cache budget of {budget} bytes is below one block ({self.block_bytes} bytes)")
+        override = self.config.num_gpu_blocks_override
+        if override is not None:
+            logger.info("%d KV blocks (num_gpu_blocks_override; the budget holds %d)", override, num_blocks)
+            return override
         return num_blocks
 
     def _profile_cuda_budget(self) -> int:

@@ -58,8 +58,9 @@ def test_shared_prefix_is_cached_and_matches(llm, prompts, hf_reference):
 @pytest.mark.slow
 def test_preemption_keeps_greedy_output(prompts, hf_reference):
     # 27 blocks of 16 tokens = 432 tokens, just enough for the longest request alone: the eight
-    # prompts (~1000 tokens with outputs) cannot all fit
-    llm = make_llm(kv_cache_memory=27 * 16 * 2 * 30 * 3 * 64 * 4)
+    # prompts (~1000 tokens with outputs) cannot all fit. vLLM's num_gpu_blocks_override sets the count
+    # (the gpu check forces preemption on CUDA the same way)
+    llm = make_llm(num_gpu_blocks_override=27)
     assert llm.engine.engine_core.kv.num_blocks == 27
     # EOS ignored so every request keeps growing and the running ones must preempt each other
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
