@@ -25,6 +25,7 @@ from api.serving_chat import create_chat_completion
 from api.serving_completions import create_completion
 from api.serving_embeddings import create_embedding
 from api.serving_messages import count_message_tokens, create_message
+from api.serving_ollama import OLLAMA_BODIES, ollama_routes
 from api.serving_responses import create_response
 from api.serving_router import get_load, get_server_info, render_chat_completion, render_completion
 from api.serving_tokenize import detokenize, tokenize
@@ -98,6 +99,7 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
         Route("/get_load", get_load, methods=["GET"]),
         Route("/get_server_info", get_server_info, methods=["GET"]),
     ]
+    routes += ollama_routes()
     if settings.enable_dashboard:
         routes += dashboard_routes()
     bodies = {
@@ -109,7 +111,7 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
         "/v1/messages/count_tokens": CountTokensRequest,
         "/tokenize": TokenizeRequest,
         "/detokenize": DetokenizeRequest,
-    }
+    } | OLLAMA_BODIES
     routes += docs_routes(openapi_document(routes, bodies, "minivllm OpenAI-compatible API", __version__))
     middleware = [
         Middleware(DrainMiddleware, drain=ctx.drain),

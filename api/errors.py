@@ -3,7 +3,8 @@
 Every failure the server reports goes through `APIError`, so a client always gets the same JSON shape
 and never a traceback; unexpected exceptions are logged here with theirs and answered with a plain 500.
 Anthropic's routes (`/v1/messages...`) answer the same errors in Anthropic's shape,
-`{"type": "error", "error": {"type", "message"}}`, which the anthropic SDK reads.
+`{"type": "error", "error": {"type", "message"}}`, which the anthropic SDK reads; Ollama's (`/api/...`) in
+Ollama's, `{"error": "..."}`.
 """
 
 import orjson
@@ -93,9 +94,20 @@ class APIError(Exception):
             "error": {"type": _ANTHROPIC_ERROR_TYPES.get(self.status, "api_error"), "message": self.message},
         }
 
+    def ollama_body(self) -> dict:
+        """The body in Ollama's shape, `{"error": "..."}`, also the last line of an Ollama stream that fails."""
+        return {"error": self.message}
+
     def response(self, path: str = "") -> JSONResponse:
-        """The error response to a request for `path`: in Anthropic's shape on its routes, OpenAI's elsewhere."""
-        body = self.anthropic_body() if is_anthropic_path(path) else self.body()
+        """The error response to a request for `path`: in Anthropic's shape on its routes, Ollama's on its
+        (/api/...), OpenAI's elsewhere."""
+        body = (
+            self.anthropic_body()
+            if is_anthropic_path(path)
+            else self.ollama_body()
+            if path.startswith("/api/")
+            else self.body()
+        )
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 

@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from api.errors import APIError, JSONResponse, is_anthropic_path
 
-# Status codes any route may answer with the OpenAI error body, Anthropic's on its routes (413 body limit,
+# Status codes any route may answer with the OpenAI error body, Anthropic's and Ollama's on theirs (413 body limit,
 # 415 content type and 401 with --api-key come from middleware and parsing; 503 from admission and shutdown).
 _ERROR_STATUSES = {
     "400": "Invalid request",
@@ -53,18 +53,32 @@ class AnthropicErrorResponse(BaseModel):
     error: AnthropicErrorInfo
 
 
+class OllamaErrorResponse(BaseModel):
+    """Ollama's error body, which every 4xx and 5xx of its routes (/api/...) carries."""
+
+    error: str
+
+
+def _error_body(path: str) -> type[BaseModel]:
+    """The error body the route at `path` answers with."""
+    if is_anthropic_path(path):
+        return AnthropicErrorResponse
+    return OllamaErrorResponse if path.startswith("/api/") else ErrorResponse
+
+
 def openapi_document(routes: list[Route], request_bodies: dict[str, type[BaseModel]], title: str, version: str) -> dict:
     """An OpenAPI 3.1 document for `routes` (their methods, and the first docstring line of their
     endpoint as summary); `request_bodies` maps a path to the model its JSON body is validated with.
     """
-    models = [*request_bodies.values(), ErrorResponse, AnthropicErrorResponse]
+    bodies = (ErrorResponse, AnthropicErrorResponse, OllamaErrorResponse)
+    models = [*request_bodies.values(), *bodies]
     names, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
     errors = {
         body: {
             code: {"description": text, "content": {"application/json": {"schema": names[(body, "validation")]}}}
             for code, text in _ERROR_STATUSES.items()
         }
-        for body in (ErrorResponse, AnthropicErrorResponse)
+        for body in bodies
     }
     paths: dict[str, dict] = {}
     for route in routes:
@@ -84,7 +98,7 @@ def openapi_document(routes: list[Route], request_bodies: dict[str, type[BaseMod
                 }
                 op["responses"] = {
                     "200": {"description": "Success; `stream: true` answers text/event-stream"}
-                } | errors[AnthropicErrorResponse if is_anthropic_path(route.path) else ErrorResponse]
+                } | errors[_error_body(route.path)]
             else:
                 op["responses"] = {"200": {"description": "Success"}}
             paths.setdefault(route.path, {})[method.lower()] = op

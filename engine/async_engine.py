@@ -38,6 +38,7 @@ class AsyncEngine:
         self.num_kv_blocks = self.engine.num_kv_blocks
         self.block_size = config.block_size
         self.device, self.dtype = self.engine.device, self.engine.dtype
+        self.details = self.engine.details  # what it serves (engine.outputs.ModelDetails)
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list[tuple] = []  # ("add", id, prompt, params, arrival, token ids, pooling) / ("abort", id)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore, EngineStepError, KVTransferError
 from engine.input_processor import InputProcessor
 from engine.output_processor import OutputProcessor
-from engine.outputs import EngineStats, RequestOutput
+from engine.outputs import EngineStats, ModelDetails, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft_model import check_draft_model
 from engine.structured.manager import StructuredOutputManager
@@ -68,6 +68,13 @@ class LLMEngine:
         self.num_kv_blocks = self.engine_core.num_blocks
         self.hidden_size = runner.shape.hidden_size  # of an embedding
         self.device, self.dtype = runner.device, runner.dtype
+        self.details = ModelDetails(
+            architecture=hf_config.model_type,
+            file_format="gguf" if is_gguf(self.model_dir) else "safetensors",
+            num_parameters=runner.num_parameters,
+            weight_formats=dict(runner.weight_bytes),
+            kv_cache_bytes=runner.kv_cache.nbytes,
+        )
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.vocab_size,

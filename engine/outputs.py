@@ -197,6 +197,29 @@ class SpecDecodingStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class ModelDetails:
+    """What the engine serves, for the APIs that describe a model (Ollama's /api/tags, /api/show, /api/ps).
+
+    architecture: the config's model_type ("llama", "qwen3", ...); file_format: "gguf" or "safetensors";
+    num_parameters: weights of the model on the first rank (a quantized matrix as rows x cols); weight_formats:
+    resident bytes per format ("Q4_1 (R16)", "bfloat16", ...); kv_cache_bytes: the KV cache's bytes on that rank.
+    """
+
+    architecture: str
+    file_format: str
+    num_parameters: int
+    weight_formats: dict[str, int]
+    kv_cache_bytes: int
+
+    @property
+    def quantization(self) -> str:
+        """The format holding most of the weight bytes, as Ollama names it ("Q4_1", "BF16", "F32")."""
+        name = max(self.weight_formats, key=self.weight_formats.get) if self.weight_formats else "float32"
+        name = name.removesuffix(" (R16)")
+        return {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(name, name)
+
+
 @dataclass
 class EngineStats:
     """Counters and gauges for /metrics. Token counts are in tokens, usage is a fraction in [0, 1]."""

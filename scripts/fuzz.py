@@ -4,7 +4,7 @@ invalid bodies. Fails on any 5xx, any 4xx/5xx without OpenAI's error body (scrip
 running or waiting, KV blocks not freed).
 
     python scripts/fuzz.py --max-examples 300            # thousands of cases (coverage + fuzzing phases)
-    python scripts/fuzz.py --max-examples 40 --phases fuzzing     # ~330 cases in ~70 s (what the test runs)
+    python scripts/fuzz.py --max-examples 25 --phases fuzzing     # ~310 cases in ~65 s (what the test runs)
     python scripts/fuzz.py --url http://127.0.0.1:8000   # against a server you started
 
 The server started here has a short context (--max-model-len 64) so that generated requests (n up to

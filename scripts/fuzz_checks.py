@@ -7,7 +7,8 @@ import schemathesis
 @schemathesis.check
 def openai_error_body(ctx, response, case):
     """A 4xx/5xx answer is JSON {"error": {"message": str, "type": str, "param", "code"}}; on Anthropic's
-    routes (/v1/messages...) it is {"type": "error", "error": {"type": str, "message": str}}."""
+    routes (/v1/messages...) it is {"type": "error", "error": {"type": str, "message": str}}; on Ollama's
+    (/api/...) {"error": str}."""
     if response.status_code < 400:
         return None
     anthropic = case is not None and case.path.startswith("/v1/messages")
@@ -16,6 +17,10 @@ def openai_error_body(ctx, response, case):
         error = body["error"]
     except Exception:
         raise AssertionError(f"{response.status_code} without an error body: {response.text[:200]!r}")
+    if case is not None and case.path.startswith("/api/"):
+        if set(body) != {"error"} or not isinstance(error, str):
+            raise AssertionError(f"{response.status_code} with a malformed Ollama error body: {body!r}")
+        return None
     if not (
         isinstance(error, dict)
         and isinstance(error.get("message"), str)

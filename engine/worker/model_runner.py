@@ -22,7 +22,7 @@ from models.distributed.group import TPGroup
 from models.gguf import is_gguf
 from models.kernels import cpu_kernels
 from models.loader import load_config, load_model, resolve_model
-from models.quantization.gguf import GGUFConfig, weight_summary
+from models.quantization.gguf import GGUFConfig, parameter_count, weight_summary
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class ModelRunner:
             self._quant_config(model_dir, tp),
         )
         self.weight_bytes, summary = weight_summary(self.model)
+        self.num_parameters = parameter_count(self.model)
         logger.info("weights: %s", summary)
         self.sampler = RejectionSampler()  # without drafts it draws what plain sampling draws
         self.input_batch = InputBatch()

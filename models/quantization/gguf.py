@@ -259,3 +259,15 @@ def weight_summary(model: torch.nn.Module) -> tuple[dict[str, int], str]:
         for k, v in sorted(formats.items(), key=lambda kv: -kv[1])
     )
     return formats, line
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Weights the model holds on this rank, a quantized matrix counted as its rows x cols (what "135M" in a
+    model's size means), with float parameters (quantized layers' placeholders are empty)."""
+    count = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        linear = getattr(method, "linear", method)
+        if linear is not None:
+            count += sum(w.rows * w.cols if isinstance(w, GGUFTensor) else w.numel() for _, w in linear.segments)
+    return count

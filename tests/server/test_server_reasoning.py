@@ -82,3 +82,22 @@ async def test_chat_template_kwargs_on_messages_and_responses(reasoning_server):
             )
             counts.append(r.json()["usage"]["input_tokens"])
         assert counts[0] == counts[1] and counts[2] == counts[3] and 0 < counts[0] - counts[2] <= 4
+
+
+@pytest.mark.slow
+async def test_ollama_thinking_whole_and_streamed(reasoning_server):
+    """Ollama's `message.thinking`: Ollama has no regex, so a JSON-string schema with a pattern forces the
+    think block's end (the answer keeps the string's quotes); `think: false` drops the template's think tag."""
+    import ollama
+
+    client = ollama.AsyncClient(host=reasoning_server.url)
+    schema = {"type": "string", "pattern": r"^Two and two make four\.</think>The answer is 4\.$"}
+    options = {"temperature": 0, "num_predict": 40}
+    kwargs = dict(model="SmolLM2-135M-Instruct", messages=MESSAGES, format=schema, options=options)
+    r = await client.chat(**kwargs, think=True, stream=False)
+    assert (r.message.thinking, r.message.content) == ('"Two and two make four.', 'The answer is 4."')
+    parts = [p async for p in await client.chat(**kwargs, think=True, stream=True)]
+    assert "".join(p.message.thinking or "" for p in parts) == r.message.thinking
+    assert "".join(p.message.content for p in parts) == r.message.content
+    plain = await client.chat(model="SmolLM2-135M-Instruct", messages=MESSAGES, options={"num_predict": 1}, think=False)
+    assert 0 < r.prompt_eval_count - plain.prompt_eval_count <= 4
