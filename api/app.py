@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import logging
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -30,6 +31,9 @@ from api.serving_responses import create_response
 from api.serving_router import get_load, get_server_info, render_chat_completion, render_completion
 from api.serving_tokenize import detokenize, tokenize
 from api.settings import ServerSettings
+from api.tool_parsers import detect_tool_parser
+
+logger = logging.getLogger("api")
 
 
 async def list_models(request: Request) -> Response:
@@ -64,12 +68,29 @@ async def metrics(request: Request) -> Response:
     return Response(request.app.state.serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def with_detected_tool_parser(settings: ServerSettings, tokenizer_template: str | None) -> ServerSettings:
+    """`settings` with tool_choice "auto" on when no --tool-call-parser was given and the chat template (the
+    --chat-template file, else the tokenizer's) asks the model for calls of a format a parser reads, as
+    llama.cpp picks its format from the template; logged either way. An explicit --tool-call-parser wins."""
+    if settings.tool_call_parser is not None:
+        return settings
+    parser = detect_tool_parser(settings.chat_template or tokenizer_template)
+    if parser is None:
+        logger.info("tools: the chat template has no tool-call format; tool_choice auto needs --tool-call-parser")
+        return settings
+    logger.info(
+        "tools: the chat template writes %s tool calls; tool_choice auto on (--tool-call-parser overrides)", parser
+    )
+    return dataclasses.replace(settings, enable_auto_tool_choice=True, tool_call_parser=parser)
+
+
 def build_app(engine, settings: ServerSettings) -> Starlette:
     """The app serving `engine` (an AsyncEngine, not yet started): the lifespan starts its step loop
     on the server's event loop and shuts it down (aborting what still runs) when the server stops. The API's
     model id is `settings.served_model_name`, else the engine's model name."""
     if settings.served_model_name is None:
         settings = dataclasses.replace(settings, served_model_name=engine.model_name)
+    settings = with_detected_tool_parser(settings, getattr(engine.tokenizer, "chat_template", None))
     ctx = ServingContext(engine, settings)
 
     @contextlib.asynccontextmanager
@@ -98,6 +119,13 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
         Route("/v1/chat/completions/render", render_chat_completion, methods=["POST"]),
         Route("/get_load", get_load, methods=["GET"]),
         Route("/get_server_info", get_server_info, methods=["GET"]),
+    ]
+    # the OpenAI and Anthropic routes also without /v1, as llama.cpp's server answers them (left out of the
+    # OpenAPI document: the same operations)
+    routes += [
+        Route(r.path.removeprefix("/v1"), r.endpoint, methods=list(r.methods - {"HEAD"}), include_in_schema=False)
+        for r in list(routes)
+        if r.path.startswith("/v1/") and not r.path.endswith("/render")
     ]
     routes += ollama_routes()
     if settings.enable_dashboard:

@@ -36,11 +36,12 @@ _ANTHROPIC_ERROR_TYPES = {
     500: "api_error",
     503: "overloaded_error",
 }
-_ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_PATH = "/messages"
 
 
 def is_anthropic_path(path: str) -> bool:
-    """Whether `path` is one of Anthropic's routes (/v1/messages and the paths under it)."""
+    """Whether `path` is one of Anthropic's routes (/v1/messages and the paths under it, with or without /v1)."""
+    path = path.removeprefix("/v1")
     return path == _ANTHROPIC_PATH or path.startswith(_ANTHROPIC_PATH + "/")
 
 

@@ -42,7 +42,9 @@ class ServerSettings:
         None, "Jinja chat template file replacing the tokenizer's", parse=read_template, metavar="FILE"
     )
     enable_auto_tool_choice: bool = setting(
-        False, 'let the model decide on tool calls (tool_choice "auto"); needs --tool-call-parser'
+        False,
+        'let the model decide on tool calls (tool_choice "auto"); needs --tool-call-parser (both are set by '
+        "themselves when the chat template asks for calls in a format a parser reads)",
     )
     tool_call_parser: str | None = setting(
         None,
@@ -50,7 +52,7 @@ class ServerSettings:
         "api/tool_parsers/): hermes = <tool_call>{...}</tool_call> blocks (Hermes, Qwen); llama3_json = "
         '[<|python_tag|>]{"name", "parameters"} objects separated by ; (Llama 3.1/3.2); pythonic = '
         "[f(a=1), g(b='x')] (Llama 3.2 1B/3B, Llama 4); mistral = [TOOL_CALLS] then a JSON array of "
-        '{"name", "arguments"}',
+        '{"name", "arguments"}. Default: the one the chat template\'s tool format calls for, if any',
         choices=TOOL_CALL_PARSERS,
     )
     reasoning_parser: str | None = setting(

@@ -59,8 +59,9 @@ class ToolCalls:
             if auto_parser is None:
                 raise APIError(
                     400,
-                    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                    'to be set (or give tool_choice "none", "required" or a named function)',
+                    '"auto" tool choice needs a tool-call parser: the chat template writes no tool-call format '
+                    "this server reads, so start it with --enable-auto-tool-choice and --tool-call-parser (or "
+                    'give tool_choice "none", "required" or a named function)',
                     param="tool_choice",
                 )
             self.mode, self.parser = "auto", get_tool_parser(auto_parser)

@@ -10,6 +10,12 @@ class ToolParser:
     parse as the format's calls is content, whole, with no calls.
     """
 
+    # Regular expressions that, found in a chat template, say the model writes this parser's calls (what the
+    # server picks the parser by when no --tool-call-parser is given), unless one of TEMPLATE_EXCLUDES is
+    # found too (a neighbouring format this parser does not read); no markers: never picked by itself.
+    TEMPLATE_MARKERS: tuple[str, ...] = ()
+    TEMPLATE_EXCLUDES: tuple[str, ...] = ()
+
     def extract(self, text: str) -> tuple[str | None, list[Call]]:
         """(content, calls) of a finished output; content None when the output is only calls."""
         raise NotImplementedError

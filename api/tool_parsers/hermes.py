@@ -12,6 +12,9 @@ class HermesParser(ToolParser):
     """vLLM's `hermes` (Hermes 2 Pro, Qwen 2.5 / 3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
     blocks; the text before the first one is the content. An unclosed last block is read to the end."""
 
+    # <tool_call> then JSON (Hermes 2 Pro / 3, Qwen 2.5 / 3, Granite 4); not the XML calls of Qwen3-Coder or GLM
+    TEMPLATE_MARKERS = (r'<tool_call>[\s\\n"\'+~{}%-]{0,30}\{\\?"(?:name|arguments)\\?"',)
+
     START, END = "<tool_call>", "</tool_call>"
     BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 

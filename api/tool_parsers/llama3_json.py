@@ -9,6 +9,8 @@ class Llama3JsonParser(ToolParser):
     {...}}` (or "arguments"), several separated by `;`, optionally after `<|python_tag|>`; an output that
     does not start with `{` (after whitespace and the tag) is content."""
 
+    TEMPLATE_MARKERS = ('"parameters": dictionary of argument name',)  # Llama 3.1 / 3.2 / 3.3's templates
+
     TAG = "<|python_tag|>"
 
     def _body(self, text: str) -> int:

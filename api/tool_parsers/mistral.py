@@ -9,6 +9,9 @@ class MistralParser(ToolParser):
     """vLLM's `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`; the text
     before it is the content. (Newer Mistral tokenizers' `[TOOL_CALLS]name[ARGS]{...}` is not read.)"""
 
+    TEMPLATE_MARKERS = (r"\[TOOL_CALLS\]",)
+    TEMPLATE_EXCLUDES = (r"\[ARGS\]",)  # the newer [TOOL_CALLS]name[ARGS]{...} (Mistral Small 3.2, Devstral)
+
     TAG = "[TOOL_CALLS]"
 
     def _calls(self, text: str, start: int) -> tuple[list[Call], bool]:

@@ -12,6 +12,8 @@ class PythonicParser(ToolParser):
     `ast` (nothing is evaluated); the arguments are Python literals (strings, numbers, True / False / None,
     lists, dicts), sent as JSON. An output that is not such a list is content."""
 
+    TEMPLATE_MARKERS = (r"\[func_name1\(",)  # vLLM's pythonic templates, Llama 4's
+
     def _calls(self, source: str) -> tuple[list[Call], bool] | None:
         """The leading well-formed calls of the list `source` and whether all its items are; None when it is
         not a list."""

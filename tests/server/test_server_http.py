@@ -83,6 +83,22 @@ async def test_health_version_models(http):
     assert model["id"] == "SmolLM2-135M-Instruct" and model["object"] == "model"
 
 
+async def test_routes_also_answer_without_v1(http):
+    """/chat/completions, /completions, /embeddings, /models, /messages, /responses: as under /v1 (llama.cpp
+    answers both), errors in the same shape (Anthropic's on /messages)."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    a, b = [(await http.post(p, json=body)).json() for p in ("/v1/chat/completions", "/chat/completions")]
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert (await http.post("/completions", json={"prompt": "Hi", "max_tokens": 2})).status_code == 200
+    assert len((await http.post("/embeddings", json={"input": "Hi"})).json()["data"]) == 1
+    assert (await http.get("/models")).json() == (await http.get("/v1/models")).json()
+    message = await http.post("/messages", json=body | {"model": "SmolLM2-135M-Instruct"})
+    assert message.json()["type"] == "message"
+    bad = await http.post("/messages", json={"messages": []})
+    assert bad.status_code == 400 and bad.json()["type"] == "error"
+    assert (await http.post("/responses", json={"input": "Hi", "max_output_tokens": 16})).json()["object"] == "response"
+
+
 async def test_metrics_use_vllm_names(http, metrics):
     await http.post("/v1/completions", json={"prompt": "Metrics", "max_tokens": 3, "ignore_eos": True})
     m = await metrics.wait_until_idle()

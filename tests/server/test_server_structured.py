@@ -326,3 +326,36 @@ async def test_auto_tool_choice_with_the_pythonic_parser(server_factory, tmp_pat
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in choice.message.tool_calls
     ]
+
+
+@pytest.mark.slow
+async def test_tools_without_flags_use_the_templates_format(server_factory):
+    """No tool flags: Qwen 2.5's own chat template (llama.cpp's copy) asks for <tool_call> JSON, so the server
+    picks hermes by itself (and says so in its log), and tool_choice "auto" gets parsed calls."""
+    from openai import AsyncOpenAI
+
+    from scripts import llama_cpp
+    from tests.server_harness import cli_args
+
+    template = llama_cpp.SOURCE / "models" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    if not template.exists():
+        pytest.skip("llama.cpp's tree is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+    server = server_factory(
+        "--no-dashboard",
+        "--chat-template",
+        str(template),
+        *cli_args(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024),
+    )
+    assert "the chat template writes hermes tool calls" in server.log()
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    async with AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+        r = await client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            max_tokens=60,
+            temperature=0,
+            extra_body={"structured_outputs": {"regex": re.escape(text)}},
+        )
+    assert r.choices[0].finish_reason == "tool_calls"
+    check_calls(r.choices[0].message.tool_calls, ["get_weather"])
