@@ -21,6 +21,7 @@ from api.openapi import docs_routes, openapi_document
 from api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 from api.protocol_anthropic import CountTokensRequest, MessagesRequest
 from api.protocol_responses import ResponsesRequest
+from api.protocol_score import RerankRequest, ScoreRequest
 from api.serving import ServingContext
 from api.serving_chat import create_chat_completion
 from api.serving_completions import create_completion
@@ -29,6 +30,7 @@ from api.serving_messages import count_message_tokens, create_message
 from api.serving_ollama import OLLAMA_BODIES, ollama_routes
 from api.serving_responses import create_response
 from api.serving_router import get_load, get_server_info, render_chat_completion, render_completion
+from api.serving_score import rerank, score
 from api.serving_tokenize import detokenize, tokenize
 from api.settings import ServerSettings
 from api.tool_parsers import detect_tool_parser
@@ -106,6 +108,8 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/embeddings", create_embedding, methods=["POST"]),
+        Route("/v1/rerank", rerank, methods=["POST"]),
+        Route("/v1/score", score, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/messages", create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
@@ -134,6 +138,8 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
         "/v1/completions": CompletionRequest,
         "/v1/chat/completions": ChatCompletionRequest,
         "/v1/embeddings": EmbeddingRequest,
+        "/v1/rerank": RerankRequest,
+        "/v1/score": ScoreRequest,
         "/v1/responses": ResponsesRequest,
         "/v1/messages": MessagesRequest,
         "/v1/messages/count_tokens": CountTokensRequest,

@@ -55,6 +55,17 @@ class ServerSettings:
         '{"name", "arguments"}. Default: the one the chat template\'s tool format calls for, if any',
         choices=TOOL_CALL_PARSERS,
     )
+    score_method: str = setting(
+        "embedding",
+        "how /v1/rerank and /score score a pair: embedding = the cosine similarity of pooled embeddings (any "
+        'model); judge = p("yes") of a judging prompt through the chat template (reranker checkpoints such as '
+        "Qwen3-Reranker)",
+        choices=("embedding", "judge"),
+    )
+    rerank_instruction: str = setting(
+        "Given a web search query, retrieve relevant passages that answer the query",
+        "the <Instruct> line of the judging prompt of --score-method judge (Qwen3-Reranker's default)",
+    )
     reasoning_parser: str | None = setting(
         None,
         "split <think>...</think> out of chat replies into reasoning_content (and reasoning): deepseek_r1 "
