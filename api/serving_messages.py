@@ -19,7 +19,7 @@ from api.serving import ServingContext
 from api.serving_chat import prepare_chat, render_chat
 from api.streaming import typed_event_response
 from api.tool_calls import ToolCalls
-from engine import CompletionOutput
+from engine import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("api")
 
@@ -37,7 +37,7 @@ async def create_message(request: Request) -> Response:
     generation = ctx.start([prompt], params, view.id)
     if req.stream:
         return typed_event_response(view.stream(generation), generation)
-    return await final_response(request, generation, lambda outputs: view.message(outputs[0].outputs[0]))
+    return await final_response(request, generation, lambda outputs: view.message(outputs[0]))
 
 
 async def count_message_tokens(request: Request) -> Response:
@@ -86,9 +86,16 @@ class _Message:
         self.id = f"msg_{uuid.uuid4().hex}"
 
     def _body(
-        self, content: list[dict], stop_reason: str | None, stop_sequence: str | None, output_tokens: int
+        self,
+        content: list[dict],
+        stop_reason: str | None,
+        stop_sequence: str | None,
+        output_tokens: int,
+        cached_tokens: int,
     ) -> dict:
-        """The Message object (the anthropic SDK's `Message` type)."""
+        """The Message object (the anthropic SDK's `Message` type). Usage as Anthropic counts it: the prompt
+        tokens read from the (prefix) cache are `cache_read_input_tokens`, the others `input_tokens`; nothing
+        is written to a cache on request here, so `cache_creation_input_tokens` is 0."""
         return {
             "id": self.id,
             "type": "message",
@@ -97,26 +104,35 @@ class _Message:
             "content": content,
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": output_tokens},
+            "usage": {
+                "input_tokens": self.prompt_tokens - cached_tokens,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": cached_tokens,
+                "output_tokens": output_tokens,
+            },
         }
 
-    def message(self, completion: CompletionOutput) -> dict:
+    def message(self, output: RequestOutput) -> dict:
         """The whole Message of a finished output: a text block (also for an empty answer, unless there are
         tool calls), then a tool_use block per call. Raises APIError 503 (see `_stop`)."""
+        completion = output.outputs[0]
         text, calls = self.tools.parse(completion.text)
         content = [_text_block(text or "")] if text or not calls else []
         content += [_tool_use_block(c, c["function"]["arguments"]) for c in calls]
-        return self._body(content, *_stop(completion, calls), len(completion.token_ids))
+        return self._body(content, *_stop(completion, calls), len(completion.token_ids), output.num_cached_tokens)
 
     async def stream(self, generation: Generation) -> AsyncIterator[dict]:
-        """Anthropic's stream: message_start (empty content), per content block content_block_start,
+        """Anthropic's stream: message_start (empty content; sent with the first output, when the prompt's
+        cached tokens are known), per content block content_block_start,
         content_block_delta... (text_delta or input_json_delta), content_block_stop; then message_delta
         (stop_reason, stop_sequence, usage.output_tokens) and message_stop. A failure after the stream began is
         an `error` event (Anthropic's), which ends it."""
-        yield {"type": "message_start", "message": self._body([], None, None, 0)}
-        blocks, streamer = _ContentBlocks(), self.tools.streamer()
+        blocks, streamer, started = _ContentBlocks(), self.tools.streamer(), False
         try:
             async for _, out in generation:
+                if not started:  # once the prompt ran: its cached tokens are known then
+                    started = True
+                    yield {"type": "message_start", "message": self._body([], None, None, 0, out.num_cached_tokens)}
                 completion = out.outputs[0]
                 text, calls = streamer.feed(completion.text[len(streamer.text) :], completion.finish_reason is not None)
                 for event in (blocks.text(text) if text else []) + [e for c in calls for e in blocks.tool_call(c)]:

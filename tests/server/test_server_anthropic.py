@@ -69,6 +69,11 @@ def runs(types: list[str]) -> list[str]:
     return [t for t, _ in itertools.groupby(types)]
 
 
+def prompt_tokens(message) -> int:
+    """The whole prompt of a message: the tokens computed and those read from the prefix cache."""
+    return message.usage.input_tokens + message.usage.cache_read_input_tokens
+
+
 def text_of(message) -> str:
     return "".join(b.text for b in message.content if b.type == "text")
 
@@ -88,10 +93,15 @@ async def test_message_is_the_chat_completion(client, openai_client):
             and chat.choices[0].finish_reason == {"max_tokens": "length", "end_turn": "stop"}[stop_reason]
         )
         assert r.stop_sequence is None
-        assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+        # Anthropic counts the prompt's cached tokens apart (llama.cpp does too): input + cache read = the prompt
+        prompt = r.usage.input_tokens + r.usage.cache_read_input_tokens
+        assert (prompt, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+        if max_tokens == 60:  # the same prompt ran in the first round: its full blocks come from the prefix cache
+            assert r.usage.cache_read_input_tokens > 0
+        assert r.usage.cache_creation_input_tokens == 0
         assert (r.usage.output_tokens == max_tokens) == (stop_reason == "max_tokens")
         count = await client.messages.count_tokens(model=MODEL, messages=ASK)
-        assert count.input_tokens == r.usage.input_tokens
+        assert count.input_tokens == prompt
 
 
 @pytest.mark.slow
@@ -128,7 +138,8 @@ async def test_stream_events_and_accumulated_message(client, metrics):
         "message_stop",
     ]
     start = events[0].message
-    assert start.content == [] and start.stop_reason is None and start.usage.input_tokens == whole.usage.input_tokens
+    assert start.content == [] and start.stop_reason is None
+    assert start.usage.input_tokens + start.usage.cache_read_input_tokens == prompt_tokens(whole)
     assert events[1].index == 0 and events[1].content_block.type == "text"
     assert all(e.delta.type == "text_delta" and e.index == 0 for e in events if e.type == "content_block_delta")
     assert events[-2].delta.stop_reason == whole.stop_reason
@@ -137,9 +148,9 @@ async def test_stream_events_and_accumulated_message(client, metrics):
         text = "".join([t async for t in stream.text_stream])
         final = await stream.get_final_message()
     assert text == text_of(final) == text_of(whole) and text
-    assert (final.stop_reason, final.usage.input_tokens, final.usage.output_tokens) == (
+    assert (final.stop_reason, prompt_tokens(final), final.usage.output_tokens) == (
         whole.stop_reason,
-        whole.usage.input_tokens,
+        prompt_tokens(whole),
         whole.usage.output_tokens,
     )
     # a client that leaves mid-stream aborts its request: nothing keeps running or holds KV blocks
@@ -239,7 +250,7 @@ async def test_count_tokens_renders_tools_and_calls(aux):
         assert counts[1] > counts[0] > plain.input_tokens
         # without --enable-auto-tool-choice, tool_choice "auto" (the default) renders the tools and answers text
         r = await client.messages.create(model=MODEL, max_tokens=3, messages=ASK_WEATHER, tools=TOOLS, **GREEDY)
-        assert [b.type for b in r.content] == ["text"] and r.usage.input_tokens == with_tools.input_tokens
+        assert [b.type for b in r.content] == ["text"] and prompt_tokens(r) == with_tools.input_tokens
 
 
 def anthropic_error(exc: anthropic.APIStatusError, status: int, kind: str) -> str:
