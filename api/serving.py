@@ -21,6 +21,15 @@ from engine.chat_template import encode_chat
 logger = logging.getLogger("api")
 
 
+def validated(model: type[BaseModel], data):
+    """`data` validated as `model` (a pydantic model, or anything with `model_validate`). Raises APIError 400
+    naming the first field at fault."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
 def is_json_content_type(value: str) -> bool:
     """Whether a Content-Type header declares JSON, as FastAPI (so vLLM) decides: application/json or
     application/*+json, any parameters (charset) allowed. A request without the header is read as
@@ -62,10 +71,7 @@ class ServingContext:
             data = orjson.loads(await request.body())
         except orjson.JSONDecodeError as e:
             raise APIError(400, f"malformed JSON body: {e}") from None
-        try:
-            parsed = model.model_validate(data)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
+        parsed = validated(model, data)
         if parsed.model is not None and parsed.model != self.settings.served_model_name:
             raise APIError(
                 404,

@@ -39,7 +39,7 @@ from api.protocol_ollama import (
     OllamaShowRequest,
 )
 from api.reasoning import ReasoningParser, split_reasoning
-from api.serving import ServingContext
+from api.serving import ServingContext, validated
 from api.serving_chat import output_constraint, prepare_chat
 from api.structured_outputs import structured_outputs_params
 from api.tool_calls import ToolCalls
@@ -58,7 +58,9 @@ def _now() -> str:
 
 
 async def _parse(ctx: ServingContext, request: Request, model: type):
-    """The body as `model` for the served model (its name with or without ":latest"). Raises APIError."""
+    """The body as `model` for the served model (its name with or without ":latest"). Raises APIError.
+    Unlike `ctx.parse`, any Content-Type is taken (Ollama's own examples post with curl's form default), and an
+    empty body is an empty object."""
     body = await request.body()
     try:
         data = orjson.loads(body) if body.strip() else {}
@@ -66,14 +68,10 @@ async def _parse(ctx: ServingContext, request: Request, model: type):
         raise APIError(400, f"malformed JSON body: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object")
-    name = data.get("model") or data.get("name")
+    name = data.pop("model", None) or data.get("name")
     if name is not None and str(name).removesuffix(":latest") != ctx.settings.served_model_name:
         raise APIError(404, f"model '{name}' not found; this server serves '{ctx.settings.served_model_name}'")
-    data.pop("model", None)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+    return validated(model, data)
 
 
 def _as_chat(build) -> ChatCompletionRequest:
