@@ -57,7 +57,7 @@ class Options(_Body):
     repeat_last_n: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    penalize_newline: bool | None = None
+    penalize_newline: bool | None = None  # accepted: Ollama's runner no longer applies it (llama.cpp dropped it)
 
     @model_validator(mode="after")
     def _supported(self):

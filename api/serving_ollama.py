@@ -83,10 +83,14 @@ def _as_chat(build) -> ChatCompletionRequest:
 
 
 def _check_generating(ctx: ServingContext, req, images: bool) -> None:
-    """Raises APIError 400 for what these routes cannot honour: images (a text model), `think` without a
-    --reasoning-parser."""
+    """Raises APIError 400 for what these routes cannot honour: images (a text model), a thinking level
+    ("low", "medium", "high": gpt-oss's effort, not built), `think` without a --reasoning-parser."""
     if images:
         raise APIError(400, "images are not supported: this server serves text-only models")
+    if isinstance(req.think, str):
+        raise APIError(
+            400, f"think {req.think!r} is not supported: this server has no thinking levels (use true or false)"
+        )
     if req.think and not ctx.settings.reasoning_parser:
         raise APIError(400, f"'{ctx.settings.served_model_name}' does not support thinking (no --reasoning-parser)")
 

@@ -163,6 +163,7 @@ async def test_chat_ollama_invoke_and_stream(server):
             "repeat_last_n",
         ),
         ("/api/chat", {"model": MODEL, "messages": ASK, "think": True}, 400, "thinking"),
+        ("/api/chat", {"model": MODEL, "messages": ASK, "think": "high"}, 400, "thinking levels"),
         ("/api/chat", {"model": MODEL, "messages": ASK, "options": {"num_ctx": 8}}, 400, "num_ctx"),
         ("/api/generate", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
         ("/api/generate", {"model": MODEL, "prompt": "x", "context": [10**9]}, 400, "vocabulary"),
