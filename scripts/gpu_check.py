@@ -17,6 +17,9 @@ forward, logits, greedy argmax, token ids to the host. Exits with status 1 when 
 Steps use the engine's own pieces, as its model runner does: AttentionMetadata from block tables,
 `backend.plan(meta)` then `model(...)` for eager steps, CUDAGraphRunner for graphed decodes.
 
+(g) with (b)'s step: the Triton kernels of models/kernels/triton_ops.py (residual-add + RMSNorm, rotary, K/V
+write, SiLU-and-mul) against torch's ops, relative error < 2e-2; (h) --compare-torch-ops B: the graphed decode
+step at batch B with each, what the fusion saves.
 (f) with --profile B: batch B's step split into host inputs + plan, graph replay, logits; torch.profiler's
 kernels per step and the heaviest ones. --compile-only HEADS KV_HEADS HEAD_DIM only JIT-compiles FlashInfer's
 kernels for a shape (run beside another job; FlashInfer locks a module while it builds).
@@ -28,6 +31,7 @@ script). On an H200 (2026-11-26) FlashInfer's JIT took ~100 s for the 8B shape's
 """
 
 import argparse
+import contextlib
 import itertools
 import logging
 import os
@@ -44,6 +48,7 @@ from models.attention.base import AttentionMetadata  # noqa: E402
 from models.attention.flashinfer import FlashInferBackend, flashinfer_available  # noqa: E402
 from models.attention.torch_native import TorchNativeBackend  # noqa: E402
 from models.config import ModelShape  # noqa: E402
+from models.kernels import ops  # noqa: E402
 from models.llama import LlamaForCausalLM  # noqa: E402
 
 BLOCK, MAX_LEN, DTYPE, DEVICE = 16, 2048, torch.bfloat16, "cuda"
@@ -165,22 +170,30 @@ def check_mixed(model, cfg, fi, native) -> bool:
         [(tables[name], c, n) for name, (_, c, n) in seqs.items()], [toks for toks, _, _ in seqs.values()]
     )
     logits = {}
-    for name, backend in (("torch_native", native), ("flashinfer", fi)):
+    for name, backend in (("torch_native", native), ("flashinfer", fi), ("flashinfer, torch ops", fi)):
         t = time.perf_counter()
         use_backend(model, backend)
         copy = [(k.clone(), v.clone()) for k, v in kv]
-        logits[name] = model.compute_logits(eager(model, backend, ids, pos, copy, meta))
+        with ops.torch_ops() if "torch ops" in name else contextlib.nullcontext():
+            logits[name] = model.compute_logits(eager(model, backend, ids, pos, copy, meta))
         torch.cuda.synchronize()
-        note = " (FlashInfer's kernels compile on first use)" if backend is fi else ""
+        note = " (FlashInfer's kernels compile on first use)" if name == "flashinfer" else ""
         print(f"  {name} step: {time.perf_counter() - t:.1f} s{note}")
-    a, b = logits["flashinfer"], logits["torch_native"]
+    a, b, c = logits["flashinfer"], logits["torch_native"], logits["flashinfer, torch ops"]
+    fused_rel = ((a - c).norm() / c.norm()).item()
+    same = (a.argmax(-1) == c.argmax(-1)).float().mean().item()
+    fused_ok = fused_rel < 2e-2
+    print(
+        f"(g) Triton kernels vs torch ops (norms, rotary, K/V write, SiLU-and-mul), same step: rel err "
+        f"{fused_rel:.2e}, greedy token equal on {same:.1%} of rows {'PASS' if fused_ok else 'FAIL'} (< 2e-2)"
+    )
     rel = ((a - b).norm() / b.norm()).item()
     for i, name in enumerate(seqs):
         lo, hi = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         row = ((a[lo:hi] - b[lo:hi]).norm() / b[lo:hi].norm()).item()
         same = (a[hi - 1].argmax() == b[hi - 1].argmax()).item()
         print(f"  {name:22s} {hi - lo:4d} tokens  rel err {row:.2e}  same last greedy token: {same}")
-    ok = rel < 2e-2
+    ok = rel < 2e-2 and fused_ok
     print(
         f"(b) flashinfer vs torch_native logits, mixed step of {len(ids)} tokens: rel err {rel:.2e} "
         f"{'PASS' if ok else 'FAIL'} (< 2e-2)"
@@ -221,12 +234,50 @@ def check_graphs(model, cfg, fi, graphs, kv, steps: int = 16) -> bool:
     return ok
 
 
+def step_ms(model, forward, iters: int) -> float:
+    """Milliseconds of one decode step as the engine runs it: `forward()` (inputs, plan, the forward pass),
+    then the logits and the greedy token ids on the host; after 3 warm-up steps."""
+    for i in range(3 + iters):
+        if i == 3:
+            t = time.perf_counter()
+        model.compute_logits(forward()).argmax(-1).cpu()
+    return (time.perf_counter() - t) / iters * 1e3
+
+
+def decode_rows(batch_size: int, context: int):
+    """(input_ids, positions, meta) of a decode step of batch_size sequences with `context` tokens each."""
+    per_seq = context // BLOCK
+    rows = [(list(range(i * per_seq, (i + 1) * per_seq)), context - 1, 1) for i in range(batch_size)]
+    return step_inputs(rows, [[0] * context] * batch_size)
+
+
+def compare_torch_ops(model, cfg, fi, kv, graphs, batch_sizes, context, iters, num_blocks) -> None:
+    """(h) The graphed decode step with the Triton kernels against the same step with torch's ops
+    (ops.torch_ops(), graphs captured for it): what the fusion saves. The second set of graphs gets a
+    FlashInfer backend of its own: a backend's graph-mode wrappers (and the index buffers its graphs read) are
+    made per CUDAGraphRunner, so sharing `fi` would leave the first set reading stale plans."""
+    dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, BLOCK, cfg.head_dim**-0.5)
+    own = FlashInferBackend(*dims, dtype=DTYPE, device=DEVICE)
+    use_backend(model, own)
+    with ops.torch_ops():
+        plain = CUDAGraphRunner(model, own, kv, max(batch_sizes), MAX_LEN // BLOCK, BLOCK, dummy_block=num_blocks - 1)
+        plain.capture()
+    use_backend(model, fi)
+    print("(h) graphed decode step, Triton kernels vs torch ops")
+    print("| batch | Triton kernels ms | torch ops ms | saved ms |")
+    print("|---:|---:|---:|---:|")
+    for b in batch_sizes:
+        ids, pos, meta = decode_rows(b, context)
+        fused = step_ms(model, lambda: graphs.run(ids, pos, meta), iters)
+        torch_ms = step_ms(model, lambda: plain.run(ids, pos, meta), iters)
+        print(f"| {b} | {fused:.2f} | {torch_ms:.2f} | {torch_ms - fused:.2f} |")
+
+
 def bench(model, cfg, fi, graphs, kv, bandwidth, batch_sizes, context, iters):
     weight_bytes = sum(
         p.numel() * p.element_size() for name, p in model.named_parameters() if not name.startswith("embed_tokens")
     )  # a lookup reads only B rows of it
     token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE.itemsize
-    per_seq = context // BLOCK
     print(
         f"(d, e) decode step, context {context}: weights read {weight_bytes / 1e9:.2f} GB, "
         f"KV {token_bytes * context / 2**20:.0f} MiB per sequence, HBM {bandwidth / 1e12:.2f} TB/s"
@@ -234,16 +285,11 @@ def bench(model, cfg, fi, graphs, kv, bandwidth, batch_sizes, context, iters):
     print("| batch | floor ms | graphs ms | graphs / floor | eager ms | eager / floor | eager / graphs |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for b in batch_sizes:
-        rows = [(list(range(i * per_seq, (i + 1) * per_seq)), context - 1, 1) for i in range(b)]
-        ids, pos, meta = step_inputs(rows, [[0] * context] * b)
-        times = {}
-        for mode in ("graphs", "eager"):
-            for i in range(3 + iters):  # 3 warm-up steps
-                if i == 3:
-                    t = time.perf_counter()
-                hidden = graphs.run(ids, pos, meta) if mode == "graphs" else eager(model, fi, ids, pos, kv, meta)
-                model.compute_logits(hidden).argmax(-1).cpu()
-            times[mode] = (time.perf_counter() - t) / iters * 1e3
+        ids, pos, meta = decode_rows(b, context)
+        times = {
+            "graphs": step_ms(model, lambda: graphs.run(ids, pos, meta), iters),
+            "eager": step_ms(model, lambda: eager(model, fi, ids, pos, kv, meta), iters),
+        }
         floor = (weight_bytes + b * context * token_bytes) / bandwidth * 1e3
         g, e = times["graphs"], times["eager"]
         print(f"| {b} | {floor:.2f} | {g:.2f} | {g / floor:.2f} | {e:.2f} | {e / floor:.2f} | {e / g:.2f} |")
@@ -293,9 +339,7 @@ def profile(model, cfg, graphs, kv, batch_size: int, context: int, n: int = 30) 
     """Where a graphed decode step's time goes at one batch size: the host's input copies and FlashInfer
     plan, the graph replay alone (the forward's GPU time), the logits with the greedy token to the host, and
     the whole step; then torch.profiler's heaviest kernels of a few whole steps and the kernels per step."""
-    per_seq = context // BLOCK
-    rows = [(list(range(i * per_seq, (i + 1) * per_seq)), context - 1, 1) for i in range(batch_size)]
-    ids, pos, meta = step_inputs(rows, [[0] * context] * batch_size)
+    ids, pos, meta = decode_rows(batch_size, context)
     hidden = graphs.run(ids, pos, meta)
     bs = graphs.load_inputs(ids, pos, meta)[0]
 
@@ -314,6 +358,7 @@ def profile(model, cfg, graphs, kv, batch_size: int, context: int, n: int = 30) 
             graphs._plan(padded)
 
     parts = {
+        "inputs (host)": timed(lambda: graphs.load_inputs(ids, pos, meta)),
         "inputs + plan (host)": timed(plan),
         "graph replay": timed(graphs._graphs[bs].replay),
         "logits + argmax to host": timed(lambda: model.compute_logits(hidden).argmax(-1).cpu()),
@@ -337,6 +382,37 @@ def profile(model, cfg, graphs, kv, batch_size: int, context: int, n: int = 30) 
         print(f"    {e.self_device_time_total / steps / 1e3:6.3f} ms {share:6.1%} x{e.count // steps:4d}  {name}")
 
 
+def blas_libraries(model, batch_size: int = 1, n: int = 50) -> None:
+    """(i) Each of a layer's GEMMs and the LM head's at `batch_size` rows, timed alone with cuBLASLt (torch's
+    default) and with cuBLAS (torch.backends.cuda.preferred_blas_library): which reads the weights faster."""
+    layer = model.layers[0]
+    weights = {
+        "qkv_proj": layer.self_attn.qkv_proj.weight,
+        "o_proj": layer.self_attn.o_proj.weight,
+        "gate_up_proj": layer.mlp.gate_up_proj.weight,
+        "down_proj": layer.mlp.down_proj.weight,
+        "lm_head": model.lm_head.weight,
+    }
+    before = torch.backends.cuda.preferred_blas_library()
+    print(f"(i) GEMMs at {batch_size} rows, us (TB/s of weights read): cuBLASLt | cuBLAS")
+    for name, w in weights.items():
+        x = torch.randn(batch_size, w.shape[1], dtype=w.dtype, device=w.device)
+        cells = []
+        for lib in ("cublaslt", "cublas"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            torch.nn.functional.linear(x, w)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(n):
+                torch.nn.functional.linear(x, w)
+            end.record()
+            end.synchronize()
+            us = start.elapsed_time(end) / n * 1e3
+            cells.append(f"{us:7.1f} ({w.numel() * w.element_size() / us / 1e6:.2f})")
+        print(f"    {name:13s} {list(w.shape)}: {' | '.join(cells)}")
+    torch.backends.cuda.preferred_blas_library(before)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128, 256])
@@ -345,6 +421,14 @@ def main():
     parser.add_argument("--skip-checks", action="store_true", help="only the benchmark (and --profile)")
     parser.add_argument(
         "--profile", type=int, nargs="*", default=[], metavar="BATCH", help="break these batch sizes' steps down"
+    )
+    parser.add_argument(
+        "--compare-torch-ops",
+        type=int,
+        nargs="*",
+        default=[1, 32],
+        metavar="BATCH",
+        help="time these batch sizes' graphed steps with torch's ops instead of the Triton kernels",
     )
     parser.add_argument(
         "--compile-only",
@@ -385,14 +469,20 @@ def main():
         ok = args.skip_checks or check_mixed(model, cfg, fi, native)
         torch.cuda.empty_cache()
         # enough blocks and graph sizes for the benchmark and for check_graphs' 27 sequences of < 320 tokens
-        num_blocks = max(max(args.batch_sizes) * args.context // BLOCK, 27 * 20 + 20) + 1
+        num_blocks = max(max([*args.batch_sizes, *args.compare_torch_ops]) * args.context // BLOCK, 27 * 20 + 20) + 1
         kv = new_cache(cfg, num_blocks)
-        max_seqs = max(*args.batch_sizes, *args.profile, 27)
+        max_seqs = max([*args.batch_sizes, *args.profile, *args.compare_torch_ops, 27])
         graphs = CUDAGraphRunner(model, fi, kv, max_seqs, MAX_LEN // BLOCK, BLOCK, dummy_block=num_blocks - 1)
         use_backend(model, fi)
         graphs.capture()
         ok &= args.skip_checks or check_graphs(model, cfg, fi, graphs, kv)
         bench(model, cfg, fi, graphs, kv, bandwidth, args.batch_sizes, args.context, args.iters)
+        if args.compare_torch_ops:
+            compare_torch_ops(model, cfg, fi, kv, graphs, args.compare_torch_ops, args.context, args.iters, num_blocks)
+        try:
+            blas_libraries(model)
+        except Exception as e:  # a report, not a check
+            logging.exception("the BLAS comparison failed: %r", e)
         for b in args.profile:
             try:
                 profile(model, cfg, graphs, kv, b, args.context)

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from models.attention.base import AttentionBackend, AttentionMetadata
+from models.kernels import ops
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -37,8 +38,7 @@ class TorchNativeBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         # Write every new token's K/V before any read, so that sequences sharing prefix blocks being
         # filled in this same step (n > 1 siblings, same-step prefix hits) see them.
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         nd = meta.num_decodes
         if nd:

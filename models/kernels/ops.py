@@ -1,11 +1,16 @@
-"""The decoder layer's ops: the C kernels of `models/kernels/csrc/` on the CPU, torch everywhere else.
+"""The decoder layer's ops: the C kernels of `models/kernels/csrc/` on the CPU, Triton kernels on CUDA
+(models/kernels/triton_ops.py), torch everywhere else.
 
 Each op takes and returns plain tensors, so the model (`models/llama.py`, `models/layers/linear.py`)
 reads the same on every device. On the CPU (float32 or bfloat16, kernels built) residual-add + RMSNorm,
 rotary and SiLU-and-mul are one C pass each instead of several torch ops, and bfloat16 linears over few
-rows (decode steps up to `SMALL_M` sequences) run a weight-streaming kernel (see models/kernels/csrc/linear.c);
-a missing compiler or another device takes the torch path, which computes the same thing.
+rows (decode steps up to `SMALL_M` sequences) run a weight-streaming kernel (see models/kernels/csrc/linear.c).
+On CUDA with Triton (every CUDA build of torch has it) those three and the K/V cache write are one kernel each.
+A missing compiler or another device takes the torch path, which computes the same thing.
 """
+
+import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +22,42 @@ SMALL_M = 8  # rows up to which the bfloat16 weight-streaming kernel beats torch
 _SUFFIX = {torch.float32: "float", torch.bfloat16: "bf16"}
 
 
+_fused = True  # torch_ops() turns the C and Triton kernels off, to compare them with the torch path
+
+
 def _lib(x: torch.Tensor):
     """The kernel library when x can take the C path, else None."""
-    if x.device.type != "cpu" or x.dtype not in _SUFFIX:
+    if not _fused or x.device.type != "cpu" or x.dtype not in _SUFFIX:
         return None
     return cpu_kernels.load()
+
+
+@functools.cache
+def _triton_ops():
+    try:
+        from models.kernels import triton_ops
+    except ImportError:  # a CUDA torch without Triton: the torch path
+        return None
+    return triton_ops
+
+
+def _cuda(x: torch.Tensor):
+    """models.kernels.triton_ops when x can take the Triton path, else None."""
+    if not _fused or x.device.type != "cuda" or not x.is_floating_point():
+        return None
+    return _triton_ops()
+
+
+@contextlib.contextmanager
+def torch_ops():
+    """Within the block every op takes the torch path (scripts/gpu_check.py measures what the kernels save;
+    CUDA graphs captured inside keep the torch ops)."""
+    global _fused
+    old, _fused = _fused, False
+    try:
+        yield
+    finally:
+        _fused = old
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,8 +67,11 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
     (a sublayer's output) or None; weight: [hidden] in the model dtype. Returns the normalised
     [T, hidden] in the model dtype.
     """
+    contiguous = residual.is_contiguous() and (delta is None or delta.is_contiguous())
+    if contiguous and residual.dtype == torch.float32 and (tri := _cuda(weight)) is not None:
+        return tri.add_rms_norm(residual, delta, weight, eps)
     lib = _lib(weight)
-    if lib is None or not residual.is_contiguous() or (delta is not None and not delta.is_contiguous()):
+    if lib is None or not contiguous:
         if delta is not None:
             residual += delta
         return weight * F.rms_norm(residual, residual.shape[-1:], eps=eps).to(weight.dtype)
@@ -56,8 +95,11 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     x may be a view with a token stride (the q and k heads of the fused qkv output); cos, sin: float32
     [T, head_dim // 2].
     """
+    dense = x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+    if dense and cos.is_contiguous() and sin.is_contiguous() and (tri := _cuda(x)) is not None:
+        return tri.rotary_(x, cos, sin)
     lib = _lib(x)
-    if lib is None or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+    if lib is None or not dense:
         c, s = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
@@ -76,6 +118,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up (SwiGLU, Shazeer 2020) of gate_up [T, 2 * inter] = [gate | up]; returns [T, inter]."""
+    if gate_up.is_contiguous() and (tri := _cuda(gate_up)) is not None:
+        return tri.silu_and_mul(gate_up)
     lib = _lib(gate_up)
     inter = gate_up.shape[-1] // 2
     if lib is None or not gate_up.is_contiguous():
@@ -86,6 +130,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads()
     )
     return out
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes this step's K and V [T, kv_heads, head_dim] into the paged caches [num_blocks, block_size,
+    kv_heads, head_dim] at slot_mapping (int64 [T], block id * block_size + offset): PagedAttention's cache
+    write (vLLM's reshape_and_cache), one Triton kernel on CUDA, two index_copy_s elsewhere."""
+    dense = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v))
+    if dense and k_cache.is_contiguous() and v_cache.is_contiguous() and (tri := _cuda(k)) is not None:
+        return tri.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -140,13 +197,28 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     0.06, enough to flip a greedy choice between near-tied tokens (a third of the greedy runs of the
     benchmark workload differed from float32 in their first 16 tokens). The GEMM still runs in the
     model dtype; then each row's REFINE_TOP highest logits, which hold the greedy choice and the
-    reported top logprobs, are recomputed as exact float32 dot products.
+    reported top logprobs, are recomputed as exact float32 dot products. On CUDA the GEMM writes its float32
+    sums directly (cuBLAS, torch.mm's out_dtype): every logit exact, without the re-scoring's five kernels.
     """
+    half = weight.dtype in (torch.bfloat16, torch.float16)
+    if _fused and half and hidden.is_cuda and hidden.dtype == weight.dtype and _float_out_mm(hidden.device):
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
     out = linear(hidden, weight).float()
-    if weight.dtype in (torch.bfloat16, torch.float16) and out.shape[0]:
+    if half and out.shape[0]:
         top = out.topk(min(REFINE_TOP, out.shape[1]), dim=-1).indices  # [N, k]
         out.scatter_(1, top, torch.einsum("nd,nkd->nk", hidden.float(), weight[top].float()))
     return out
+
+
+@functools.cache
+def _float_out_mm(device: torch.device) -> bool:
+    """True where torch.mm takes out_dtype=float32 for bfloat16 / float16 inputs on this device (CUDA,
+    torch 2.8 and later)."""
+    try:
+        a = torch.ones(1, 8, dtype=torch.bfloat16, device=device)
+        return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 def _gguf_lib():
