@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -44,6 +45,10 @@ LAYER_TENSORS = {
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # an MoE layer's router
+    "ffn_gate_exps": "mlp.experts.gate_proj",  # every expert's, stacked [E, rows, cols] (models/layers/fused_moe.py)
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -166,6 +171,11 @@ class GGUFModelConfig:
     sliding_window: int | None = None  # Gemma 3
     layer_types: list[str] | None = None
     query_pre_attn_scalar: float | None = None
+    num_experts: int | None = None  # mixtures of experts (Qwen3-MoE; Mixtral, which llama.cpp calls llama)
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    mlp_only_layers: list[int] | None = None  # dense layers among MoE ones (their tensors say which)
 
 
 def load_gguf_config(path: str) -> GGUFModelConfig:
@@ -199,12 +209,20 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         )
     elif arch == "gemma3":
         extra = _gemma3_fields(path, md, layers, hidden, heads, head_dim, rope)
+    if md.get(f"{arch}.expert_count"):  # llama.cpp's MoE layers: softmax routing, top-k renormalised by default
+        extra |= dict(
+            num_experts=md[f"{arch}.expert_count"],
+            num_experts_per_tok=_key(path, md, "expert_used_count"),
+            moe_intermediate_size=md.get(f"{arch}.expert_feed_forward_length"),
+            norm_topk_prob=bool(md.get(f"{arch}.expert_weights_norm", True)),
+            mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
+        )
     return GGUFModelConfig(
         architectures=[ARCHITECTURES[arch]],
         model_type="gemma3_text" if arch == "gemma3" else arch,
         num_hidden_layers=layers,
         hidden_size=hidden,
-        intermediate_size=_key(path, md, "feed_forward_length"),
+        intermediate_size=md.get(f"{arch}.feed_forward_length") or _key(path, md, "expert_feed_forward_length"),
         num_attention_heads=heads,
         num_key_value_heads=_key(path, md, "attention.head_count_kv", heads),
         head_dim=head_dim,
@@ -330,7 +348,7 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
                 f"{qtype.name if qtype else info.ggml_type}, not supported (supported: {kinds})"
             )
         data = raw[info.name].data  # uint8 view of the mapped file
-        rows = info.shape[0]
+        rows = int(np.prod(info.shape[:-1]))  # an MoE layer's stacked experts [E, rows, cols]: E * rows
         if qtype in FLOAT_TYPES:
             w = (
                 torch.from_numpy(np.array(data))
@@ -349,6 +367,8 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
         else:
             w = torch.from_numpy(dequantize(np.asarray(data).reshape(rows, -1), qtype)).reshape(info.shape)
         kind = info.name.split(".")[-2] if info.name.startswith("blk.") else ""
+        if kind == "ffn_gate_inp" and isinstance(w, GGUFTensor):  # the router stays float (tiny, and decisive)
+            w = w.dequantize_rows(torch.arange(w.rows), torch.float32)
         if permute and kind in heads:
             order = _unpermute(rows, heads[kind])
             w = (

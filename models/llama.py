@@ -1,6 +1,7 @@
 """The Llama family over a paged KV cache: Llama 2/3, Mistral (sliding windows), Qwen2, Qwen3 (q/k norms),
-SmolLM2, SmolLM3 (no rotary on some layers), Granite (embedding, attention, residual and logits multipliers)
-and Phi-3 (fused q/k/v and gate/up tensors in its checkpoint).
+SmolLM2, SmolLM3 (no rotary on some layers), Granite (embedding, attention, residual and logits multipliers),
+Phi-3 (fused q/k/v and gate/up tensors in its checkpoint), and the mixtures of experts Qwen3-MoE and Mixtral
+(models/layers/fused_moe.py in place of the MLP).
 
 Llama: Touvron et al. 2023; RMSNorm (Zhang & Sennrich 2019), rotary embeddings (Su et al. 2021),
 grouped-query attention (Ainslie et al. 2023), SwiGLU (Shazeer 2020). Tokens of all sequences in a
@@ -19,6 +20,7 @@ from models.distributed.group import TPGroup
 from models.kernels import ops
 from models.layers.attention import SelfAttention
 from models.layers.checkpoint import keep_norms_float32, load_checkpoint
+from models.layers.fused_moe import SparseMoeBlock, is_sparse_layer
 from models.layers.layernorm import RMSNorm
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.layers.rotary_embedding import RotaryEmbedding
@@ -53,7 +55,9 @@ class LlamaDecoderLayer(nn.Module):
             use_rope=bool(no_rope[layer]) if no_rope else True,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp, quant_config)
+        # Qwen3-MoE and Mixtral: experts in place of the MLP (in every layer, or as the config spaces them)
+        sparse = is_sparse_layer(config, layer)
+        self.mlp = SparseMoeBlock(config, tp, quant_config) if sparse else LlamaMLP(config, tp, quant_config)
         # Granite scales each sublayer's output before it joins the residual stream
         self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
 
@@ -104,6 +108,8 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # MoE layers group tokens by expert with host-side counts: eager steps only (engine/worker/model_runner.py)
+        self.supports_cuda_graphs = not any(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))
         self.quantized = quant_config is not None
         # Granite's multipliers of the embeddings and divisor of the logits (1 elsewhere)
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))

@@ -9,6 +9,8 @@ _REGISTRY = {
     "MistralForCausalLM": (LlamaForCausalLM, {}),
     "Qwen2ForCausalLM": (LlamaForCausalLM, {"qkv_bias": True}),
     "Qwen3ForCausalLM": (LlamaForCausalLM, {"qk_norm": True}),
+    "Qwen3MoeForCausalLM": (LlamaForCausalLM, {"qk_norm": True}),
+    "MixtralForCausalLM": (LlamaForCausalLM, {}),
     "Phi3ForCausalLM": (LlamaForCausalLM, {}),
     "SmolLM3ForCausalLM": (LlamaForCausalLM, {}),
     "GraniteForCausalLM": (LlamaForCausalLM, {}),

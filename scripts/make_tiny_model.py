@@ -21,9 +21,11 @@ from transformers import (
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
     SmolLM3Config,
 )
 
@@ -83,6 +85,18 @@ CONFIGS = {
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
         },
     ),
+    # 8 experts, 2 per token, renormalised; the second layer dense (mlp_only_layers), as Qwen3-MoE configs allow
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **COMMON,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
+    # 4 experts of 32, 2 per token, in every layer
+    "mixtral": lambda: MixtralConfig(**COMMON | dict(intermediate_size=32), num_local_experts=4, num_experts_per_tok=2),
     "granite": lambda: GraniteConfig(  # multipliers far from 1, so that each one changes the output
         **COMMON, embedding_multiplier=12.0, attention_multiplier=1.0, residual_multiplier=0.5, logits_scaling=6.0
     ),

@@ -143,6 +143,10 @@ class ModelRunner:
         # Graphs only where the backend's decode is graph-safe: torch_native would be captured gathering
         # every row at full max_model_len, which costs memory in proportion to it.
         use_graphs = cuda_graphs and self.backend.supports_cuda_graphs
+        if use_graphs and not getattr(self.model, "supports_cuda_graphs", True):
+            # an MoE layer sizes its per-expert groups on the host each step, which a captured graph cannot
+            logger.info("CUDA graphs off: this model's mixture-of-experts layers route on the host")
+            use_graphs = False
         # With CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V.
         shape = (self.shape.num_layers, 2, *self.backend.kv_cache_shape(num_blocks + use_graphs))
         self.kv_cache = (

@@ -7,6 +7,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from models.layers.fused_moe import expert_shard
 from models.layers.layernorm import RMSNorm
 from models.quantization.gguf import GGUFTensor
 
@@ -51,10 +52,12 @@ def load_checkpoint(
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or name == skip:
             continue
-        name = name.removeprefix("model.")
+        name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name of its MoE
         parts = name.split(".")
         shards = [(0, tensor)]
-        if len(parts) >= 2 and parts[-2] in STACKED:
+        if (expert := expert_shard(name)) is not None:  # an MoE layer's expert weights (models/layers/fused_moe.py)
+            name, shards = expert[0], [(expert[1], tensor)]
+        elif len(parts) >= 2 and parts[-2] in STACKED:
             fused, shard = STACKED[parts[-2]]
             name, shards = ".".join(parts[:-2] + [fused, parts[-1]]), [(shard, tensor)]
         elif len(parts) >= 2 and parts[-2] in FUSED:

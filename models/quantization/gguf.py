@@ -219,6 +219,48 @@ class GGUFEmbeddingMethod:
         return out
 
 
+class GGUFMoEMethod:
+    """A mixture-of-experts layer's expert weights as the GGUF file holds them: gate, up and down of every expert,
+    one tensor per projection (llama.cpp's `ffn_{gate,up,down}_exps`): a GGUFTensor of E * rows rows (expert e's
+    rows a byte range) or, from an F32/F16/BF16 file, a float [E, rows, cols] tensor. `shapes`: each
+    projection's (rows, cols) for one expert. models/layers/fused_moe.py computes with it; vLLM's counterpart is
+    GGUFMoEMethod."""
+
+    def __init__(self, num_experts: int, shapes: list[tuple[int, int]]):
+        self.num_experts, self.shapes = num_experts, shapes
+        self.blocks: list = [None] * len(shapes)
+
+    def load(self, proj: int, loaded: "GGUFTensor | torch.Tensor") -> None:
+        """Takes projection `proj` (0 gate, 1 up, 2 down) for every expert. Raises ValueError on another shape."""
+        if isinstance(loaded, GGUFTensor):
+            got = (loaded.rows // self.num_experts, loaded.cols)
+        else:
+            got = tuple(loaded.shape[-2:])
+            loaded = loaded.reshape(self.num_experts, *got)
+        if got != self.shapes[proj]:
+            raise ValueError(f"expert projection {proj}: {self.shapes[proj]} per expert expected, got {got}")
+        self.blocks[proj] = loaded
+
+    def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+        """Float experts into `dtype`. Raises ValueError when a projection was not in the file."""
+        if any(b is None for b in self.blocks):
+            raise ValueError("a quantized MoE layer is missing an expert projection")
+        self.blocks = [b if isinstance(b, GGUFTensor) else b.to(dtype) for b in self.blocks]
+
+    @property
+    def segments(self) -> list[tuple[int, "GGUFTensor | torch.Tensor"]]:
+        """The weights, as GGUFLinearMethod lists its own (weight_summary, parameter_count)."""
+        return [(0, b) for b in self.blocks]
+
+    def matmul(self, x: torch.Tensor, proj: int, expert: int) -> torch.Tensor:
+        """x [n, cols] @ expert `expert`'s projection `proj`^T -> [n, rows] in x's dtype."""
+        w = self.blocks[proj]
+        if isinstance(w, GGUFTensor):
+            rows = self.shapes[proj][0]
+            return w.row_range(expert * rows, rows).matmul(x)
+        return ops.linear(x, w[expert].to(x.dtype))
+
+
 class GGUFConfig:
     """Quantization "gguf": layers keep the file's blocks. Hands each layer its method."""
 
@@ -229,6 +271,10 @@ class GGUFConfig:
 
     def embedding_method(self, vocab_size: int, hidden_size: int) -> GGUFEmbeddingMethod:
         return GGUFEmbeddingMethod(vocab_size, hidden_size)
+
+    def moe_method(self, num_experts: int, hidden_size: int, intermediate_size: int) -> GGUFMoEMethod:
+        inner = (intermediate_size, hidden_size)
+        return GGUFMoEMethod(num_experts, [inner, inner, (hidden_size, intermediate_size)])
 
 
 def weight_summary(model: torch.nn.Module) -> tuple[dict[str, int], str]:

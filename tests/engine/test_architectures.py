@@ -53,6 +53,8 @@ FEATURES = {
             }
         },
     ],
+    "qwen3_moe": [{"norm_topk_prob": False}, {"num_experts_per_tok": 1}],
+    "mixtral": [{"num_experts_per_tok": 1}],
     "granite": [
         {"embedding_multiplier": 1.0},
         {"attention_multiplier": 0.25},
@@ -60,6 +62,9 @@ FEATURES = {
         {"logits_scaling": 1.0},
     ],
 }
+
+# llama.cpp's converter maps no dense layer in a Qwen3-MoE: its files have experts in every layer
+GGUF_EDITS = {"qwen3_moe": {"mlp_only_layers": []}}
 
 
 def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
@@ -104,16 +109,17 @@ def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3", "qwen3", "smollm3", "granite", "gemma3"])
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "smollm3", "granite", "gemma3", "qwen3_moe", "mixtral"])
 def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
     """The GGUF llama.cpp's own convert_hf_to_gguf.py makes of the tiny model (float32), as users' files are
     made: Llama 3's rope scaling arrives as the `rope_freqs` tensor of frequency divisors, applied; SmolLM3's
     rotary-free layers and Gemma 3's sliding layers follow llama.cpp's fixed patterns (the files carry neither),
     which the tiny configs share; Granite's multipliers and Gemma 3's rope bases come from the metadata, Gemma's
-    norms stored as 1 + w."""
+    norms stored as 1 + w. The mixtures of experts arrive with every expert of a projection stacked in one
+    tensor (Mixtral as a "llama" file with experts)."""
     if llama_cpp.converter() is None:
         pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
-    ref_model = save_tiny_model(name, tmp_path / "hf", llm.tokenizer)
+    ref_model = save_tiny_model(name, tmp_path / "hf", llm.tokenizer, **GGUF_EDITS.get(name, {}))
     gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf")
     factors = load_gguf_config(str(gguf)).rope_parameters.get("freq_factors")
     assert (factors is not None and max(factors) > 1) == (name == "llama3")
@@ -148,3 +154,43 @@ def test_sliding_window_blocks_are_freed_as_a_request_advances(llm, tmp_path):
             [row] = snapshots.take()["requests"]
             assert len(row["blocks"]) == kv.num_held_blocks(rid)
     assert decodes >= 4 * 24 - 2 and kv.pool.num_free_blocks == kv.num_blocks - 1
+
+
+@pytest.mark.slow
+def test_quantized_moe_gguf_matches_its_dequantized_weights(llm, tmp_path):
+    """A Qwen3-MoE GGUF quantized to Q8_0 by llama.cpp's converter, served on its blocks (every expert of a
+    projection one quantized tensor): the tokens of transformers given the file's tensors dequantized by gguf-py."""
+    if llama_cpp.converter() is None:
+        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    ref_model = save_tiny_model("qwen3_moe", tmp_path / "hf", llm.tokenizer, **GGUF_EDITS["qwen3_moe"])
+    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
+    params, quantized = dict(ref_model.named_parameters()), set()
+    hf = {"attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight", "attn_v": "self_attn.v_proj.weight",
+          "attn_output": "self_attn.o_proj.weight", "ffn_gate": "mlp.gate_proj.weight", "ffn_up": "mlp.up_proj.weight",
+          "ffn_down": "mlp.down_proj.weight", "ffn_down_exps": "mlp.experts.down_proj"}  # fmt: skip
+    with torch.no_grad():
+        for t in GGUFReader(str(gguf)).tensors:
+            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                continue
+            quantized.add(t.name.split(".")[-2])
+            w = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(list(reversed(t.shape.tolist()))).copy())
+            if t.name in ("token_embd.weight", "output.weight"):
+                params["model.embed_tokens.weight" if t.name[0] == "t" else "lm_head.weight"].copy_(w)
+                continue
+            layer, kind = t.name.split(".")[1:3]
+            prefix = f"model.layers.{layer}."
+            if kind in ("ffn_gate_exps", "ffn_up_exps"):  # transformers stacks them as gate_up_proj [E, 2I, H]
+                inter = w.shape[1]
+                part = slice(0, inter) if kind == "ffn_gate_exps" else slice(inter, 2 * inter)
+                params[prefix + "mlp.experts.gate_up_proj"][:, part].copy_(w)
+            else:
+                params[prefix + hf[kind]].copy_(w)
+    assert {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn_q"} <= quantized
+    prompt = llm.tokenizer.encode(PROMPT)
+    ours = make_llm(model=str(gguf))
+    assert "Q8_0" in ours.engine.engine_core.executor.runner.weight_bytes
+    out = ours.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert_greedy_matches(out.outputs[0].token_ids, hf_greedy(ref_model, prompt))

@@ -1,0 +1,96 @@
+"""The mixture-of-experts layer (models/layers/fused_moe.py) against transformers' own MoE blocks on the same
+weights, many tokens at once (experts chosen by several tokens, others by none), and its GGUF path on Q8_0 blocks
+made by gguf-py against the same blocks dequantized."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from transformers import MixtralConfig, Qwen3MoeConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from models.layers.checkpoint import load_checkpoint
+from models.layers.fused_moe import SparseMoeBlock, expert_shard, is_sparse_layer
+from models.quantization.gguf import GGUFConfig, GGUFTensor
+
+HIDDEN, INTER, EXPERTS = 64, 32, 8
+
+
+def reference(kind: str, renormalize: bool = True):
+    """(config, transformers' MoE block with random weights, its checkpoint tensors in the hub's per-expert names)."""
+    torch.manual_seed(0)
+    if kind == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS, num_experts_per_tok=3,
+            norm_topk_prob=renormalize,
+        )  # fmt: skip
+        block, names = Qwen3MoeSparseMoeBlock(config), ("gate_proj", "up_proj", "down_proj")
+    else:
+        config = MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS)
+        block, names = MixtralSparseMoeBlock(config), ("w1", "w3", "w2")
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    gate_up, down = block.experts.gate_up_proj.data, block.experts.down_proj.data  # [E, 2I, H], [E, H, I]
+    tensors = {"mlp.gate.weight": block.gate.weight.data}
+    for e in range(EXPERTS):
+        tensors[f"mlp.experts.{e}.{names[0]}.weight"] = gate_up[e, :INTER]
+        tensors[f"mlp.experts.{e}.{names[1]}.weight"] = gate_up[e, INTER:]
+        tensors[f"mlp.experts.{e}.{names[2]}.weight"] = down[e]
+    return config, block.eval(), tensors
+
+
+class Holder(torch.nn.Module):
+    """A module with the block at `mlp`, as a decoder layer holds it (load_checkpoint's names)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.mlp = block
+
+
+@pytest.mark.parametrize("kind, renormalize", [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)])
+def test_moe_block_equals_transformers(kind, renormalize):
+    config, ref, tensors = reference(kind, renormalize)
+    ours = Holder(SparseMoeBlock(config, None))
+    load_checkpoint(ours, config, tensors.items(), torch.float32)
+    x = torch.randn(37, HIDDEN)
+    with torch.no_grad():
+        expected = ref(x[None])
+        expected = (expected[0] if isinstance(expected, tuple) else expected)[0]  # Mixtral also returns its logits
+        got = ours.mlp(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    used = torch.bincount(ours.mlp.gate.weight.matmul(x.T).T.topk(ours.mlp.top_k).indices.flatten(), minlength=EXPERTS)
+    assert (used > 1).any()  # experts shared by several tokens: the grouping is exercised
+
+
+def test_gguf_experts_compute_on_their_blocks():
+    """The experts as a GGUF file stacks them (one [E, rows, cols] tensor per projection, Q8_0 blocks) give what
+    the same weights dequantized give, within the kernels' activation rounding."""
+    config, _, tensors = reference("qwen3_moe")
+    names = ("gate_proj", "up_proj", "down_proj")
+    stacked = {p: torch.stack([tensors[f"mlp.experts.{e}.{p}.weight"] for e in range(EXPERTS)]) for p in names}
+    quant, plain = {}, {"mlp.gate.weight": tensors["mlp.gate.weight"]}
+    for p, w in stacked.items():
+        rows, cols = w.shape[0] * w.shape[1], w.shape[2]
+        blocks = quantize(w.reshape(rows, cols).numpy(), GGMLQuantizationType.Q8_0)
+        quant[f"mlp.experts.{p}.weight"] = GGUFTensor(GGMLQuantizationType.Q8_0, torch.from_numpy(blocks), cols)
+        deq = dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(w.shape)
+        plain[f"mlp.experts.{p}.weight"] = torch.from_numpy(np.ascontiguousarray(deq))  # every expert's at once
+    q = Holder(SparseMoeBlock(config, None, GGUFConfig()))
+    load_checkpoint(q, config, ({"mlp.gate.weight": tensors["mlp.gate.weight"]} | quant).items(), torch.float32)
+    f = Holder(SparseMoeBlock(config, None))
+    load_checkpoint(f, config, plain.items(), torch.float32)
+    x = torch.randn(11, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(q.mlp(x), f.mlp(x), rtol=2e-2, atol=2e-3)
+
+
+def test_expert_names_and_sparse_layers():
+    assert expert_shard("layers.0.mlp.experts.3.up_proj.weight") == ("layers.0.mlp.experts.w13_weight", (3, 1))
+    assert expert_shard("layers.2.mlp.experts.w2.weight") == ("layers.2.mlp.experts.w2_weight", (None, 2))
+    assert expert_shard("layers.0.mlp.experts.0.w2.weight") == ("layers.0.mlp.experts.w2_weight", (0, 2))
+    assert expert_shard("layers.0.mlp.gate_proj.weight") is None
+    qwen = Qwen3MoeConfig(num_experts=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert [is_sparse_layer(qwen, i) for i in range(6)] == [False, True, False, False, False, True]
+    assert not is_sparse_layer(Qwen3MoeConfig(num_experts=0), 0)
