@@ -31,7 +31,7 @@ from api.serving_ollama import OLLAMA_BODIES, ollama_routes
 from api.serving_responses import create_response
 from api.serving_router import get_load, get_server_info, render_chat_completion, render_completion
 from api.serving_score import rerank, score
-from api.serving_tokenize import detokenize, tokenize
+from api.serving_tokenize import apply_template, detokenize, tokenize
 from api.settings import ServerSettings
 from api.tool_parsers import detect_tool_parser
 
@@ -39,19 +39,22 @@ logger = logging.getLogger("api")
 
 
 async def list_models(request: Request) -> Response:
-    """The served model (OpenAI's model list)."""
+    """The served model, once per name it answers to (OpenAI's model list, as vLLM lists its served names)."""
     ctx: ServingContext = request.app.state.serving
-    model = {
-        "id": ctx.settings.served_model_name,
-        "object": "model",
-        "created": ctx.created,
-        # "vllm" as vLLM reports it, for clients that expect its /v1/models.
-        "owned_by": "vllm",
-        "root": ctx.engine.model_name,
-        "parent": None,
-        "max_model_len": ctx.engine.max_model_len,
-    }
-    return JSONResponse({"object": "list", "data": [model]})
+    models = [
+        {
+            "id": name,
+            "object": "model",
+            "created": ctx.created,
+            # "vllm" as vLLM reports it, for clients that expect its /v1/models.
+            "owned_by": "vllm",
+            "root": ctx.engine.model_name,
+            "parent": None,
+            "max_model_len": ctx.engine.max_model_len,
+        }
+        for name in ctx.settings.model_names
+    ]
+    return JSONResponse({"object": "list", "data": models})
 
 
 async def health(request: Request) -> Response:
@@ -89,9 +92,9 @@ def with_detected_tool_parser(settings: ServerSettings, tokenizer_template: str 
 def build_app(engine, settings: ServerSettings) -> Starlette:
     """The app serving `engine` (an AsyncEngine, not yet started): the lifespan starts its step loop
     on the server's event loop and shuts it down (aborting what still runs) when the server stops. The API's
-    model id is `settings.served_model_name`, else the engine's model name."""
-    if settings.served_model_name is None:
-        settings = dataclasses.replace(settings, served_model_name=engine.model_name)
+    model ids are `settings.served_model_name`, else the engine's model name."""
+    if settings.model_id is None:
+        settings = dataclasses.replace(settings, served_model_name=[engine.model_name])
     settings = with_detected_tool_parser(settings, getattr(engine.tokenizer, "chat_template", None))
     ctx = ServingContext(engine, settings)
 
@@ -116,6 +119,7 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/apply-template", apply_template, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -145,6 +149,7 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
         "/v1/messages/count_tokens": CountTokensRequest,
         "/tokenize": TokenizeRequest,
         "/detokenize": DetokenizeRequest,
+        "/apply-template": ChatCompletionRequest,
     } | OLLAMA_BODIES
     routes += docs_routes(openapi_document(routes, bodies, "minivllm OpenAI-compatible API", __version__))
     middleware = [

@@ -51,6 +51,8 @@ def _add_arguments(parser: argparse.ArgumentParser, cls) -> None:
         )
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif meta.get("nargs"):  # several strings
+            kwargs.update(nargs=meta["nargs"], metavar=meta["metavar"])
         else:
             kwargs.update(type=str if meta["parse"] else kind, choices=meta["choices"], metavar=meta["metavar"])
         group.add_argument(*(meta["flags"] or (f"--{f.name.replace('_', '-')}",)), **kwargs)
@@ -198,11 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:  # e.g. --kv-transfer-config without NIXL installed
         logger.error("cannot start the engine: %s", e)
         return 1
-    settings = dataclasses.replace(settings, served_model_name=settings.served_model_name or engine.model_name)
+    settings = dataclasses.replace(settings, served_model_name=settings.served_model_name or [engine.model_name])
     logger.info(
-        "serving %s as %r: %s on %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
+        "serving %s as %s: %s on %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
         engine.model_name,
-        settings.served_model_name,
+        " or ".join(repr(n) for n in settings.model_names),
         str(engine.dtype).removeprefix("torch."),
         engine.device,
         engine.num_kv_blocks,

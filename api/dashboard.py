@@ -126,7 +126,7 @@ class DashboardFeed:
                 "engine": slot.latest,
                 "metrics": self._window.sample(now),
                 "server": {
-                    "served_model_name": self._ctx.settings.served_model_name,
+                    "served_model_name": self._ctx.settings.model_id,
                     "snapshot_interval_s": slot.interval,
                 },
             }

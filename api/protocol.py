@@ -221,7 +221,8 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    """A conversation message; an assistant's may carry `tool_calls` (content may then be null), and a
+    """A conversation message; an assistant's may carry `tool_calls` (content may then be null) and its earlier
+    reasoning (`reasoning_content`, vLLM's and llama.cpp's field, rendered by templates that show it), and a
     "tool" message answers the call `tool_call_id`."""
 
     role: Literal["system", "user", "assistant", "tool"]
@@ -229,6 +230,7 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _fields_of_role(self):
@@ -238,6 +240,8 @@ class ChatMessage(_Body):
             raise ValueError("only assistant messages carry tool_calls")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("tool messages need tool_call_id, and only they take it")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
         return self
 
     def to_template(self) -> dict:
@@ -256,6 +260,8 @@ class ChatMessage(_Body):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 

@@ -4,8 +4,9 @@ The field names and shapes are Anthropic's (the anthropic SDK's `anthropic/types
 MessageParam, ToolParam, ToolChoiceParam).
 
 A request runs as the chat completion it amounts to (`chat_request`): text, `tool_use` and `tool_result` blocks
-become chat messages, tool calls and "tool" messages; `tools` and `tool_choice` become chat's. Content this
-server cannot read (images, documents, thinking blocks) and server tools (web search, ...) are refused with 400.
+become chat messages, tool calls and "tool" messages, an assistant's `thinking` blocks its `reasoning_content`;
+`tools` and `tool_choice` become chat's. Content this server cannot read (images, documents, redacted thinking) and
+server tools (web search, ...) are refused with 400.
 """
 
 import json
@@ -42,7 +43,17 @@ class ToolResultBlock(_Body):
     is_error: bool = False
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Body):
+    """An assistant's earlier reasoning sent back (Anthropic's ThinkingBlockParam): rendered as the message's
+    `reasoning_content` where the chat template shows past reasoning. `signature` is accepted (nothing here
+    signs or checks it)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
 def _chat_content(content: str | list[TextBlock]) -> str | list[dict]:
@@ -59,9 +70,10 @@ class Message(_Body):
 
     @model_validator(mode="after")
     def _blocks_of_role(self):
-        misplaced = "tool_result" if self.role == "assistant" else "tool_use"
-        if isinstance(self.content, list) and any(b.type == misplaced for b in self.content):
-            raise ValueError(f"{misplaced} blocks are not allowed in {self.role} messages")
+        misplaced = ("tool_result",) if self.role == "assistant" else ("tool_use", "thinking")
+        for kind in misplaced:
+            if isinstance(self.content, list) and any(b.type == kind for b in self.content):
+                raise ValueError(f"{kind} blocks are not allowed in {self.role} messages")
         return self
 
     def chat_messages(self) -> list[dict]:
@@ -81,9 +93,11 @@ class Message(_Body):
                 for b in self.content
                 if isinstance(b, ToolUseBlock)
             ]
+            thinking = [b.thinking for b in self.content if isinstance(b, ThinkingBlock)]
             return [
-                {"role": "assistant", "content": _chat_content(texts) if texts else None}
+                {"role": "assistant", "content": _chat_content(texts) if texts or not calls else None}
                 | ({"tool_calls": calls} if calls else {})
+                | ({"reasoning_content": "\n".join(thinking)} if thinking else {})
             ]
         results = [
             {"role": "tool", "tool_call_id": b.tool_use_id, "content": _chat_content(b.content)}
@@ -125,6 +139,23 @@ class ToolChoice(_Body):
         return self
 
 
+class ThinkingConfig(_Body):
+    """`thinking` (Anthropic's ThinkingConfigParam): "enabled" lets a reasoning model think for up to
+    `budget_tokens` tokens (the think block is then closed for it: engine.sampling_params'
+    thinking_token_budget), "disabled" asks the chat template not to open a think block (`enable_thinking`
+    false, as Qwen3's reads it). On a server without --reasoning-parser "enabled" is accepted and the reply
+    has no thinking blocks: a model that does not reason uses none of the budget."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _budget_iff_enabled(self):
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            raise ValueError('budget_tokens is required with type "enabled", and only then')
+        return self
+
+
 class CountTokensRequest(_Body):
     """POST /v1/messages/count_tokens: the conversation (`system`, `messages`) and `tools` of a Messages
     request, without its output settings."""
@@ -134,6 +165,7 @@ class CountTokensRequest(_Body):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] = []
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
     chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template
 
     def chat_request(self, auto_tool_choice: bool) -> ChatCompletionRequest:
@@ -162,13 +194,16 @@ class CountTokensRequest(_Body):
                 "any": "required",
                 "tool": {"type": "function", "function": {"name": choice.name}},
             }[choice.type]
+        template_kwargs = self.chat_template_kwargs
+        if self.thinking is not None:  # the template opens a think block (or closes an empty one) as asked
+            template_kwargs = {"enable_thinking": self.thinking.type == "enabled"} | (template_kwargs or {})
         return ChatCompletionRequest.model_validate(
             {
                 "messages": messages,
                 "tools": tools or None,
                 "tool_choice": chat_choice,
                 "parallel_tool_calls": not choice.disable_parallel_tool_use,
-                "chat_template_kwargs": self.chat_template_kwargs,
+                "chat_template_kwargs": template_kwargs,
             }
             | self._output_fields()
         )
@@ -190,14 +225,6 @@ class MessagesRequest(CountTokensRequest):
     top_k: int = Field(0, ge=0)
     stream: bool = False
     metadata: dict | None = None
-    thinking: dict | None = None  # extended thinking: no thinking blocks are made, so only {"type": "disabled"}
-
-    @field_validator("thinking")
-    @classmethod
-    def _no_extended_thinking(cls, thinking: dict | None) -> dict | None:
-        if thinking is not None and thinking.get("type") != "disabled":
-            raise ValueError('extended thinking is not supported: leave thinking out or send {"type": "disabled"}')
-        return thinking
 
     def _output_fields(self) -> dict:
         return {

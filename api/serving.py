@@ -46,7 +46,7 @@ class ServingContext:
         self.settings = settings
         self.tokenizer = engine.tokenizer
         self.vocab_size = len(engine.tokenizer)
-        self.metrics = ServerMetrics(engine, settings.served_model_name, settings.data_parallel_rank)
+        self.metrics = ServerMetrics(engine, settings.model_id, settings.data_parallel_rank)
         self.created = int(time.time())  # reported as the model's creation time
         self.num_queued = 0  # engine requests accepted that have not produced output yet
         self.drain = Drain()  # requests in flight, and whether the server is shutting down
@@ -72,10 +72,10 @@ class ServingContext:
         except orjson.JSONDecodeError as e:
             raise APIError(400, f"malformed JSON body: {e}") from None
         parsed = validated(model, data)
-        if parsed.model is not None and parsed.model != self.settings.served_model_name:
+        if parsed.model is not None and parsed.model not in self.settings.model_names:
             raise APIError(
                 404,
-                f"The model `{parsed.model}` does not exist; this server serves `{self.settings.served_model_name}`.",
+                f"The model `{parsed.model}` does not exist; this server serves `{self.settings.model_id}`.",
                 param="model",
                 code="model_not_found",
             )

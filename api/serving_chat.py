@@ -88,7 +88,7 @@ class _ChatCompletion:
             "id": self.id,
             "object": kind,
             "created": self.created,
-            "model": self.ctx.settings.served_model_name,
+            "model": self.ctx.settings.model_id,
             "choices": choices,
         }
 

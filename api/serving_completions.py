@@ -75,7 +75,7 @@ class _Completion:
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
-            "model": self.ctx.settings.served_model_name,
+            "model": self.ctx.settings.model_id,
             "choices": choices,
         }
 

@@ -45,7 +45,7 @@ async def create_embedding(request: Request) -> Response:
         return {
             "object": "list",
             "data": data,
-            "model": ctx.settings.served_model_name,
+            "model": ctx.settings.model_id,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
 

@@ -1,8 +1,9 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API, as vLLM, llama.cpp and SGLang serve
 it. A request runs as the chat completion it amounts to (`MessagesRequest.chat_request`: chat template, sampling
-and tool calls as on /v1/chat/completions) and its output becomes Anthropic content blocks: a `text` block and a
-`tool_use` block per tool call. Streamed, it is Anthropic's events (the anthropic SDK's RawMessageStreamEvent).
-Errors on these routes are in Anthropic's shape (`api.errors`)."""
+and tool calls as on /v1/chat/completions) and its output becomes Anthropic content blocks: with --reasoning-parser
+a `thinking` block of what the model wrote between `<think>` and `</think>` (its length capped by
+`thinking.budget_tokens`), a `text` block and a `tool_use` block per tool call. Streamed, it is Anthropic's events
+(the anthropic SDK's RawMessageStreamEvent). Errors on these routes are in Anthropic's shape (`api.errors`)."""
 
 import logging
 import uuid
@@ -15,6 +16,7 @@ from starlette.responses import Response
 from api.errors import APIError, JSONResponse
 from api.generation import Generation, final_response
 from api.protocol_anthropic import CountTokensRequest, MessagesRequest
+from api.reasoning import END, ReasoningParser, split_reasoning
 from api.serving import ServingContext
 from api.serving_chat import prepare_chat, render_chat
 from api.streaming import typed_event_response
@@ -33,6 +35,9 @@ async def create_message(request: Request) -> Response:
     req = await ctx.parse(request, MessagesRequest)
     prompt, params, tools = prepare_chat(ctx, req.chat_request(ctx.settings.enable_auto_tool_choice))
     await ctx.constrain(params, tools.constraint, "tools")
+    if req.thinking is not None and req.thinking.type == "enabled" and ctx.settings.reasoning_parser:
+        params.thinking_token_budget = req.thinking.budget_tokens  # then the think block is closed for it
+        params.thinking_end_token_ids = ctx.engine.tokenizer.encode(END, add_special_tokens=False)
     view = _Message(ctx, len(prompt), tools)
     generation = ctx.start([prompt], params, view.id)
     if req.stream:
@@ -65,6 +70,11 @@ def _stop(completion: CompletionOutput, calls: list) -> tuple[str, str | None]:
 
 def _text_block(text: str) -> dict:
     return {"type": "text", "text": text}
+
+
+def _thinking_block(thinking: str) -> dict:
+    """A `thinking` block; its `signature` is empty (nothing here signs reasoning, and none is checked)."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
 
 
 def _tool_use_block(call: dict, arguments: str) -> dict:
@@ -100,7 +110,7 @@ class _Message:
             "id": self.id,
             "type": "message",
             "role": "assistant",
-            "model": self.ctx.settings.served_model_name,
+            "model": self.ctx.settings.model_id,
             "content": content,
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
@@ -113,11 +123,15 @@ class _Message:
         }
 
     def message(self, output: RequestOutput) -> dict:
-        """The whole Message of a finished output: a text block (also for an empty answer, unless there are
-        tool calls), then a tool_use block per call. Raises APIError 503 (see `_stop`)."""
+        """The whole Message of a finished output: a thinking block (with --reasoning-parser, when the model
+        reasoned), a text block (also for an empty answer, unless there are tool calls or it all was thinking),
+        then a tool_use block per call. Raises APIError 503 (see `_stop`)."""
         completion = output.outputs[0]
-        text, calls = self.tools.parse(completion.text)
-        content = [_text_block(text or "")] if text or not calls else []
+        parser = self.ctx.settings.reasoning_parser
+        reasoning, answer = split_reasoning(parser, completion.text) if parser else (None, completion.text)
+        text, calls = self.tools.parse(answer)
+        content = [_thinking_block(reasoning)] if reasoning else []
+        content += [_text_block(text or "")] if text or not (calls or reasoning) else []
         content += [_tool_use_block(c, c["function"]["arguments"]) for c in calls]
         return self._body(content, *_stop(completion, calls), len(completion.token_ids), output.num_cached_tokens)
 
@@ -128,14 +142,25 @@ class _Message:
         (stop_reason, stop_sequence, usage.output_tokens) and message_stop. A failure after the stream began is
         an `error` event (Anthropic's), which ends it."""
         blocks, streamer, started = _ContentBlocks(), self.tools.streamer(), False
+        parser = self.ctx.settings.reasoning_parser
+        thinking, sent = (ReasoningParser(parser) if parser else None), 0
         try:
             async for _, out in generation:
                 if not started:  # once the prompt ran: its cached tokens are known then
                     started = True
                     yield {"type": "message_start", "message": self._body([], None, None, 0, out.num_cached_tokens)}
                 completion = out.outputs[0]
-                text, calls = streamer.feed(completion.text[len(streamer.text) :], completion.finish_reason is not None)
-                for event in (blocks.text(text) if text else []) + [e for c in calls for e in blocks.tool_call(c)]:
+                finished, delta, reasoning = completion.finish_reason is not None, completion.text[sent:], ""
+                sent = len(completion.text)
+                if thinking is not None:
+                    reasoning, delta = thinking.feed(delta)
+                    if finished:
+                        tail_reasoning, tail = thinking.finish()
+                        reasoning, delta = reasoning + tail_reasoning, delta + tail
+                text, calls = streamer.feed(delta, finished)
+                events = blocks.thinking(reasoning) if reasoning else []
+                events += (blocks.text(text) if text else []) + [e for c in calls for e in blocks.tool_call(c)]
+                for event in events:
                     yield event
             stop_reason, stop_sequence = _stop(completion, streamer.calls)
         except APIError as e:
@@ -172,6 +197,11 @@ class _ContentBlocks:
     def _delta(self, delta: dict) -> dict:
         return {"type": "content_block_delta", "index": self.count - 1, "delta": delta}
 
+    def thinking(self, thinking: str) -> list[dict]:
+        """Events for more of the model's reasoning (a thinking block is opened for it)."""
+        events = [] if self._open == "thinking" else self._start(_thinking_block(""))
+        return events + [self._delta({"type": "thinking_delta", "thinking": thinking})]
+
     def text(self, text: str) -> list[dict]:
         """Events for more text of the answer (a text block is opened for it, even for none)."""
         events = [] if self._open == "text" else self._start(_text_block(""))
@@ -185,8 +215,10 @@ class _ContentBlocks:
         return events
 
     def close(self) -> list[dict]:
-        """The event finishing the open block; none when no block is open."""
+        """The events finishing the open block (a thinking block's signature first, as Anthropic sends it); none
+        when no block is open."""
         if self._open is None:
             return []
+        signature = [self._delta({"type": "signature_delta", "signature": ""})] if self._open == "thinking" else []
         self._open = None
-        return [{"type": "content_block_stop", "index": self.count - 1}]
+        return signature + [{"type": "content_block_stop", "index": self.count - 1}]

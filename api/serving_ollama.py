@@ -69,8 +69,8 @@ async def _parse(ctx: ServingContext, request: Request, model: type):
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object")
     name = data.pop("model", None) or data.get("name")
-    if name is not None and str(name).removesuffix(":latest") != ctx.settings.served_model_name:
-        raise APIError(404, f"model '{name}' not found; this server serves '{ctx.settings.served_model_name}'")
+    if name is not None and str(name).removesuffix(":latest") not in ctx.settings.model_names:
+        raise APIError(404, f"model '{name}' not found; this server serves '{ctx.settings.model_id}'")
     return validated(model, data)
 
 
@@ -92,7 +92,7 @@ def _check_generating(ctx: ServingContext, req, images: bool) -> None:
             400, f"think {req.think!r} is not supported: this server has no thinking levels (use true or false)"
         )
     if req.think and not ctx.settings.reasoning_parser:
-        raise APIError(400, f"'{ctx.settings.served_model_name}' does not support thinking (no --reasoning-parser)")
+        raise APIError(400, f"'{ctx.settings.model_id}' does not support thinking (no --reasoning-parser)")
 
 
 def _cap_to_num_ctx(req, prompt_len: int, params: SamplingParams) -> None:
@@ -146,7 +146,7 @@ class _Answer:
         self.parser = ctx.settings.reasoning_parser
 
     def _head(self) -> dict:
-        return {"model": self.ctx.settings.served_model_name, "created_at": _now()}
+        return {"model": self.ctx.settings.model_id, "created_at": _now()}
 
     def _fields(self, content: str, thinking: str | None, calls: list[dict]) -> dict:
         if not self.chat:
@@ -233,7 +233,7 @@ async def generate(request: Request) -> Response:
     if not req.prompt and not req.context:
         return JSONResponse(
             {
-                "model": ctx.settings.served_model_name,
+                "model": ctx.settings.model_id,
                 "created_at": _now(),
                 "response": "",
                 "done": True,
@@ -283,7 +283,7 @@ async def embed(request: Request) -> Response:
 
     def body(outputs, prompts) -> dict:
         return {
-            "model": ctx.settings.served_model_name,
+            "model": ctx.settings.model_id,
             "embeddings": [out.embedding for out in outputs],
             "total_duration": int((time.perf_counter() - start) * 1e9),
             "load_duration": 0,
@@ -307,7 +307,7 @@ def _model_entry(ctx: ServingContext) -> dict:
     files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in os.listdir(path)]
     size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
     modified = max((os.path.getmtime(f) for f in files if os.path.isfile(f)), default=0.0)
-    name = ctx.settings.served_model_name
+    name = ctx.settings.model_id
     return {
         "name": name,
         "model": name,

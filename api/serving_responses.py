@@ -98,7 +98,7 @@ class _Response:
             "completed_at": int(time.time()) if status == "completed" else None,
             "error": None,
             "incomplete_details": details,
-            "model": self.ctx.settings.served_model_name,
+            "model": self.ctx.settings.model_id,
             "output": output,
             "usage": usage,
         } | self.req.echo()

@@ -18,7 +18,7 @@ def _generate_request(ctx: ServingContext, request_id: str, token_ids: list[int]
     """vLLM's GenerateRequest: what the engine would run for one prompt."""
     return {
         "request_id": request_id,
-        "model": ctx.settings.served_model_name,
+        "model": ctx.settings.model_id,
         "token_ids": token_ids,
         "sampling_params": dataclasses.asdict(params),
         "stream": stream,
@@ -72,7 +72,7 @@ async def get_server_info(request: Request) -> Response:
     kv_transfer = engine.config.kv_transfer_config
     return JSONResponse(
         {
-            "model_id": ctx.settings.served_model_name,
+            "model_id": ctx.settings.model_id,
             "model_path": engine.model_dir,
             "max_model_len": engine.max_model_len,
             "kv_block_size": engine.block_size,

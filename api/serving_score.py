@@ -108,7 +108,7 @@ async def rerank(request: Request) -> Response:
         ]
         return {
             "id": f"rerank-{uuid.uuid4().hex}",
-            "model": ctx.settings.served_model_name,
+            "model": ctx.settings.model_id,
             "usage": {"total_tokens": tokens},
             "results": results,
         }
@@ -128,7 +128,7 @@ async def score(request: Request) -> Response:
             "id": f"score-{uuid.uuid4().hex}",
             "object": "list",
             "created": int(time.time()),
-            "model": ctx.settings.served_model_name,
+            "model": ctx.settings.model_id,
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }

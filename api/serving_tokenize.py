@@ -1,11 +1,13 @@
-"""POST /tokenize and POST /detokenize, in vLLM's request and response shapes."""
+"""POST /tokenize and POST /detokenize, in vLLM's request and response shapes, and llama-server's POST
+/apply-template (a chat request's prompt as text)."""
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from api.errors import JSONResponse
-from api.protocol import DetokenizeRequest, TokenizeRequest
+from api.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from api.serving import ServingContext
+from api.serving_chat import render_chat
 
 
 async def tokenize(request: Request) -> Response:
@@ -38,3 +40,15 @@ async def detokenize(request: Request) -> Response:
     req = await ctx.parse(request, DetokenizeRequest)
     ctx.check_token_ids(req.tokens, "tokens")
     return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})
+
+
+async def apply_template(request: Request) -> Response:
+    """The prompt a chat request would run, as text (llama-server's /apply-template): its messages (an
+    assistant's `reasoning_content` included), tools and chat_template_kwargs through the chat template.
+
+    {"messages", "tools"?, ...} -> {"prompt": text}. Raises APIError 400 for an invalid body or messages the
+    template rejects, 404 for an unknown model."""
+    ctx: ServingContext = request.app.state.serving
+    req = await ctx.parse(request, ChatCompletionRequest)
+    tokens, _ = render_chat(ctx, req)
+    return JSONResponse({"prompt": ctx.tokenizer.decode(tokens)})

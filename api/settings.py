@@ -29,8 +29,12 @@ class ServerSettings:
     host: str = setting("127.0.0.1", "address to bind (0.0.0.0 for every interface)")
     port: int = setting(8000, "port to bind (0: any free port, the ready line says which)")
     api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on all but /health, /metrics and /version")
-    served_model_name: str | None = setting(
-        None, "model id reported and accepted by the API (default: the --model value)"
+    served_model_name: list[str] | None = setting(
+        None,
+        "model id(s) the API accepts in a request's `model`; the first is the one it reports (default: the --model "
+        "value)",
+        nargs="+",
+        metavar="NAME",
     )
     max_queue_len: int | None = setting(
         None,
@@ -98,6 +102,10 @@ class ServerSettings:
     )
 
     def __post_init__(self):
+        if isinstance(self.served_model_name, str):  # one name given as a string (the Python API)
+            object.__setattr__(self, "served_model_name", [self.served_model_name])
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ValueError("--served-model-name needs at least one name")
         if self.data_parallel_size < 1:
             raise ValueError("--data-parallel-size must be >= 1")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -106,3 +114,13 @@ class ServerSettings:
             raise ValueError("--max-queue-len must be >= 0")
         if self.shutdown_timeout < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
+
+    @property
+    def model_id(self) -> str | None:
+        """The model id the API reports: the first --served-model-name (vLLM's rule)."""
+        return self.served_model_name[0] if self.served_model_name else None
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name a request's `model` may use."""
+        return list(self.served_model_name or [])

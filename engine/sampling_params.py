@@ -80,6 +80,9 @@ class SamplingParams:
     the top K alternatives (vLLM's meaning; `RequestOutput.prompt_logprobs`, None for the first token).
     `max_tokens` = 0 makes a prompt-only request: it computes the prompt (e.g. to score it with
     prompt_logprobs) and finishes with "length" without sampling.
+    `thinking_token_budget` = B with `thinking_end_token_ids` (the tokens of a reasoning model's end of thinking,
+    `</think>`): once B tokens are out and the end has not been written, the next tokens are forced to be the end
+    (Anthropic's `thinking.budget_tokens`, llama.cpp's reasoning budget); the answer follows.
 
     Raises:
         ValueError: a field is out of range; the message names the field.
@@ -106,6 +109,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    thinking_token_budget: int | None = None
+    thinking_end_token_ids: list[int] | None = None
     extra_args: dict | None = None  # for extensions, as in vLLM: {"kv_transfer_params": {...}} (engine.kv_transfer)
 
     def __post_init__(self):
@@ -157,6 +162,12 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias and any(not -100 <= b <= 100 for b in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
+        if self.thinking_token_budget is not None and (
+            not isinstance(self.thinking_token_budget, int) or self.thinking_token_budget < 0
+        ):
+            bad("thinking_token_budget", "must be an integer >= 0")
+        if self.thinking_token_budget is not None and not self.thinking_end_token_ids:
+            bad("thinking_end_token_ids", "must name the end of thinking when a thinking_token_budget is set")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams")
 

@@ -53,15 +53,18 @@ def setting(
     choices=None,
     parse=None,
     metavar: str | None = None,
+    nargs: str | None = None,
     cli: bool = True,
 ):
     """A dataclass field that is also a command-line flag (api/cli.py generates the flags from the fields).
 
     help: what it does (the flag's help); flags: the flag names (default: --field-name); choices: the
     values allowed; parse: str -> value for flags that are not plain ints, floats, strings or booleans
-    (a JSON object, a byte size), raising ValueError; cli: False for a setting that has no flag.
+    (a JSON object, a byte size), raising ValueError; nargs: argparse's, for a flag taking several values (a
+    list of strings); cli: False for a setting that has no flag.
     """
     metadata = {"help": help, "flags": flags, "choices": choices, "parse": parse, "metavar": metavar, "cli": cli}
+    metadata["nargs"] = nargs
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

@@ -54,6 +54,10 @@ class Sampler:
             if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
                 counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=logits.shape[1])
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            if p.thinking_token_budget is not None:
+                forced = forced_thinking_end(r.output_token_ids, p.thinking_token_budget, p.thinking_end_token_ids)
+                if forced is not None:
+                    logits[i] = torch.where(torch.arange(logits.shape[1]) == forced, logits[i], float("-inf"))
         return logits
 
     def _probs(self, logits, requests):
@@ -88,10 +92,28 @@ class Sampler:
         return Logprob(token_id, row[token_id].item(), top)
 
 
+def forced_thinking_end(output: list[int], budget: int, end: list[int]) -> int | None:
+    """The token a thinking budget forces next, or None: once `budget` tokens are out and the end-of-thinking
+    sequence `end` is not among them, its next token (the end may already be partly written, by the model or
+    by earlier forcing)."""
+    if len(output) < budget:
+        return None
+    n = len(end)
+    if any(output[i : i + n] == end for i in range(len(output) - n + 1)):
+        return None  # thinking ended
+    written = next((k for k in range(n - 1, 0, -1) if output[-k:] == end[:k]), 0)
+    return end[written]
+
+
 def _needs_processing(r) -> bool:
     p = r.params
     return bool(
-        p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        p.logit_bias
+        or p.min_tokens
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+        or p.thinking_token_budget is not None
     )
 
 

@@ -275,7 +275,8 @@ async def test_bad_requests_get_anthropic_errors_and_the_server_serves_on(client
         (dict(tools=[{"name": "f", "input_schema": {"type": "string"}}]), "input_schema"),
         (dict(max_tokens=5000), "maximum context length"),
         (dict(extra_body={"temperature": -1}), "temperature"),
-        (dict(thinking={"type": "enabled", "budget_tokens": 1024}), "extended thinking is not supported"),
+        (dict(extra_body={"thinking": {"type": "enabled"}}), "budget_tokens"),
+        (dict(messages=[{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]), "thinking blocks"),
     ]
     for fields, says in bad:
         with pytest.raises(anthropic.BadRequestError) as e:
@@ -297,6 +298,11 @@ async def test_bad_requests_get_anthropic_errors_and_the_server_serves_on(client
         assert "claude-nope" in anthropic_error(e.value, 404, "not_found_error")
     r = await client.messages.create(model=MODEL, max_tokens=4, messages=ASK, **GREEDY)
     assert r.usage.output_tokens >= 1 and text_of(r)
+    # thinking enabled without a reasoning parser: accepted, and a model that does not reason answers in text
+    r = await client.messages.create(
+        model=MODEL, max_tokens=4, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024}, **GREEDY
+    )
+    assert [b.type for b in r.content] == ["text"] and text_of(r)
     await metrics.wait_until_idle()  # nothing running or waiting, every KV block free
 
 

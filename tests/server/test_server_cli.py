@@ -36,6 +36,7 @@ def aux(server_factory, tmp_path_factory):
         KEY,
         "--served-model-name",
         "smol",
+        "smol-alias",
         "--max-queue-len",
         "1",
         "--max-num-seqs",
@@ -92,7 +93,7 @@ def test_help_documents_every_flag():
 
 def test_startup_log(aux):
     log = aux.log()
-    assert "serving SmolLM2-135M-Instruct as 'smol': float32 on cpu" in log
+    assert "serving SmolLM2-135M-Instruct as 'smol' or 'smol-alias': float32 on cpu" in log
     assert "KV blocks of 16 tokens" in log and "max_model_len 512" in log
     assert f"ready: {aux.url} (OpenAI base_url {aux.url}/v1)" in log
 
@@ -132,10 +133,13 @@ async def test_no_dashboard(client):
 
 
 async def test_served_model_name(aux):
+    """Several names (vLLM's --served-model-name NAME [NAME ...]): each accepted, the first reported."""
     async with openai.AsyncOpenAI(base_url=f"{aux.url}/v1", api_key=KEY, max_retries=0) as sdk:
-        assert [m.id for m in (await sdk.models.list()).data] == ["smol"]
+        assert [m.id for m in (await sdk.models.list()).data] == ["smol", "smol-alias"]
         r = await sdk.completions.create(model="smol", prompt="Hi", max_tokens=2)
         assert r.model == "smol" and r.usage.completion_tokens <= 2
+        r = await sdk.completions.create(model="smol-alias", prompt="Hi", max_tokens=2)
+        assert r.model == "smol"
         with pytest.raises(openai.NotFoundError):
             await sdk.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
 

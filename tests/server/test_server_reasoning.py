@@ -1,5 +1,6 @@
-"""--reasoning-parser and chat_template_kwargs through the openai SDK: a chat template that opens a
-think block (unless enable_thinking is false), output forced by a regex into thinking + answer."""
+"""--reasoning-parser and chat_template_kwargs through the openai, anthropic and ollama SDKs: a chat template that
+opens a think block (unless enable_thinking is false) and renders an assistant's past reasoning; output forced by a
+regex into thinking + answer, or the model's own tokens with the think block closed by a thinking budget."""
 
 import pytest
 
@@ -8,7 +9,9 @@ from tests.server_harness import ENGINE_ARGS, cli_args
 pytest_plugins = ["server_harness"]
 
 TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
@@ -101,3 +104,61 @@ async def test_ollama_thinking_whole_and_streamed(reasoning_server):
     assert "".join(p.message.content for p in parts) == r.message.content
     plain = await client.chat(model="SmolLM2-135M-Instruct", messages=MESSAGES, options={"num_predict": 1}, think=False)
     assert 0 < r.prompt_eval_count - plain.prompt_eval_count <= 4
+
+
+@pytest.mark.slow
+async def test_messages_thinking_blocks_within_the_budget(reasoning_server):
+    """Anthropic's extended thinking on the model's own tokens: `budget_tokens` closes the think block after that
+    many tokens (the answer follows in a text block); a budget past max_tokens leaves it all thinking. Streamed:
+    thinking_delta events, a signature_delta before the thinking block stops, then the text block, the same
+    content as the whole message. Thinking blocks sent back in history are rendered (counted, templated)."""
+    import anthropic
+    import httpx
+
+    ask = dict(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "List three colors."}])
+    greedy = {"extra_body": {"temperature": 0}}
+    async with anthropic.AsyncAnthropic(base_url=reasoning_server.url, api_key="unused", max_retries=0) as client:
+        r = await client.messages.create(
+            **ask, max_tokens=30, thinking={"type": "enabled", "budget_tokens": 6}, **greedy
+        )
+        assert [b.type for b in r.content] == ["thinking", "text"] and r.stop_reason == "end_turn"
+        thinking, text = r.content[0].thinking, r.content[1].text
+        assert thinking.strip() and text.strip() and "</think>" not in thinking + text
+        long = await client.messages.create(
+            **ask, max_tokens=10, thinking={"type": "enabled", "budget_tokens": 20}, **greedy
+        )
+        assert [b.type for b in long.content] == ["thinking"] and long.stop_reason == "max_tokens"
+        assert long.content[0].thinking.startswith(thinking)  # the same tokens, not cut at 6
+        async with client.messages.stream(
+            **ask, max_tokens=30, thinking={"type": "enabled", "budget_tokens": 6}, **greedy
+        ) as stream:
+            raw = ("message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta")
+            events = [e async for e in stream if e.type in raw]  # the SDK adds "text", "thinking", ... events
+            final = await stream.get_final_message()
+        kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in events]
+        assert ("content_block_delta", "thinking_delta") in kinds
+        signature = kinds.index(("content_block_delta", "signature_delta"))
+        assert kinds[signature + 1] == ("content_block_stop", None) and events[signature + 1].index == 0
+        starts = [e for e in events if e.type == "content_block_start"]
+        assert [(e.index, e.content_block.type) for e in starts] == [(0, "thinking"), (1, "text")]
+        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in r.content]
+        history = [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "A greeting.", "signature": ""},
+                                              {"type": "text", "text": "Hello!"}]},
+            {"role": "user", "content": "Bye"},
+        ]  # fmt: skip
+        with_thinking = await client.messages.count_tokens(model=ask["model"], messages=history)
+        history[1]["content"] = history[1]["content"][1:]
+        without = await client.messages.count_tokens(model=ask["model"], messages=history)
+        assert with_thinking.input_tokens > without.input_tokens
+    async with httpx.AsyncClient(base_url=reasoning_server.url, timeout=60) as http:
+        messages = [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "reasoning_content": "A greeting."},
+            {"role": "user", "content": "Bye"},
+        ]
+        prompt = (await http.post("/apply-template", json={"messages": messages})).json()["prompt"]
+        assert "<think>A greeting.</think>Hello!" in prompt and prompt.endswith("<|im_start|>assistant\n<think>\n")
+        bad = await http.post("/v1/messages", json=ask | {"max_tokens": 5, "thinking": {"type": "enabled"}})
+        assert bad.status_code == 400 and "budget_tokens" in bad.json()["error"]["message"]

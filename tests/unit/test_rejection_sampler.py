@@ -144,3 +144,18 @@ def test_penalties_see_the_drafts_before_each_position():
     penalized = SamplingParams(temperature=0, presence_penalty=1.0)
     assert RejectionSampler()(logits, [request([2, 2], penalized)])[0] == [[2, 5]]
     assert RejectionSampler()(logits, [request([2, 2], GREEDY)])[0] == [[2, 2, 7]]
+
+
+def test_thinking_budget_forces_the_end_of_thinking():
+    """forced_thinking_end: nothing before the budget; then the end sequence token by token (resuming a partly
+    written end); nothing once the end is out."""
+    from engine.sample.sampler import forced_thinking_end
+
+    end = [7, 8, 9]
+    assert forced_thinking_end([1, 2], 3, end) is None
+    assert forced_thinking_end([1, 2, 3], 3, end) == 7
+    assert forced_thinking_end([1, 2, 3, 7], 3, end) == 8
+    assert forced_thinking_end([1, 2, 3, 7, 8], 3, end) == 9
+    assert forced_thinking_end([1, 2, 3, 7, 8, 9], 3, end) is None
+    assert forced_thinking_end([7, 8, 9, 4, 5], 3, end) is None  # the model closed it itself
+    assert forced_thinking_end([1, 2, 3, 4], 0, end) == 7  # a budget of 0: no thinking at all
