@@ -65,6 +65,18 @@ class ReasoningParser:
         return (pending, "") if self.state == "reasoning" else ("", pending)
 
 
+def split_delta(parser: ReasoningParser | None, delta: str, finished: bool) -> tuple[str, str]:
+    """(reasoning, content) of the next piece of a streamed output: all content without a parser; with the
+    text the parser held back once the output is `finished`."""
+    if parser is None:
+        return "", delta
+    reasoning, content = parser.feed(delta)
+    if finished:
+        tail_reasoning, tail_content = parser.finish()
+        reasoning, content = reasoning + tail_reasoning, content + tail_content
+    return reasoning, content
+
+
 def split_reasoning(name: str, text: str) -> tuple[str | None, str]:
     """(reasoning or None when there was none, content) of a whole output."""
     parser = ReasoningParser(name)

@@ -11,7 +11,7 @@ from api.errors import APIError
 from api.generation import Generation, final_response
 from api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from api.protocol import ChatCompletionRequest
-from api.reasoning import ReasoningParser, split_reasoning
+from api.reasoning import ReasoningParser, split_delta, split_reasoning
 from api.serving import ServingContext
 from api.streaming import sse_response
 from api.structured_outputs import structured_outputs_params
@@ -177,12 +177,8 @@ class _ChatCompletion:
                 if prompt_field:
                     yield self._body("chat.completion.chunk", []) | prompt_field | usage_field
             for c in out.outputs:
-                finished, new_text, reasoning = c.finish_reason is not None, c.text[sent_chars.get(c.index, 0) :], ""
-                if thinking[c.index] is not None:
-                    reasoning, new_text = thinking[c.index].feed(new_text)
-                    if finished:
-                        tail_reasoning, tail_text = thinking[c.index].finish()
-                        reasoning, new_text = reasoning + tail_reasoning, new_text + tail_text
+                finished = c.finish_reason is not None
+                reasoning, new_text = split_delta(thinking[c.index], c.text[sent_chars.get(c.index, 0) :], finished)
                 text, calls = streams[c.index].feed(new_text, finished)
                 logprobs = self._logprobs(c.logprobs[sent_logprobs.get(c.index, 0) :]) if self.req.logprobs else None
                 sent_chars[c.index], num_tokens[c.index] = len(c.text), len(c.token_ids)

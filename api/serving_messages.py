@@ -16,7 +16,7 @@ from starlette.responses import Response
 from api.errors import APIError, JSONResponse
 from api.generation import Generation, final_response
 from api.protocol_anthropic import CountTokensRequest, MessagesRequest
-from api.reasoning import END, ReasoningParser, split_reasoning
+from api.reasoning import END, ReasoningParser, split_delta, split_reasoning
 from api.serving import ServingContext
 from api.serving_chat import prepare_chat, render_chat
 from api.streaming import typed_event_response
@@ -150,13 +150,9 @@ class _Message:
                     started = True
                     yield {"type": "message_start", "message": self._body([], None, None, 0, out.num_cached_tokens)}
                 completion = out.outputs[0]
-                finished, delta, reasoning = completion.finish_reason is not None, completion.text[sent:], ""
+                finished = completion.finish_reason is not None
+                reasoning, delta = split_delta(thinking, completion.text[sent:], finished)
                 sent = len(completion.text)
-                if thinking is not None:
-                    reasoning, delta = thinking.feed(delta)
-                    if finished:
-                        tail_reasoning, tail = thinking.finish()
-                        reasoning, delta = reasoning + tail_reasoning, delta + tail
                 text, calls = streamer.feed(delta, finished)
                 events = blocks.thinking(reasoning) if reasoning else []
                 events += (blocks.text(text) if text else []) + [e for c in calls for e in blocks.tool_call(c)]

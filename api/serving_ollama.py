@@ -38,7 +38,7 @@ from api.protocol_ollama import (
     OllamaGenerateRequest,
     OllamaShowRequest,
 )
-from api.reasoning import ReasoningParser, split_reasoning
+from api.reasoning import ReasoningParser, split_delta, split_reasoning
 from api.serving import ServingContext, validated
 from api.serving_chat import output_constraint, prepare_chat
 from api.structured_outputs import structured_outputs_params
@@ -185,13 +185,9 @@ class _Answer:
         sent, out = 0, None
         async for _, out in generation:
             completion = out.outputs[0]
-            finished, new_text, reasoning = completion.finish_reason is not None, completion.text[sent:], ""
+            finished = completion.finish_reason is not None
+            reasoning, new_text = split_delta(thinking, completion.text[sent:], finished)
             sent = len(completion.text)
-            if thinking is not None:
-                reasoning, new_text = thinking.feed(new_text)
-                if finished:
-                    tail_reasoning, tail_text = thinking.finish()
-                    reasoning, new_text = reasoning + tail_reasoning, new_text + tail_text
             text = calls.feed(new_text, finished)[0] if calls else new_text
             if text or reasoning:
                 yield self._head() | self._fields(text, reasoning, []) | {"done": False}
