@@ -3,13 +3,13 @@
 
 Only what this server can honour is accepted: function tools, text / JSON-schema / JSON-object output, and the
 whole conversation sent as `input` (nothing is stored). A field that would change the output and is not
-supported (another tool type, `previous_response_id`, `include`, `reasoning`, ...) is refused with 400, never
+supported (another tool type, `previous_response_id`, `include`, reasoning summaries, ...) is refused with 400, never
 ignored. The field names and shapes are OpenAI's (the openai SDK's `openai/types/responses/`).
 """
 
 from typing import Annotated, Literal
 
-from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from api.protocol import ChatCompletionRequest, _Body
 from engine import StructuredOutputsParams
@@ -22,7 +22,6 @@ _REFUSED = {
     "prompt": "this server stores no prompt templates",
     "background": "this server stores no responses, so none runs in the background",
     "include": "this server has no extra output data to include",
-    "reasoning": "the served model has no reasoning settings",
     "top_logprobs": "this server returns no logprobs on /v1/responses",
     "truncation": '"auto" would drop input items; only "disabled" is served (input too long for the context gets 400)',
 }
@@ -62,6 +61,23 @@ class FunctionCallOutputItem(_Body):
     output: str | list[TextPart]
 
 
+class ReasoningItem(_Body):
+    """The model's reasoning from an earlier response (a `reasoning` output item sent back): its `content` text
+    becomes the next assistant message's `reasoning_content` (rendered where the chat template shows past
+    reasoning). `summary` and `encrypted_content` are accepted; this server writes neither."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict] = []
+    content: list[TextPart | dict] | None = None
+    encrypted_content: str | None = None
+
+    def text(self) -> str:
+        """The reasoning text of its `reasoning_text` parts."""
+        parts = self.content or []
+        return "".join(p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") == "reasoning_text")
+
+
 def _item_type(item) -> str | None:
     """The discriminator of input items: messages may leave `type` out."""
     return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
@@ -70,9 +86,34 @@ def _item_type(item) -> str | None:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
+
+
+class ReasoningConfig(_Body):
+    """`reasoning`: `effort` goes to the chat template as `reasoning_effort` (as vLLM passes it; gpt-oss's
+    template reads it), and "none" also asks it not to open a think block (`enable_thinking` false, Qwen3's).
+    `summary` "auto" lets the server decide, and none is written (the reasoning itself comes as the reasoning
+    item's text); "concise" and "detailed" are refused: nothing here summarizes."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the older name of `summary`
+
+    @model_validator(mode="after")
+    def _no_summaries(self):
+        for field in ("summary", "generate_summary"):
+            if getattr(self, field) not in (None, "auto"):
+                raise ValueError(f'{field} {getattr(self, field)!r}: no reasoning summaries are written; use "auto"')
+        return self
+
+    def template_kwargs(self) -> dict:
+        """The chat template variables for this config."""
+        if self.effort is None:
+            return {}
+        return {"reasoning_effort": self.effort} | ({"enable_thinking": False} if self.effort == "none" else {})
 
 
 class FunctionTool(_Body):
@@ -172,7 +213,7 @@ class ResponsesRequest(_Body):
     prompt: dict | None = None
     background: bool = False
     include: list[str] = []
-    reasoning: dict | None = None
+    reasoning: ReasoningConfig | None = None
     top_logprobs: int | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
 
@@ -194,26 +235,41 @@ class ResponsesRequest(_Body):
         here with chat's own constraints, so this does not fail."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        reasoning = None  # a reasoning item's text, for the assistant message that follows it
         for item in items:
+            if isinstance(item, ReasoningItem):
+                reasoning = (reasoning or "") + item.text()
+                continue
+            if reasoning is not None and not (
+                isinstance(item, FunctionCallItem) or (isinstance(item, MessageItem) and item.role == "assistant")
+            ):
+                messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+                reasoning = None
             if isinstance(item, MessageItem):
                 messages.append(
                     {
                         "role": "system" if item.role == "developer" else item.role,
                         "content": _chat_content(item.content),
                     }
+                    | ({"reasoning_content": reasoning} if reasoning is not None and item.role == "assistant" else {})
                 )
+                reasoning = None if item.role == "assistant" else reasoning
             elif isinstance(item, FunctionCallItem):
                 call = {
                     "id": item.call_id,
                     "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments},
                 }
-                if messages and messages[-1]["role"] == "assistant":
+                if messages and messages[-1]["role"] == "assistant" and reasoning is None:
                     messages[-1].setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    if reasoning is not None:
+                        messages[-1]["reasoning_content"], reasoning = reasoning, None
             else:
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _chat_content(item.output)})
+        if reasoning is not None:  # reasoning last: an assistant turn of reasoning alone
+            messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
         tools = [
             {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.tools
         ]
@@ -232,7 +288,9 @@ class ResponsesRequest(_Body):
                 "tool_choice": choice,
                 "parallel_tool_calls": self.parallel_tool_calls,
                 "user": self.user,
-                "chat_template_kwargs": self.chat_template_kwargs,
+                "chat_template_kwargs": (self.reasoning.template_kwargs() if self.reasoning else {})
+                | (self.chat_template_kwargs or {})
+                or None,
             }
         )
 
@@ -245,7 +303,7 @@ class ResponsesRequest(_Body):
             "metadata": self.metadata,
             "parallel_tool_calls": self.parallel_tool_calls,
             "previous_response_id": None,
-            "reasoning": None,
+            "reasoning": self.reasoning.model_dump(exclude={"generate_summary"}) if self.reasoning else None,
             "background": False,
             "temperature": self.temperature,
             "top_p": self.top_p,

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from api.errors import APIError
 from api.generation import Generation, final_response
 from api.protocol_responses import ResponsesRequest
+from api.reasoning import ReasoningParser, split_delta, split_reasoning
 from api.serving import ServingContext
 from api.serving_chat import output_constraint, prepare_chat
 from api.streaming import typed_event_response
@@ -69,6 +70,21 @@ def _message_item(text: str, status: str) -> dict:
     }
 
 
+def _reasoning_item(text: str, status: str) -> dict:
+    """A `reasoning` output item: the model's reasoning as one reasoning_text part; no summary is written."""
+    return {
+        "type": "reasoning",
+        "id": f"rs_{uuid.uuid4().hex}",
+        "summary": [],
+        "content": [_reasoning_part(text)],
+        "status": status,
+    }
+
+
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
 def _function_call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
     return {
         "type": "function_call",
@@ -103,45 +119,58 @@ class _Response:
             "usage": usage,
         } | self.req.echo()
 
-    def _usage(self, output: RequestOutput) -> dict:
+    def _usage(self, output: RequestOutput, reasoning: str | None) -> dict:
+        """Usage; the reasoning's tokens are counted by encoding its text (the output's own tokens have no marks
+        of where the think block ended)."""
         output_tokens = len(output.outputs[0].token_ids)
+        reasoning_tokens = len(self.ctx.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         return {
             "input_tokens": self.prompt_tokens,
             "input_tokens_details": {"cached_tokens": output.num_cached_tokens},
             "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output_tokens)},
             "total_tokens": self.prompt_tokens + output_tokens,
         }
 
     def response(self, output: RequestOutput) -> dict:
-        """The whole Response of a finished request. Every item is "completed" but the last, which has the
-        response's status (only it can have been cut off)."""
+        """The whole Response of a finished request: with --reasoning-parser a reasoning item first, when the
+        model reasoned. Every item is "completed" but the last, which has the response's status (only it can
+        have been cut off)."""
         completion = output.outputs[0]
-        content, calls = self.tools.parse(completion.text)
+        parser = self.ctx.settings.reasoning_parser
+        reasoning, answer = split_reasoning(parser, completion.text) if parser else (None, completion.text)
+        content, calls = self.tools.parse(answer)
         status, details = _status(completion.finish_reason)
-        items = [_message_item(content or "", "completed")] if content or not calls else []
+        items = [_reasoning_item(reasoning, "completed")] if reasoning else []
+        items += [_message_item(content or "", "completed")] if content or not (calls or reasoning) else []
         # a tool call's id in chat's shape becomes the item's call_id
         items += [
             _function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed") for c in calls
         ]
         items[-1]["status"] = status
-        return self.body(status, items, details, self._usage(output))
+        return self.body(status, items, details, self._usage(output, reasoning))
 
     async def stream(self, generation: Generation) -> AsyncIterator[dict]:
         """The events of OpenAI's Responses stream: response.created and .in_progress; per output item
-        .output_item.added, then for a message .content_part.added, .output_text.delta..., .output_text.done,
-        .content_part.done, for a function call .function_call_arguments.delta..., .done; then
+        .output_item.added, then for a reasoning item .content_part.added, .reasoning_text.delta...,
+        .reasoning_text.done, .content_part.done, for a message .content_part.added, .output_text.delta...,
+        .output_text.done, .content_part.done, for a function call .function_call_arguments.delta..., .done; then
         .output_item.done; last response.completed, or response.incomplete. A failure after the stream began
         is an `error` event (OpenAI's) and ends it."""
         events = _OutputEvents()
         yield events.event("response.created", response=self.body("in_progress", []))
         yield events.event("response.in_progress", response=self.body("in_progress", []))
         streamer = self.tools.streamer()
+        parser = self.ctx.settings.reasoning_parser
+        thinking, sent, reasoning = (ReasoningParser(parser) if parser else None), 0, ""
         try:
             async for _, last in generation:
                 completion = last.outputs[0]
-                text, calls = streamer.feed(completion.text[len(streamer.text) :], completion.finish_reason is not None)
-                for event in events.text(text):
+                finished = completion.finish_reason is not None
+                more_reasoning, delta = split_delta(thinking, completion.text[sent:], finished)
+                sent, reasoning = len(completion.text), reasoning + more_reasoning
+                text, calls = streamer.feed(delta, finished)
+                for event in events.reasoning(more_reasoning) + events.text(text):
                     yield event
                 for call in calls:
                     for event in events.call(call):
@@ -162,7 +191,7 @@ class _Response:
         for event in events.close(status):
             yield event
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        yield events.event(kind, response=self.body(status, events.items, details, self._usage(last)))
+        yield events.event(kind, response=self.body(status, events.items, details, self._usage(last, reasoning)))
 
 
 class _OutputEvents:
@@ -207,6 +236,20 @@ class _OutputEvents:
             )
         return events
 
+    def reasoning(self, delta: str) -> list[dict]:
+        """Events for more of the model's reasoning (a reasoning item is opened for it)."""
+        if not delta:
+            return []
+        events = []
+        if not (self._open and self.items[-1]["type"] == "reasoning"):
+            events += self._add(_reasoning_item("", "in_progress"))
+            events.append(
+                self.event("response.content_part.added", **self._ids(), content_index=0, part=_reasoning_part(""))
+            )
+        self.items[-1]["content"][0]["text"] += delta
+        events.append(self.event("response.reasoning_text.delta", **self._ids(), content_index=0, delta=delta))
+        return events
+
     def call(self, delta: dict) -> list[dict]:
         """Events for a tool-call delta of `ToolCallStream.feed` (one with an `id` starts a call)."""
         events = (
@@ -230,6 +273,12 @@ class _OutputEvents:
             part = item["content"][0]
             events = [
                 self.event("response.output_text.done", **self._ids(), content_index=0, text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", **self._ids(), content_index=0, part=dict(part)),
+            ]
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            events = [
+                self.event("response.reasoning_text.done", **self._ids(), content_index=0, text=part["text"]),
                 self.event("response.content_part.done", **self._ids(), content_index=0, part=dict(part)),
             ]
         else:

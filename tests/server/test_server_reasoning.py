@@ -162,3 +162,50 @@ async def test_messages_thinking_blocks_within_the_budget(reasoning_server):
         assert "<think>A greeting.</think>Hello!" in prompt and prompt.endswith("<|im_start|>assistant\n<think>\n")
         bad = await http.post("/v1/messages", json=ask | {"max_tokens": 5, "thinking": {"type": "enabled"}})
         assert bad.status_code == 400 and "budget_tokens" in bad.json()["error"]["message"]
+
+
+@pytest.mark.slow
+async def test_responses_reasoning_items_whole_and_streamed(reasoning_server):
+    """OpenAI's Responses API with --reasoning-parser: a `reasoning` item (its text as reasoning_text content)
+    before the message, its tokens in usage; streamed as .reasoning_text.delta events into the same items.
+    Reasoning items sent back in `input` are rendered (the prompt grows); `reasoning.effort` "none" asks the
+    template for no think block."""
+    from openai import AsyncOpenAI
+
+    schema = {"type": "string", "pattern": r"^Two and two make four\.</think>The answer is 4\.$"}
+    ask = dict(
+        model="SmolLM2-135M-Instruct",
+        input="What is 2 + 2?",
+        max_output_tokens=40,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "forced", "schema": schema}},
+    )
+    async with AsyncOpenAI(base_url=f"{reasoning_server.url}/v1", api_key="unused", max_retries=0) as client:
+        r = await client.responses.create(**ask, reasoning={"effort": "medium", "summary": "auto"})
+        assert [item.type for item in r.output] == ["reasoning", "message"]
+        assert r.output[0].content[0].text == '"Two and two make four.' and r.output[0].summary == []
+        assert r.output_text == 'The answer is 4."' and r.reasoning.effort == "medium"
+        assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+        deltas, done = [], None
+        async with client.responses.stream(**ask) as stream:
+            async for event in stream:
+                if event.type == "response.reasoning_text.delta":
+                    deltas.append(event.delta)
+                elif event.type == "response.completed":
+                    done = event.response
+        assert "".join(deltas) == r.output[0].content[0].text
+        assert [i.type for i in done.output] == ["reasoning", "message"] and done.output_text == r.output_text
+        turn = [
+            {"role": "user", "content": "What is 2 + 2?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "Two and two make four."}]},
+            {"role": "assistant", "content": "4."},
+            {"role": "user", "content": "And 3 + 3?"},
+        ]  # fmt: skip
+        count = {}
+        for name, items in (("with", turn), ("without", turn[:1] + turn[2:])):
+            count[name] = (await client.responses.create(**ask | {"input": items, "max_output_tokens": 1})).usage
+        assert count["with"].input_tokens > count["without"].input_tokens
+        plain = await client.responses.create(**ask | {"max_output_tokens": 1}, reasoning={"effort": "none"})
+        full = await client.responses.create(**ask | {"max_output_tokens": 1})
+        assert 0 < full.usage.input_tokens - plain.usage.input_tokens <= 4

@@ -252,8 +252,8 @@ async def test_sdk_errors_and_the_server_serves_on(openai_client, metrics):
         await openai_client.responses.create(model="gpt-4o", input=QUESTION)
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        await openai_client.responses.create(model=MODEL, input=[{"type": "reasoning", "id": "rs_1", "summary": []}])
-    assert e.value.body["param"] == "input" and "reasoning" in e.value.body["message"]
+        await openai_client.responses.create(model=MODEL, input=[{"type": "reasoning", "id": "rs_1", "summary": "x"}])
+    assert e.value.body["param"] == "input" and "summary" in e.value.body["message"]
     await metrics.wait_until_idle()
     r = await openai_client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, temperature=0)
     assert r.usage.output_tokens == 2
@@ -271,7 +271,8 @@ BAD = [
     ({"conversation": "conv_1"}, "conversation", "stores no conversations"),
     ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
     ({"background": True}, "background", "not supported"),
-    ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+    ({"reasoning": {"summary": "detailed"}}, "reasoning", "no reasoning summaries"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning", None),
     ({"truncation": "auto"}, "truncation", '"auto"'),
     (
         {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}},
