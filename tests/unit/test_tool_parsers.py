@@ -60,12 +60,12 @@ CASES = [  # (parser, output, content, calls)
 CUT = [  # (parser, output, arguments streamed) cut by max_tokens: content whole, but streamed the call had started
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"', '{"city": "Paris"'),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}', '{"city": "Paris"}'),
+    ("pythonic", '[get_weather(city="Paris"', '{"city": "Paris"'),
 ]
 MALFORMED = [  # (parser, output): each is content, whole
     ("llama3_json", "The weather in Paris is sunny; 18 degrees."),
     ("llama3_json", '{"city": "Paris"}'),  # JSON, not a call
     ("pythonic", "Paris is sunny [citation needed]."),
-    ("pythonic", '[get_weather(city="Paris"'),  # cut by max_tokens
     ("pythonic", '[get_weather("Paris")]'),  # positional argument
     ("pythonic", "[get_weather(city=__import__('os').getcwd())]"),  # not a literal: never evaluated
     ("pythonic", "[1, 2, 3]"),
@@ -163,7 +163,7 @@ def required_tool_calls() -> ToolCalls:
     )
 
 
-ARGUMENT_CASES = [(tool_calls, parser, output, calls) for parser, output, _, calls in CASES if parser != "pythonic"] + [
+ARGUMENT_CASES = [(tool_calls, parser, output, calls) for parser, output, _, calls in CASES] + [
     (
         required_tool_calls,
         "required",
@@ -196,7 +196,8 @@ def test_arguments_stream_as_they_arrive(tokenizer, make, parser, output, calls)
             pieces.setdefault(item["index"], []).append(item["function"].get("arguments", ""))
     for index, (name, arguments) in enumerate(calls):
         # the first item came once the name was in, while the arguments were still to come, in pieces
-        assert f'"{name}"' in started[index] and pieces[index][0] != "".join(pieces[index])
+        assert (f'"{name}"' if parser != "pythonic" else f"{name}(") in started[index]
+        assert pieces[index][0] != "".join(pieces[index])
         assert sum(1 for p in pieces[index] if p) > 1
         assert json.loads("".join(pieces[index])) == arguments
     whole = tools.parse(output)[1]
@@ -217,16 +218,18 @@ def test_content_streams_before_the_output_ends(tokenizer, parser):
     assert sent and output.startswith(sent) and len(sent) > len(output) // 2
 
 
-def test_a_call_is_sent_once_its_text_has_arrived(tokenizer):
-    """The first of two pythonic calls goes out before the second is written, arguments whole."""
+def test_a_pythonic_call_starts_with_its_first_settled_argument(tokenizer):
+    """The first of two pythonic calls is whole before the second is written; the second starts once its first
+    argument's string begins, not at its name (a positional or non-literal argument would make it content)."""
     output = '[get_weather(city="Paris", unit="celsius"), get_time(timezone="Asia/Tokyo")]'
     streamer = tool_calls("pythonic").streamer()
-    cut = output.index("get_time") + len("get_time(")
+    cut = output.index("get_time") + len("get_time(timezone=")
     assert streamer.feed(output[:cut], False)[0] == ""
-    _, items = streamer.feed("", False)
-    assert items == [] and [c["function"]["name"] for c in streamer.calls] == ["get_weather"]
+    assert [c["function"]["name"] for c in streamer.calls] == ["get_weather"]
     assert json.loads(streamer.calls[0]["function"]["arguments"]) == PARIS[1]
-    assert streamer.feed(output[cut:], True)[1][0]["function"]["name"] == "get_time"
+    items = streamer.feed('"Asi', False)[1]
+    assert items[0]["function"] == {"name": "get_time", "arguments": '{"timezone": "Asi'}
+    assert streamer.feed(output[cut + 4 :], True)[1] == [{"index": 1, "function": {"arguments": 'a/Tokyo"}'}}]
 
 
 def test_text_after_a_streamed_call_is_dropped(tokenizer):
