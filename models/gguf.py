@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
@@ -49,6 +50,10 @@ LAYER_TENSORS = {
     "ffn_gate_exps": "mlp.experts.gate_proj",  # every expert's, stacked [E, rows, cols] (models/layers/fused_moe.py)
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # Qwen2-MoE's shared expert and its gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -176,6 +181,7 @@ class GGUFModelConfig:
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True
     mlp_only_layers: list[int] | None = None  # dense layers among MoE ones (their tensors say which)
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE
 
 
 def load_gguf_config(path: str) -> GGUFModelConfig:
@@ -209,12 +215,13 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         )
     elif arch == "gemma3":
         extra = _gemma3_fields(path, md, layers, hidden, heads, head_dim, rope)
-    if md.get(f"{arch}.expert_count"):  # llama.cpp's MoE layers: softmax routing, top-k renormalised by default
+    if md.get(f"{arch}.expert_count"):  # llama.cpp's MoE layers: softmax routing, top-k renormalised but in qwen2moe
         extra |= dict(
             num_experts=md[f"{arch}.expert_count"],
             num_experts_per_tok=_key(path, md, "expert_used_count"),
             moe_intermediate_size=md.get(f"{arch}.expert_feed_forward_length"),
-            norm_topk_prob=bool(md.get(f"{arch}.expert_weights_norm", True)),
+            norm_topk_prob=bool(md.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+            shared_expert_intermediate_size=md.get(f"{arch}.expert_shared_feed_forward_length"),
             mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
         )
     return GGUFModelConfig(
@@ -233,7 +240,7 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
         rope_parameters=extra.pop("rope_parameters", rope),
-        attention_bias=arch == "qwen2",
+        attention_bias=arch in ("qwen2", "qwen2moe"),
         **extra,
     )
 
@@ -367,8 +374,10 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
         else:
             w = torch.from_numpy(dequantize(np.asarray(data).reshape(rows, -1), qtype)).reshape(info.shape)
         kind = info.name.split(".")[-2] if info.name.startswith("blk.") else ""
-        if kind == "ffn_gate_inp" and isinstance(w, GGUFTensor):  # the router stays float (tiny, and decisive)
+        if kind in ("ffn_gate_inp", "ffn_gate_inp_shexp") and isinstance(w, GGUFTensor):  # routers stay float
             w = w.dequantize_rows(torch.arange(w.rows), torch.float32)
+        if kind == "ffn_gate_inp_shexp":  # llama.cpp stores the shared expert's gate as a vector
+            w = w.reshape(1, -1)
         if permute and kind in heads:
             order = _unpermute(rows, heads[kind])
             w = (

@@ -9,6 +9,7 @@ _REGISTRY = {
     "MistralForCausalLM": (LlamaForCausalLM, {}),
     "Qwen2ForCausalLM": (LlamaForCausalLM, {"qkv_bias": True}),
     "Qwen3ForCausalLM": (LlamaForCausalLM, {"qk_norm": True}),
+    "Qwen2MoeForCausalLM": (LlamaForCausalLM, {"qkv_bias": True}),
     "Qwen3MoeForCausalLM": (LlamaForCausalLM, {"qk_norm": True}),
     "MixtralForCausalLM": (LlamaForCausalLM, {}),
     "Phi3ForCausalLM": (LlamaForCausalLM, {}),

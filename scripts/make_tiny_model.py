@@ -24,6 +24,7 @@ from transformers import (
     MixtralConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     SmolLM3Config,
@@ -95,6 +96,10 @@ CONFIGS = {
         norm_topk_prob=True,
         mlp_only_layers=[1],
     ),
+    # Qwen2-MoE: q/k/v biases, 8 experts (top-2, not renormalised: its default) and a gated shared expert
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+    ),
     # 4 experts of 32, 2 per token, in every layer
     "mixtral": lambda: MixtralConfig(**COMMON | dict(intermediate_size=32), num_local_experts=4, num_experts_per_tok=2),
     "granite": lambda: GraniteConfig(  # multipliers far from 1, so that each one changes the output
@@ -112,7 +117,7 @@ def save_tiny_model(arch: str, path, tokenizer, **overrides):
         setattr(config, key, value)
     config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if arch.startswith("qwen2"):  # random init leaves biases at zero; make them matter
+    if arch.startswith("qwen2"):  # random init leaves biases at zero; make them matter (q/k/v biases: Qwen2, its MoE)
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.self_attn.q_proj.bias, std=0.5)
             torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=0.5)

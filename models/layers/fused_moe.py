@@ -1,5 +1,6 @@
-"""Mixture-of-experts feed-forward (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; Qwen3-MoE): a router picks
-each token's top-k experts, each a SwiGLU MLP, and sums their outputs weighted by the router's probabilities.
+"""Mixture-of-experts feed-forward (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; Qwen2/3-MoE): a router picks
+each token's top-k experts, each a SwiGLU MLP, and sums their outputs weighted by the router's probabilities
+(plus, in Qwen2-MoE, a shared expert every token takes, behind a sigmoid gate).
 
 The step's tokens are grouped by expert, so each active expert's weights are read once per step however many
 tokens chose it (vLLM's `FusedMoE` does the same on the GPU). Expert weights are one tensor per projection for
@@ -17,6 +18,7 @@ from torch import nn
 
 from models.distributed.group import TPGroup
 from models.kernels import ops
+from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.quantization.gguf import GGUFConfig
 
 # a checkpoint's expert tensors: one expert's (Hugging Face hub layout) or every expert's stacked (GGUF, as
@@ -138,10 +140,23 @@ class FusedMoE(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a SwiGLU MLP every token goes through, scaled by sigmoid(shared_expert_gate(x))
+    ([1, hidden], float32). x [T, hidden] -> [T, hidden] in x's dtype (summed over ranks)."""
+
+    def __init__(self, hidden: int, inter: int, tp: TPGroup | None, quant_config: GGUFConfig | None):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear.merged(hidden, [inter] * 2, False, tp, quant_config)
+        self.down_proj = RowParallelLinear(inter, hidden, tp, quant_config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
 class SparseMoeBlock(nn.Module):
-    """A decoder layer's MoE feed-forward as Qwen3-MoE and Mixtral checkpoints lay it out: the router `gate`
-    (float32 [E, hidden]: routing decisions are not rounded to the model dtype) and `experts`. x [T, hidden]
-    -> [T, hidden] in x's dtype."""
+    """A decoder layer's MoE feed-forward as Qwen-MoE and Mixtral checkpoints lay it out: the router `gate`
+    (float32 [E, hidden]: routing decisions are not rounded to the model dtype), `experts`, and Qwen2-MoE's
+    gated `shared_expert` where the config has one. x [T, hidden] -> [T, hidden] in x's dtype."""
 
     def __init__(self, config, tp: TPGroup | None, quant_config: GGUFConfig | None = None):
         super().__init__()
@@ -152,11 +167,18 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False, dtype=torch.float32)
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         self.experts = FusedMoE(num_experts, config.hidden_size, inter, tp, quant_config)
+        shared = getattr(config, "shared_expert_intermediate_size", None)
+        self.shared_expert = SharedExpert(config.hidden_size, shared, tp, quant_config) if shared else None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, dtype=torch.float32) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x.float(), self.gate.weight.float())
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            scale = torch.sigmoid(F.linear(x.float(), self.shared_expert_gate.weight.float())).to(x.dtype)
+            out = out + scale * self.shared_expert(x)
+        return out
 
 
 def is_sparse_layer(config, layer: int) -> bool:

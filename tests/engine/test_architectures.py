@@ -54,6 +54,7 @@ FEATURES = {
         },
     ],
     "qwen3_moe": [{"norm_topk_prob": False}, {"num_experts_per_tok": 1}],
+    "qwen2_moe": [{"norm_topk_prob": True}],
     "mixtral": [{"num_experts_per_tok": 1}],
     "granite": [
         {"embedding_multiplier": 1.0},
@@ -109,7 +110,9 @@ def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3", "qwen3", "smollm3", "granite", "gemma3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize(
+    "name", ["llama3", "qwen3", "smollm3", "granite", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"]
+)
 def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
     """The GGUF llama.cpp's own convert_hf_to_gguf.py makes of the tiny model (float32), as users' files are
     made: Llama 3's rope scaling arrives as the `rope_freqs` tensor of frequency divisors, applied; SmolLM3's

@@ -7,8 +7,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from transformers import MixtralConfig, Qwen3MoeConfig
+from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from models.layers.checkpoint import load_checkpoint
@@ -27,6 +28,12 @@ def reference(kind: str, renormalize: bool = True):
             norm_topk_prob=renormalize,
         )  # fmt: skip
         block, names = Qwen3MoeSparseMoeBlock(config), ("gate_proj", "up_proj", "down_proj")
+    elif kind == "qwen2_moe":  # with the gated shared expert
+        config = Qwen2MoeConfig(
+            hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS, num_experts_per_tok=2,
+            shared_expert_intermediate_size=48, norm_topk_prob=renormalize,
+        )  # fmt: skip
+        block, names = Qwen2MoeSparseMoeBlock(config), ("gate_proj", "up_proj", "down_proj")
     else:
         config = MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS)
         block, names = MixtralSparseMoeBlock(config), ("w1", "w3", "w2")
@@ -34,6 +41,10 @@ def reference(kind: str, renormalize: bool = True):
         torch.nn.init.normal_(p, std=0.2)
     gate_up, down = block.experts.gate_up_proj.data, block.experts.down_proj.data  # [E, 2I, H], [E, H, I]
     tensors = {"mlp.gate.weight": block.gate.weight.data}
+    if kind == "qwen2_moe":
+        tensors["mlp.shared_expert_gate.weight"] = block.shared_expert_gate.weight.data
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            tensors[f"mlp.shared_expert.{proj}.weight"] = getattr(block.shared_expert, proj).weight.data
     for e in range(EXPERTS):
         tensors[f"mlp.experts.{e}.{names[0]}.weight"] = gate_up[e, :INTER]
         tensors[f"mlp.experts.{e}.{names[1]}.weight"] = gate_up[e, INTER:]
@@ -49,7 +60,9 @@ class Holder(torch.nn.Module):
         self.mlp = block
 
 
-@pytest.mark.parametrize("kind, renormalize", [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)])
+@pytest.mark.parametrize(
+    "kind, renormalize", [("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_moe", False), ("mixtral", True)]
+)
 def test_moe_block_equals_transformers(kind, renormalize):
     config, ref, tensors = reference(kind, renormalize)
     ours = Holder(SparseMoeBlock(config, None))
