@@ -135,6 +135,8 @@ def build_app(engine, settings: ServerSettings) -> Starlette:
         for r in list(routes)
         if r.path.startswith("/v1/") and not r.path.endswith("/render")
     ]
+    # Cohere's v2 client posts to /v2/rerank (vLLM answers it too)
+    routes.append(Route("/v2/rerank", rerank, methods=["POST"], include_in_schema=False))
     routes += ollama_routes()
     if settings.enable_dashboard:
         routes += dashboard_routes()

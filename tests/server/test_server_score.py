@@ -53,6 +53,17 @@ async def test_rerank_puts_the_relevant_document_first(http, query, relevant, ot
     assert [d["score"] for d in score.json()["data"]] == pytest.approx([by_index[i] for i in range(3)], rel=1e-4)
 
 
+async def test_cohere_client_reranks(server):
+    """Cohere's own SDK (v2, `/v2/rerank`) pointed at the server: the relevant document first, top_n kept."""
+    import cohere
+
+    query, relevant, others = SET[0]
+    async with cohere.AsyncClientV2(api_key="unused", base_url=server.url) as client:
+        r = await client.rerank(model=MODEL, query=query, documents=[*others, relevant], top_n=2)
+    assert [x.index for x in r.results][0] == len(others) and len(r.results) == 2
+    assert r.results[0].relevance_score >= r.results[1].relevance_score
+
+
 @pytest.mark.parametrize(
     "path, body, words",
     [
