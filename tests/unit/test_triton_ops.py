@@ -3,6 +3,8 @@ tensors under Triton's interpreter (TRITON_INTERPRET=1), so a CI without a GPU k
 scripts/gpu_check.py compares a whole step's logits with and without them."""
 
 import os
+import re
+import subprocess
 import sys
 
 import pytest
@@ -11,13 +13,30 @@ import torch.nn.functional as F
 
 from models.kernels import ops
 
-# Triton reads the variable as it is imported (its own library functions are built for one mode), so it is set
-# before the first import in this process, and only where no GPU wants the compiled kernels.
-INTERPRET = "triton" not in sys.modules and not torch.cuda.is_available()
+# Triton reads the variable as it is imported (its own library functions are built for one mode): it is set before
+# the first import in this process where no GPU wants the compiled kernels. Where Triton came in earlier (another
+# test module's imports), test_kernels_in_a_fresh_process runs this file again in a process of its own.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" or ("triton" not in sys.modules and not torch.cuda.is_available())
 if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(not INTERPRET, reason="Triton was imported before in compiled mode, or a GPU is here")
+interpreted = pytest.mark.skipif(not INTERPRET, reason="run by test_kernels_in_a_fresh_process")
+
+
+@pytest.mark.skipif(INTERPRET or torch.cuda.is_available(), reason="the kernels run in this process")
+def test_kernels_in_a_fresh_process():
+    """This file's tests, in a process whose Triton was imported for the interpreter."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=os.environ | {"TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    summary = run.stdout.strip().splitlines()[-1]  # "19 passed, 1 skipped in ...s": only this wrapper skipped
+    assert re.match(r"(\d+) passed, 1 skipped in", summary) and int(summary.split()[0]) >= 19, summary
+
 
 BF16 = dict(rtol=1.6e-2, atol=1e-5)  # torch's bfloat16 tolerance: the kernels round once, torch's ops more often
 
@@ -30,6 +49,7 @@ def tri():
     return triton_ops
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("delta", [True, False])
 @pytest.mark.parametrize("hidden", [96, 576])  # not a power of two: masked lanes
@@ -49,6 +69,7 @@ def test_add_rms_norm(tri, dtype, delta, hidden):
     assert tri.add_rms_norm(torch.empty(0, hidden), None, w, 1e-5).shape == (0, hidden)
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 1, 96), (20, 4, 32)])
 def test_rotary_on_fused_qkv_view(tri, dtype, heads, kv_heads, head_dim):
@@ -67,6 +88,7 @@ def test_rotary_on_fused_qkv_view(tri, dtype, heads, kv_heads, head_dim):
     assert torch.equal(ours[:, heads + kv_heads :], qkv[:, heads + kv_heads :])
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_index_copy(tri, dtype):
     """Each token's K and V land whole at its slot (block id * block size + offset), other slots untouched."""
@@ -84,6 +106,7 @@ def test_write_kv_matches_index_copy(tri, dtype):
     assert not torch.equal(ref, cache)
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(tri, dtype):
     torch.manual_seed(3)
@@ -94,6 +117,7 @@ def test_silu_and_mul(tri, dtype):
     torch.testing.assert_close(out, (F.silu(gate) * up).to(dtype), **(BF16 if dtype == torch.bfloat16 else {}))
 
 
+@interpreted
 def test_llama_step_with_the_kernels_equals_torch_ops(tri, monkeypatch):
     """A tiny Llama's mixed step (a decode over a cached prefix, then a fresh prompt) with every op routed to the
     Triton kernels as on CUDA (the model's real call sites: qkv views, the cache layout) against torch's ops:
