@@ -1,7 +1,7 @@
 """The Llama family over a paged KV cache: Llama 2/3, Mistral (sliding windows), Qwen2, Qwen3 (q/k norms),
 SmolLM2, SmolLM3 (no rotary on some layers), Granite (embedding, attention, residual and logits multipliers),
-Phi-3 (fused q/k/v and gate/up tensors in its checkpoint), and the mixtures of experts Qwen3-MoE and Mixtral
-(models/layers/fused_moe.py in place of the MLP).
+Phi-3 (fused q/k/v and gate/up tensors in its checkpoint), and the mixtures of experts Qwen3-MoE, Qwen2-MoE and
+Mixtral (models/layers/fused_moe.py in place of the MLP).
 
 Llama: Touvron et al. 2023; RMSNorm (Zhang & Sennrich 2019), rotary embeddings (Su et al. 2021),
 grouped-query attention (Ainslie et al. 2023), SwiGLU (Shazeer 2020). Tokens of all sequences in a
@@ -17,27 +17,14 @@ from torch import nn
 from models.attention.base import AttentionBackend, AttentionMetadata
 from models.config import ModelShape
 from models.distributed.group import TPGroup
-from models.kernels import ops
 from models.layers.attention import SelfAttention
 from models.layers.checkpoint import keep_norms_float32, load_checkpoint
 from models.layers.fused_moe import SparseMoeBlock, is_sparse_layer
 from models.layers.layernorm import RMSNorm
-from models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from models.layers.mlp import SwiGLUMLP
 from models.layers.rotary_embedding import RotaryEmbedding
 from models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from models.quantization.gguf import GGUFConfig
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, config, tp: TPGroup | None, quant_config: GGUFConfig | None = None):
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear.merged(
-            config.hidden_size, [config.intermediate_size] * 2, False, tp, quant_config
-        )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp, quant_config)
-
-    def forward(self, x):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -56,8 +43,11 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Qwen3-MoE and Mixtral: experts in place of the MLP (in every layer, or as the config spaces them)
-        sparse = is_sparse_layer(config, layer)
-        self.mlp = SparseMoeBlock(config, tp, quant_config) if sparse else LlamaMLP(config, tp, quant_config)
+        self.mlp = (
+            SparseMoeBlock(config, tp, quant_config)
+            if is_sparse_layer(config, layer)
+            else SwiGLUMLP(config.hidden_size, config.intermediate_size, tp, quant_config)
+        )
         # Granite scales each sublayer's output before it joins the residual stream
         self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
 
@@ -109,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # MoE layers group tokens by expert with host-side counts: eager steps only (engine/worker/model_runner.py)
-        self.supports_cuda_graphs = not any(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))
+        self.supports_cuda_graphs = not any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.layers)
         self.quantized = quant_config is not None
         # Granite's multipliers of the embeddings and divisor of the logits (1 elsewhere)
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))

@@ -63,8 +63,8 @@ def setting(
     (a JSON object, a byte size), raising ValueError; nargs: argparse's, for a flag taking several values (a
     list of strings); cli: False for a setting that has no flag.
     """
-    metadata = {"help": help, "flags": flags, "choices": choices, "parse": parse, "metavar": metavar, "cli": cli}
-    metadata["nargs"] = nargs
+    metadata = {"help": help, "flags": flags, "choices": choices, "parse": parse, "metavar": metavar, "nargs": nargs}
+    metadata["cli"] = cli
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

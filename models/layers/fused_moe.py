@@ -18,7 +18,8 @@ from torch import nn
 
 from models.distributed.group import TPGroup
 from models.kernels import ops
-from models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from models.layers.linear import _rank_size
+from models.layers.mlp import SwiGLUMLP
 from models.quantization.gguf import GGUFConfig
 
 # a checkpoint's expert tensors: one expert's (Hugging Face hub layout) or every expert's stacked (GGUF, as
@@ -40,10 +41,6 @@ def expert_shard(name: str) -> tuple[str, tuple[int | None, int]] | None:
     proj = PROJECTIONS[m["proj"]]
     expert = int(m["expert"]) if m["expert"] is not None else None
     return f"{m['prefix']}.{'w13_weight' if proj < 2 else 'w2_weight'}", (expert, proj)
-
-
-def _rank_size(tp: TPGroup | None) -> tuple[int, int]:
-    return (tp.rank, tp.world_size) if tp is not None else (0, 1)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,19 +137,6 @@ class FusedMoE(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
-class SharedExpert(nn.Module):
-    """Qwen2-MoE's shared expert: a SwiGLU MLP every token goes through, scaled by sigmoid(shared_expert_gate(x))
-    ([1, hidden], float32). x [T, hidden] -> [T, hidden] in x's dtype (summed over ranks)."""
-
-    def __init__(self, hidden: int, inter: int, tp: TPGroup | None, quant_config: GGUFConfig | None):
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear.merged(hidden, [inter] * 2, False, tp, quant_config)
-        self.down_proj = RowParallelLinear(inter, hidden, tp, quant_config)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
-
-
 class SparseMoeBlock(nn.Module):
     """A decoder layer's MoE feed-forward as Qwen-MoE and Mixtral checkpoints lay it out: the router `gate`
     (float32 [E, hidden]: routing decisions are not rounded to the model dtype), `experts`, and Qwen2-MoE's
@@ -168,7 +152,7 @@ class SparseMoeBlock(nn.Module):
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         self.experts = FusedMoE(num_experts, config.hidden_size, inter, tp, quant_config)
         shared = getattr(config, "shared_expert_intermediate_size", None)
-        self.shared_expert = SharedExpert(config.hidden_size, shared, tp, quant_config) if shared else None
+        self.shared_expert = SwiGLUMLP(config.hidden_size, shared, tp, quant_config) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False, dtype=torch.float32) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
