@@ -23,6 +23,13 @@ class RerankRequest(_Body):
     documents: Annotated[list[str | RerankDocument], Field(min_length=1, max_length=MAX_DOCUMENTS)]
     top_n: int | None = Field(None, ge=1)
     return_documents: bool = True
+    max_tokens_per_doc: int | None = None  # Cohere v2's truncation of each document: refused, not ignored
+
+    @model_validator(mode="after")
+    def _no_truncation(self):
+        if self.max_tokens_per_doc is not None:
+            raise ValueError("max_tokens_per_doc is not supported: documents are scored whole (too long gets 400)")
+        return self
 
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]

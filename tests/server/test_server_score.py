@@ -62,6 +62,9 @@ async def test_cohere_client_reranks(server):
         r = await client.rerank(model=MODEL, query=query, documents=[*others, relevant], top_n=2)
     assert [x.index for x in r.results][0] == len(others) and len(r.results) == 2
     assert r.results[0].relevance_score >= r.results[1].relevance_score
+    async with cohere.AsyncClientV2(api_key="unused", base_url=server.url) as client:
+        with pytest.raises(cohere.BadRequestError, match="max_tokens_per_doc"):
+            await client.rerank(model=MODEL, query=query, documents=others, max_tokens_per_doc=4)
 
 
 @pytest.mark.parametrize(
