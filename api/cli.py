@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             else f"node {config.node_rank} serves no API (rank 0's node does): add --headless"
         )
     if settings.headless:
-        from engine.executor.tensor_parallel import run_headless  # here: a server does not import it at start
+        from engine.executor.multiproc import run_headless  # here: a server does not import it at start
 
         return run_headless(config)
     imported = process_age()

@@ -4,13 +4,16 @@ output processor."""
 
 import logging
 import time
+from collections import deque
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
+from engine.core.step_io import SchedulerOutput
 from engine.executor import build_executor
+from engine.executor.abstract import StepFuture
 from engine.kv_transfer.connector import NixlConnector, NoKVConnector
 from engine.snapshot import StepLog
 from engine.spec_decode.metrics import SpecDecodingLogging
@@ -73,7 +76,10 @@ class EngineCore:
             self.kv_connector,
             num_speculative_tokens=k,
             num_lookahead_tokens=k if spec is not None and spec.method == "draft_model" else 0,
+            max_concurrent_batches=self.executor.max_concurrent_batches,
         )
+        # steps started and not yet applied, oldest first: (future, SchedulerOutput, start time)
+        self.batch_queue: deque[tuple[StepFuture, SchedulerOutput, float]] = deque()
         self.structured = structured
         stats = self.scheduler.spec_decoding_stats
         self.spec_logging = SpecDecodingLogging(stats) if stats is not None else None
@@ -89,13 +95,17 @@ class EngineCore:
         self.step_log.record_finished(self.scheduler.pop_finished())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedules and runs one step; returns the news of every request that changed.
+        """Schedules and starts a step, and applies the oldest step in flight; returns the news of every
+        request that changed (vLLM v1's step_with_batch_queue; with one step at a time, the step it starts).
 
-        Raises KVTransferError (before scheduling) for requests whose prompt K/V could not be pulled, and
-        EngineStepError after finishing the step's requests (their blocks uncached) if the model step failed.
+        While fewer than the executor's max_concurrent_batches steps are in flight and something could be
+        scheduled, it returns at once with no news (the caller steps again); otherwise it waits for the
+        oldest step's output. Raises KVTransferError (before scheduling) for requests whose prompt K/V could
+        not be pulled, and EngineStepError after finishing a step's requests (their blocks uncached) if its
+        model step failed.
         """
         start = time.monotonic()
         failed = self.scheduler.update_from_kv_connector()
@@ -104,22 +114,40 @@ class EngineCore:
             raise KVTransferError(
                 [req.request_id for req, _ in failed], "; ".join(dict.fromkeys(reason for _, reason in failed))
             )
-        scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.num_scheduled_tokens:
-            if scheduler_output.finished_req_ids:  # nothing to run, but the workers can forget these now
-                self.executor.execute_model(scheduler_output)
+        if len(self.batch_queue) < self.executor.max_concurrent_batches:
+            scheduler_output = self.scheduler.schedule()
+            # an empty step still goes out when the workers can forget finished requests
+            if scheduler_output.num_scheduled_tokens or scheduler_output.finished_req_ids:
+                grammar_output = (
+                    self.structured.grammar_bitmask(self.scheduler.requests, scheduler_output)
+                    if scheduler_output.num_scheduled_tokens
+                    else None
+                )
+                try:
+                    future = self.executor.execute_model(scheduler_output, grammar_output)
+                except Exception as e:  # failed before it could start: failed like a step that ran
+                    future = StepFuture(error=e)
+                self.batch_queue.append((future, scheduler_output, start))
+                if (
+                    scheduler_output.num_scheduled_tokens
+                    and len(self.batch_queue) < self.executor.max_concurrent_batches
+                ):
+                    return []
+        if not self.batch_queue:
             return []
-        grammar_output = self.structured.grammar_bitmask(self.scheduler.requests, scheduler_output)
+        future, scheduler_output, start = self.batch_queue.popleft()
         try:
-            runner_output = self.executor.execute_model(scheduler_output, grammar_output)
+            runner_output = future.result()
         except Exception as e:
-            logger.exception("engine step failed; failing its %d requests", len(scheduler_output.num_scheduled_tokens))
             ids = list(scheduler_output.num_scheduled_tokens)
+            logger.exception("engine step failed; failing its %d requests", len(ids))
             self.scheduler.finish_requests(ids, "abort", uncache=True)
             # the workers may not have seen this step: tell them its finished requests again with the next
             self.scheduler.finished_req_ids_unsent(scheduler_output.finished_req_ids)
             self.step_log.record_finished(self.scheduler.pop_finished())
             raise EngineStepError(ids, e) from e
+        if not scheduler_output.num_scheduled_tokens:
+            return []
         self.step_log.record(scheduler_output, self.scheduler.requests, start, self.scheduler.num_preemptions)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.step_log.record_finished(self.scheduler.pop_finished())

@@ -18,6 +18,7 @@ from torch import nn
 from models.attention.base import AttentionBackend, AttentionMetadata
 from models.config import ModelShape, layer_sliding_windows
 from models.distributed.group import TPGroup
+from models.distributed.pipeline import PPMissingLayer, PPStage
 from models.kernels import ops
 from models.layers.attention import SelfAttention
 from models.layers.checkpoint import keep_norms_float32, load_checkpoint
@@ -100,6 +101,7 @@ class GemmaForCausalLM(nn.Module):
         max_model_len: int,
         tp: TPGroup | None = None,
         quant_config: GGUFConfig | None = None,
+        pp: PPStage | None = None,
     ):
         super().__init__()
         if getattr(config, "use_bidirectional_attention", False):
@@ -112,19 +114,29 @@ class GemmaForCausalLM(nn.Module):
         self.rotary = nn.ModuleDict(
             {k: RotaryEmbedding(config, shape.head_dim, max_model_len, k if per_kind else None) for k in set(kinds)}
         )
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, quant_config)
+        self.pp = pp = pp or PPStage.whole(n)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, quant_config)
+            if pp.is_first or (pp.is_last and self.tie_word_embeddings)
+            else PPMissingLayer()
+        )
         backends = backend if isinstance(backend, list) else [backend] * n
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, shape, backends[i], tp, quant_config, kinds[i]) for i in range(n)
+            GemmaDecoderLayer(config, shape, backends[i], tp, quant_config, kinds[i])
+            if pp.holds(i)
+            else PPMissingLayer()
+            for i in range(n)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else PPMissingLayer()
         self.quantized = quant_config is not None
         self.normalizer = math.sqrt(config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.lm_head = (
             None
             if self.tie_word_embeddings
             else ParallelLMHead(config.vocab_size, config.hidden_size, tp, quant_config)
+            if pp.is_last
+            else PPMissingLayer()
         )
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
@@ -134,12 +146,14 @@ class GemmaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        residual, x = self.embed_tokens(input_ids).float() * self.normalizer, None
-        rope = {kind: rotary(positions) for kind, rotary in self.rotary.items()}
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        if self.pp.is_first:
+            residual = self.embed_tokens(input_ids).float() * self.normalizer
+        x, rope = None, {kind: rotary(positions) for kind, rotary in self.rotary.items()}
+        for layer, kv_cache in zip(self.layers[self.pp.start_layer : self.pp.end_layer], kv_caches):
             x = layer(residual, x, rope[layer.kind], kv_cache, meta)
-        return self.norm(residual, x)
+        return self.norm(residual, x) if self.pp.is_last else residual.add_(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [N, vocab] of hidden [N, hidden_size] (None on ranks other than 0), soft-capped
@@ -151,7 +165,8 @@ class GemmaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As LlamaForCausalLM.load_weights; then every RMSNorm's weight w becomes 1 + w, the scale Gemma's
         norms apply (the checkpoint stores w)."""
-        dtype = self.norm.weight.dtype
+        first = self.layers[self.pp.start_layer].input_layernorm.weight
+        dtype = first.dtype
         if self.quantized:
             keep_norms_float32(self)
         load_checkpoint(self, self.config, weights, dtype, skip="lm_head.weight" if self.tie_word_embeddings else None)
@@ -159,4 +174,4 @@ class GemmaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, PostNorm, HeadRMSNorm)):
                 module.weight.data += 1
         for rotary in self.rotary.values():
-            rotary.compute_table(self.embed_tokens.weight.device)
+            rotary.compute_table(first.device)

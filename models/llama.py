@@ -17,6 +17,7 @@ from torch import nn
 from models.attention.base import AttentionBackend, AttentionMetadata
 from models.config import ModelShape
 from models.distributed.group import TPGroup
+from models.distributed.pipeline import PPMissingLayer, PPStage
 from models.layers.attention import SelfAttention
 from models.layers.checkpoint import keep_norms_float32, load_checkpoint
 from models.layers.fused_moe import SparseMoeBlock, is_sparse_layer
@@ -70,7 +71,10 @@ class LlamaForCausalLM(nn.Module):
     [N, vocab] (on rank 0 only under tensor parallelism). `qkv_bias` is True for Qwen2 (and any config
     with `attention_bias`); `qk_norm` for Qwen3 (per-head RMSNorm of queries and keys); `quant_config` keeps a
     GGUF file's quantized weights in the linear layers and the embedding (models/quantization). `shape` is this
-    rank's (models.config); with `tp`, this rank holds its shard of every layer (models/distributed).
+    rank's (models.config); with `tp`, this rank holds its shard of every layer (models/distributed). With
+    `pp` (a pipeline stage, models/distributed/pipeline.py) it holds only that stage's layers; `forward` then
+    takes the previous stage's residual stream (float32 [T, hidden]) instead of embedding the tokens, and a
+    stage but the last returns its residual stream rather than the normed hidden states.
     `backend`: the attention backend of every layer, or a list with each layer's (layers with a sliding window
     have their own: models.attention.make_backends).
     """
@@ -85,30 +89,40 @@ class LlamaForCausalLM(nn.Module):
         qk_norm: bool = False,
         tp: TPGroup | None = None,
         quant_config: GGUFConfig | None = None,
+        pp: PPStage | None = None,
     ):
         super().__init__()
         check_config(config)
         self.config = config
+        self.pp = pp = pp or PPStage.whole(config.num_hidden_layers)
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_model_len)
         bias = qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, quant_config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, quant_config)
+            if pp.is_first or (pp.is_last and self.tie_word_embeddings)
+            else PPMissingLayer()
+        )
         backends = backend if isinstance(backend, list) else [backend] * config.num_hidden_layers
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, shape, backends[i], bias, tp, qk_norm, quant_config, i)
+            if pp.holds(i)
+            else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else PPMissingLayer()
         # MoE layers group tokens by expert with host-side counts: eager steps only (engine/worker/model_runner.py)
-        self.supports_cuda_graphs = not any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.layers)
+        self.supports_cuda_graphs = not any(isinstance(m, SparseMoeBlock) for m in self.modules())
         self.quantized = quant_config is not None
         # Granite's multipliers of the embeddings and divisor of the logits (1 elsewhere)
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
             None
             if self.tie_word_embeddings
             else ParallelLMHead(config.vocab_size, config.hidden_size, tp, quant_config)
+            if pp.is_last
+            else PPMissingLayer()
         )
 
     def forward(
@@ -117,16 +131,18 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # The residual stream stays float32 (see models/kernels/csrc/layer_ops.c); sublayers run in the model dtype
         # (a quantized model's linears in float32: load_weights).
-        residual, x = self.embed_tokens(input_ids).float(), None
-        if self.embedding_multiplier != 1.0:
-            residual *= self.embedding_multiplier
-        rope = self.rotary(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        if self.pp.is_first:
+            residual = self.embed_tokens(input_ids).float()
+            if self.embedding_multiplier != 1.0:
+                residual *= self.embedding_multiplier
+        x, rope = None, self.rotary(positions)
+        for layer, kv_cache in zip(self.layers[self.pp.start_layer : self.pp.end_layer], kv_caches):
             x = layer(residual, x, rope, kv_cache, meta)
-        return self.norm(residual, x)
+        return self.norm(residual, x) if self.pp.is_last else residual.add_(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
@@ -140,12 +156,12 @@ class LlamaForCausalLM(nn.Module):
 
         Raises KeyError for an unknown tensor name and ValueError when a parameter stays unset.
         """
-        dtype = self.norm.weight.dtype  # the model dtype (--dtype)
+        dtype = self.layers[self.pp.start_layer].input_layernorm.weight.dtype  # the model dtype (--dtype)
         if self.quantized:
             keep_norms_float32(self)
         skip = "lm_head.weight" if self.tie_word_embeddings else None
         load_checkpoint(self, self.config, weights, dtype, skip=skip)
-        self.rotary.compute_table(self.embed_tokens.weight.device)
+        self.rotary.compute_table(self.layers[self.pp.start_layer].input_layernorm.weight.device)
 
 
 def check_config(config) -> None:

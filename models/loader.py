@@ -139,18 +139,20 @@ def load_model(
     dtype: torch.dtype,
     tp=None,
     quant_config=None,
+    pp=None,
 ) -> torch.nn.Module:
     """The model of a resolved `model_path` for one rank, with its weights, in eval mode.
 
     shape: the rank's models.config.ModelShape; backend: its attention backend; tp: its
     models.distributed.group.TPGroup (None: one rank); quant_config: a GGUFConfig to keep a GGUF file's
-    quantized weights in their blocks, None for float weights in `dtype`. Built on the meta device (no
+    quantized weights in their blocks, None for float weights in `dtype`; pp: its pipeline stage
+    (models.distributed.pipeline.PPStage; None: every layer). Built on the meta device (no
     random init: the checkpoint fills every weight) and then materialized. Raises ValueError for an
     unsupported architecture or a checkpoint that misses weights, KeyError for an unknown tensor.
     """
     cls, kwargs = get_model_class(hf_config)
     with torch.device("meta"):
-        model = cls(hf_config, shape, backend, max_model_len, tp=tp, quant_config=quant_config, **kwargs)
+        model = cls(hf_config, shape, backend, max_model_len, tp=tp, quant_config=quant_config, pp=pp, **kwargs)
     model = materialize(model, device, dtype)
     model.load_weights(iter_weights(model_path, quantized=quant_config is not None))
     return model.eval()

@@ -16,6 +16,7 @@ Usage:
   python scripts/bench_throughput.py --dataset scripts/data/prefix_workload.jsonl [--no-enable-prefix-caching]
   python scripts/bench_throughput.py --dataset random --num-prompts 64 --input-len 256 --output-len 128
   python scripts/bench_throughput.py --dtype float32 --tensor-parallel-size 3       # 3 processes
+  python scripts/bench_throughput.py --pipeline-parallel-size 2 [--batches-in-flight 1]  # 2 stages
 """
 
 import argparse
@@ -63,6 +64,7 @@ def run(
     engine = llm.engine
     before = engine.stats()
     peak_kv, finished, output_tokens = 0.0, 0, 0
+    cpu_before = rank_cpu_seconds(llm)
     start = time.perf_counter()
     for r in reqs:
         engine.add_request(
@@ -82,7 +84,9 @@ def run(
             peak_kv = max(peak_kv, engine.stats().kv_cache_usage)
     elapsed = time.perf_counter() - start
     after = engine.stats()
+    cpu = [b - a for a, b in zip(cpu_before, rank_cpu_seconds(llm))]
     return {
+        "rank_busy": [c / elapsed for c in cpu],
         "elapsed_s": elapsed,
         "num_requests": finished,
         "input_tokens": sum(len(r.prompt_token_ids) for r in reqs),
@@ -94,6 +98,19 @@ def run(
         "num_preemptions": after.num_preemptions - before.num_preemptions,
         "ignore_eos": ignore_eos,
     }
+
+
+def rank_cpu_seconds(llm) -> list[float]:
+    """CPU seconds used so far by each rank's process: this one (rank 0), then the others on this host (from
+    /proc). With one thread per rank and gloo waiting in epoll, CPU time over wall time is how busy each rank
+    (each pipeline stage) is; 1 minus it, its bubble."""
+    workers = getattr(llm.engine.engine_core.executor, "workers", None)
+    seconds = [time.process_time()]
+    for proc in workers.procs if workers is not None else []:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        seconds.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))  # utime + stime
+    return seconds
 
 
 def report(m: dict) -> dict:
@@ -120,6 +137,8 @@ def report(m: dict) -> dict:
     row("Peak KV cache usage (%):", f"{100 * m['peak_kv_cache_usage']:.1f}")
     row("Prefix cache hit rate (%):", f"{100 * m['prefix_cache_hit_rate']:.1f}")
     row("Preemptions:", m["num_preemptions"])
+    if len(m["rank_busy"]) > 1:
+        row("CPU busy per rank (%):", " ".join(f"{100 * b:.0f}" for b in m["rank_busy"]))
     print("=" * 50)
     if m["ignore_eos"] and m["output_tokens"] != m["expected_output_tokens"]:
         print(f"WARNING: generated {m['output_tokens']} tokens, expected {m['expected_output_tokens']}")
@@ -187,6 +206,11 @@ def add_engine_args(ap: argparse.ArgumentParser):
         "--num-threads", type=int, help="torch CPU threads per rank (default: the cores / tensor-parallel size)"
     )
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, help="ranks the model is split over (default: 1)")
+    ap.add_argument("--pipeline-parallel-size", "-pp", type=int, help="stages the layers are split into (default: 1)")
+    ap.add_argument("--pp-layer-partition", help="each stage's number of layers, e.g. 19,11 (default: even)")
+    ap.add_argument(
+        "--quantization", choices=["gguf", "none"], help="a GGUF's weights kept quantized or dequantized at load"
+    )
 
 
 def engine_kwargs(args) -> dict:
@@ -200,8 +224,20 @@ def engine_kwargs(args) -> dict:
         "enable_prefix_caching",
         "num_threads",
         "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "pp_layer_partition",
+        "quantization",
     ]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def limit_batches_in_flight(llm, n: int) -> None:
+    """Makes the engine keep at most n steps in flight (each taking max_num_seqs / n requests) instead of one
+    per pipeline stage: the comparison the batch queue is measured by (not an engine option)."""
+    core = llm.engine.engine_core
+    core.executor.max_concurrent_batches = n
+    core.scheduler.pipelined = n > 1
+    core.scheduler.max_batch_seqs = -(-core.scheduler.max_num_seqs // n)
 
 
 def main():
@@ -222,10 +258,17 @@ def main():
         choices=["json"],
         help="compare with every request constrained to a JSON schema (EOS honoured in both runs)",
     )
+    ap.add_argument(
+        "--batches-in-flight",
+        type=int,
+        help="with pipeline stages, steps in flight at once (default: one per stage; 1 shows the pipeline's bubble)",
+    )
     add_engine_args(ap)
     args = ap.parse_args()
 
     llm = LLM(model=args.model, **engine_kwargs(args))
+    if args.batches_in_flight is not None:
+        limit_batches_in_flight(llm, args.batches_in_flight)
     if args.dataset == "random":
         reqs = random_requests(args.num_prompts or 64, args.input_len, args.output_len or 128, llm.tokenizer, args.seed)
     else:

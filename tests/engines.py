@@ -39,3 +39,30 @@ def assert_no_leak(engine) -> None:
     assert not kv.req_blocks
     runner = core.executor.runner
     assert set(runner.input_batch.requests) <= core.scheduler._finished_req_ids
+
+
+def kill_rank_and_expect_failure(llm: LLM, index: int, name: str) -> None:
+    """SIGKILLs the engine's rank process `workers.procs[index]`; then a request fails within 30 s with
+    EngineStepError naming it ("<name> (pid P) was killed by SIGKILL": whether the watchdog or the step sees
+    it first, the request's blocks are freed), every other rank is stopped, and the engine stays dead."""
+    import os
+    import re
+    import signal
+    import time
+
+    import pytest
+
+    from engine import SamplingParams
+    from engine.engine_core import EngineStepError
+
+    workers = llm.engine.engine_core.executor.workers
+    victim = workers.procs[index]
+    os.kill(victim.pid, signal.SIGKILL)
+    start = time.monotonic()
+    message = re.escape(f"{name} (pid {victim.pid}) was killed by SIGKILL")
+    with pytest.raises(EngineStepError, match=message):
+        llm.generate(["Hello"], SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 30
+    assert all(p.poll() is not None for p in workers.procs)
+    with pytest.raises(EngineStepError, match=message):
+        llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)

@@ -61,7 +61,7 @@ class EngineConfig:
     block_size: int = setting(16, "tokens per KV-cache block")
     kv_cache_memory: int = setting(
         2 << 30,
-        "KV-cache bytes on the CPU (all tensor-parallel ranks together), e.g. 268435456, 256M or 2G",
+        "KV-cache bytes on the CPU (all ranks together), e.g. 268435456, 256M or 2G",
         parse=byte_size,
         metavar="BYTES",
     )
@@ -81,14 +81,17 @@ class EngineConfig:
     )
     seed: int = setting(0, "engine seed for unseeded sampling")
     num_threads: int | None = setting(
-        None, "CPU threads of each rank (default: the cores shared out over the tensor-parallel ranks on this host)"
+        None, "CPU threads of each rank (default: the cores shared out over the ranks on this host)"
     )
     tensor_parallel_size: int = setting(
         1,
         'split the model over this many processes (GPUs on CUDA); README "Scale out"',
         flags=("--tensor-parallel-size", "-tp"),
     )
-    nnodes: int = setting(1, "hosts the tensor-parallel ranks are spread over, tensor-parallel-size / nnodes each")
+    nnodes: int = setting(
+        1,
+        "hosts the ranks (tensor-parallel-size x pipeline-parallel-size) are spread over, in order, as many on each",
+    )
     node_rank: int = setting(
         0, "this host's place among --nnodes: 0 serves the API with rank 0, the others run --headless"
     )
@@ -100,7 +103,15 @@ class EngineConfig:
         None, "how long a collective may wait for a rank before the engine fails (default: 300)"
     )
     pipeline_parallel_size: int = setting(
-        1, "only 1: pipeline parallelism is not implemented", flags=("--pipeline-parallel-size", "-pp")
+        1,
+        'split the decoder layers into this many stages, each in its own process(es); README "Scale out"',
+        flags=("--pipeline-parallel-size", "-pp"),
+    )
+    pp_layer_partition: str | None = setting(
+        None,
+        "each pipeline stage's number of layers, comma-separated, e.g. 10,14 (vLLM's VLLM_PP_LAYER_PARTITION; "
+        "default: an even split, the last stage taking fewer when it does not divide)",
+        metavar="N,N,...",
     )
     structured_outputs_config: StructuredOutputsConfig | dict | None = setting(
         None,
@@ -151,15 +162,17 @@ class EngineConfig:
             "block_size",
             "kv_cache_memory",
             "tensor_parallel_size",
+            "pipeline_parallel_size",
             "nnodes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.tensor_parallel_size % self.nnodes:
+        if self.world_size % self.nnodes:
             raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size} does not split evenly over nnodes {self.nnodes}"
+                f"tensor_parallel_size x pipeline_parallel_size ({self.world_size} ranks) does not split evenly "
+                f"over nnodes {self.nnodes}"
             )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes {self.nnodes}), got {self.node_rank}")
@@ -177,14 +190,36 @@ class EngineConfig:
             raise ValueError(f"quantization must be gguf or none, got {self.quantization!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.pipeline_parallel_size != 1:
+        if self.pp_layer_partition is not None and len(self.layer_partition) != self.pipeline_parallel_size:
             raise ValueError(
-                f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported (only 1); "
-                f"split the model with tensor_parallel_size instead"
+                f"pp_layer_partition {self.pp_layer_partition!r} must give {self.pipeline_parallel_size} layer counts "
+                f"(one per pipeline stage)"
             )
-        if self.kv_transfer_config is not None and self.tensor_parallel_size > 1:
+        if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError(
-                "kv_transfer_config is not supported with tensor_parallel_size > 1: the NIXL connector "
-                "reads and writes one process's KV cache, and each tensor-parallel rank holds its heads' "
-                'cache in its own process (README "Scale out")'
+                "speculative_config is not supported with pipeline_parallel_size > 1 (the drafter and the "
+                "rejection sampler are not built for stages yet)"
             )
+        if self.kv_transfer_config is not None and self.world_size > 1:
+            raise ValueError(
+                "kv_transfer_config is not supported with tensor_parallel_size or pipeline_parallel_size > 1: "
+                "the NIXL connector reads and writes one process's KV cache, and each rank holds its part of "
+                'the cache in its own process (README "Scale out")'
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def layer_partition(self) -> tuple[int, ...] | None:
+        """pp_layer_partition as layer counts, None when unset. Raises ValueError when it is not integers."""
+        if self.pp_layer_partition is None:
+            return None
+        try:
+            return tuple(int(n) for n in str(self.pp_layer_partition).split(","))
+        except ValueError:
+            raise ValueError(
+                f"pp_layer_partition must be comma-separated layer counts, got {self.pp_layer_partition!r}"
+            ) from None

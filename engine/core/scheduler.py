@@ -15,6 +15,11 @@ connector is `NoKVConnector`, which never matches a token.
 With speculative decoding a running request also asks for its draft tokens (`spec_token_ids`), under the
 same budget; the drafts that do not fit are dropped. A draft model also needs `num_lookahead_tokens` slots
 past them, where it writes the K/V of its next proposals.
+
+With pipeline parallelism up to `max_concurrent_batches` steps are in flight at once (vLLM v1's batch queue,
+EngineCore.step_with_batch_queue): a request in a step whose output has not come back (`in_flight`) is not
+scheduled again, nor preempted, and each step takes at most max_num_seqs / max_concurrent_batches requests,
+so that the running requests split into batches that fill the stages in turn.
 """
 
 import time
@@ -47,6 +52,7 @@ class Scheduler:
         connector,
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        max_concurrent_batches: int = 1,
     ):
         self.kv = kv
         self.max_model_len = max_model_len
@@ -56,6 +62,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.in_flight: set[str] = set()  # requests of steps whose output has not come back (when pipelining)
+        self.pipelined = max_concurrent_batches > 1
+        self.max_batch_seqs = -(-max_num_seqs // max_concurrent_batches)  # requests per step
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompt tokens of requests admitted for the first time
         # of those, by where their K/V came from (vLLM's vllm:prompt_tokens_by_source), and how many cached
@@ -83,23 +92,29 @@ class Scheduler:
         budget -= sum(n for _, n in scheduled)
         # New requests only when nothing had to be preempted, so a freed block is not handed straight to a
         # newcomer while older requests wait (FCFS).
-        admitted = [] if preempted else self._schedule_waiting(budget)
+        admitted = [] if preempted else self._schedule_waiting(budget, self.max_batch_seqs - len(scheduled))
         for req, n in scheduled + admitted:
             del req.spec_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens) :]
         return self._describe(scheduled, new_blocks, admitted)
 
     def _schedule_running(self, budget: int) -> tuple[list[tuple[Request, int]], dict[str, list[int]], bool]:
-        """The running pass: each running request in order gets its remaining tokens (drafts included)
-        within the budget; while blocks run out, the newest running request is preempted. Returns the
-        scheduled (request, tokens), each one's newly allocated block ids, and whether any was preempted."""
+        """The running pass: each running request in order (but those in flight) gets its remaining tokens
+        (drafts included) within the budget; while blocks run out, the newest running request not in flight
+        is preempted. Returns the scheduled (request, tokens), each one's newly allocated block ids, and
+        whether any was preempted."""
         scheduled, new_blocks, preempted = [], {}, False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < self.max_batch_seqs:
             req = self.running[i]
+            if req.request_id in self.in_flight:
+                i += 1
+                continue
             n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
             num_blocks = len(self.kv.req_blocks.get(req.request_id, ()))
             while not self.kv.allocate_slots(req, n, num_lookahead_tokens=self.num_lookahead_tokens):
-                victim = self.running.pop()
+                # the newest one at or after req that is not in flight (req itself at worst)
+                victim = next(r for r in reversed(self.running) if r.request_id not in self.in_flight)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is req:  # nothing below it can run either
@@ -110,12 +125,13 @@ class Scheduler:
             i += 1
         return scheduled, new_blocks, preempted
 
-    def _schedule_waiting(self, budget: int) -> list[tuple[Request, int]]:
-        """The admission pass: waiting requests in FCFS order while the budget, max_num_seqs and the free
-        blocks allow, each after its prefix-cache hit (or its pulled K/V), its prompt chunked to the budget
-        left. A request whose prompt K/V is to be pulled leaves the queue until it has arrived."""
+    def _schedule_waiting(self, budget: int, room: int) -> list[tuple[Request, int]]:
+        """The admission pass: waiting requests in FCFS order while the budget, max_num_seqs, the step's
+        `room` for more requests and the free blocks allow, each after its prefix-cache hit (or its pulled
+        K/V), its prompt chunked to the budget left. A request whose prompt K/V is to be pulled leaves the
+        queue until it has arrived."""
         admitted = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(admitted) < room:
             req = self.waiting[0]
             if self.kv.req_blocks.get(req.request_id):  # back from a KV pull, its blocks allocated
                 hits, num_hit_tokens = [], req.num_computed_tokens
@@ -188,6 +204,8 @@ class Scheduler:
                 cached.num_computed_tokens.append(req.num_computed_tokens)
             req.num_output_tokens_sent = len(req.output_token_ids)
             req.status = RequestStatus.RUNNING
+            if self.pipelined:
+                self.in_flight.add(req.request_id)
             out.num_scheduled_tokens[req.request_id] = n
             if req.spec_token_ids:
                 out.scheduled_spec_decode_tokens[req.request_id] = list(req.spec_token_ids)
@@ -209,6 +227,7 @@ class Scheduler:
         def output(req: Request) -> EngineCoreOutput:
             return outputs.setdefault(req.request_id, (req, EngineCoreOutput(req.request_id)))[1]
 
+        self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None:  # finished while the step ran
@@ -318,6 +337,7 @@ class Scheduler:
         req.kv_transfer_params = params
         req.spec_token_ids = []
         req.status = RequestStatus.FINISHED
+        self.in_flight.discard(req.request_id)
         self.requests.pop(req.request_id, None)
         self._finished_req_ids.add(req.request_id)
         self._finished.append(req)

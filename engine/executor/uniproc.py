@@ -1,8 +1,8 @@
 """The model on one device, in the engine's own process."""
 
 from engine.config import EngineConfig
-from engine.core.step_io import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from engine.executor.abstract import Executor, default_device, use_cpu_threads
+from engine.core.step_io import GrammarOutput, SchedulerOutput
+from engine.executor.abstract import Executor, StepFuture, default_device, use_cpu_threads
 from engine.worker.model_runner import ModelRunner
 
 
@@ -20,5 +20,8 @@ class UniProcExecutor(Executor):
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
-    ) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output, grammar_output)
+    ) -> StepFuture:
+        try:
+            return StepFuture(self.runner.execute_model(scheduler_output, grammar_output))
+        except Exception as e:
+            return StepFuture(error=e)

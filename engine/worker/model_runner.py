@@ -18,7 +18,8 @@ from engine.worker.input_batch import InputBatch, ModelInputs, StepBatch, build_
 from models.attention import make_backends
 from models.attention.base import AttentionMetadata
 from models.config import ModelShape
-from models.distributed.group import TPGroup
+from models.distributed.group import ParallelGroup, TPGroup
+from models.distributed.pipeline import PPStage
 from models.gguf import is_gguf
 from models.kernels import cpu_kernels
 from models.loader import load_config, load_model, resolve_model
@@ -40,13 +41,20 @@ class ModelRunner:
     deadlocks. The runner keeps its own copy of every request (`input_batch`, updated from each
     SchedulerOutput), so every rank builds its inputs itself; it never sees a scheduler's Request.
 
-    With `tp` (tensor parallelism, engine/executor) this runner is one rank: it holds its shard of the
-    model and the KV cache of its heads. The first rank (`is_driver`) samples, and drafts with
-    speculative decoding; the others only run the forward pass.
+    With `group` (tensor and pipeline parallelism, engine/executor) this runner is one rank: it holds its
+    stage's layers (`pp`), of each its shard (`tp`), and the KV cache of those layers and heads. A stage but
+    the first takes the previous stage's residual stream instead of embedding the tokens, a stage but the
+    last sends its own on (models/distributed/group.py). The first rank of the last stage (`is_driver`)
+    samples, and drafts with speculative decoding; the others only run the forward pass.
     """
 
     def __init__(
-        self, config: EngineConfig, hf_config, model_dir: str, device: torch.device, tp: TPGroup | None = None
+        self,
+        config: EngineConfig,
+        hf_config,
+        model_dir: str,
+        device: torch.device,
+        group: ParallelGroup | None = None,
     ):
         self.config, self.device = config, device
         if config.dtype == "auto":
@@ -56,8 +64,15 @@ class ModelRunner:
             self.dtype = DTYPES[config.dtype]
         torch.manual_seed(config.seed)
         self.block_size = config.block_size
-        self.is_driver = tp is None or tp.rank == 0
-        self.shape = ModelShape.from_hf(hf_config, tp.world_size if tp is not None else 1)
+        self.group = group
+        self.tp = tp = group.tp if group is not None else None
+        self.is_driver = group is None or group.is_driver
+        self.shape = ModelShape.from_hf(hf_config, group.tp_size if group is not None else 1)
+        self.pp = (
+            PPStage.of(self.shape.num_layers, group.pp_rank, group.pp_size, config.layer_partition)
+            if group is not None
+            else PPStage.whole(self.shape.num_layers)
+        )
         self.max_model_len = min(
             config.max_model_len or self.shape.max_position_embeddings, self.shape.max_position_embeddings
         )
@@ -77,6 +92,7 @@ class ModelRunner:
             self.dtype,
             tp,
             self._quant_config(model_dir, tp),
+            self.pp,
         )
         self.weight_bytes, summary = weight_summary(self.model)
         self.num_parameters = parameter_count(self.model)
@@ -148,7 +164,7 @@ class ModelRunner:
             logger.info("CUDA graphs off: this model's mixture-of-experts layers route on the host")
             use_graphs = False
         # With CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V.
-        shape = (self.shape.num_layers, 2, *self.backend.kv_cache_shape(num_blocks + use_graphs))
+        shape = (self.pp.num_layers, 2, *self.backend.kv_cache_shape(num_blocks + use_graphs))
         self.kv_cache = (
             host_memory.zeros(shape, self.dtype)
             if self.device.type == "cpu"
@@ -170,10 +186,10 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of K and V for one block over all layers (this rank's heads)."""
+        """Bytes of K and V for one block over this stage's layers (this rank's heads)."""
         return (
             2
-            * self.shape.num_layers
+            * self.pp.num_layers
             * self.block_size
             * self.shape.num_kv_heads
             * self.shape.head_dim
@@ -200,7 +216,7 @@ class ModelRunner:
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-n // self.block_size)
         kv = torch.zeros(
-            self.shape.num_layers, 2, *self.backend.kv_cache_shape(blocks), dtype=self.dtype, device=self.device
+            self.pp.num_layers, 2, *self.backend.kv_cache_shape(blocks), dtype=self.dtype, device=self.device
         )
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
@@ -220,8 +236,10 @@ class ModelRunner:
                 torch.arange(n, device=self.device),
                 [(layer[0], layer[1]) for layer in kv],
                 meta,
+                None if self.pp.is_first else torch.zeros(n, self.shape.hidden_size, device=self.device),
             )
-            self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+            if self.pp.is_last:
+                self.model.compute_logits(hidden[-self.config.max_num_seqs :])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         del kv, hidden
@@ -237,14 +255,21 @@ class ModelRunner:
     ) -> ModelRunnerOutput | None:
         """Runs one step, the same on every rank: the requests updated from `scheduler_output`, the inputs
         built from them, the forward pass, prompt logprobs and the sampled rows' logits (collectives under
-        tensor parallelism). The first rank then pools embeddings, samples (masked by `grammar_output`'s
-        grammars) and drafts, and returns the ModelRunnerOutput; the other ranks return None."""
+        tensor parallelism; a stage but the last sends its residual stream on and stops there). The driver then
+        pools embeddings, samples (masked by `grammar_output`'s grammars) and drafts, and returns the
+        ModelRunnerOutput; the other ranks return None."""
         self.input_batch.update_states(scheduler_output)
         self.speculator.update_states(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput() if self.is_driver else None
         batch = self.input_batch.prepare(scheduler_output, self.block_size, self.device)
-        hidden = self.forward(batch.model_inputs)
+        residual = None
+        if not self.pp.is_first:
+            residual = self.group.recv_hidden(batch.model_inputs.input_ids.shape[0], self.shape.hidden_size)
+        hidden = self.forward(batch.model_inputs, residual)
+        if not self.pp.is_last:
+            self.group.send_hidden(hidden)
+            return None
         out = ModelRunnerOutput()
         if batch.prompt_rows:
             out.prompt_logprobs = prompt_logprobs.collect(self.model, hidden, batch.prompt_rows)
@@ -262,14 +287,16 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """The model's hidden states [T, hidden] of one step's inputs (CUDA graphs for decodes where captured)."""
+    def forward(self, inputs: ModelInputs, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's hidden states [T, hidden] of one step's inputs (CUDA graphs for decodes where captured);
+        on a pipeline stage, from the previous stage's `residual` (float32 [T, hidden]) unless it is the
+        first, and this stage's residual stream unless it is the last."""
         meta = inputs.attn_metadata
         if self.graphs is not None and self.graphs.can_run(meta):
             return self.graphs.run(inputs.input_ids, inputs.positions, meta)  # plans for the padded batch itself
         for backend in self.backends:
             backend.plan(meta)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, residual)
 
     @torch.inference_mode()
     def compute_logits_of_rows(

@@ -7,6 +7,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from models.distributed.pipeline import PPMissingLayer
 from models.layers.fused_moe import expert_shard
 from models.layers.layernorm import RMSNorm
 from models.quantization.gguf import GGUFTensor
@@ -44,15 +45,20 @@ def load_checkpoint(
     model: nn.Module, config, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, skip: str | None = None
 ) -> None:
     """Copies every (Hugging Face name, tensor) of `weights` into `model`'s parameters (the "model." prefix
-    dropped; `skip`: a name to pass over, such as a tied LM head), then lets quantized layers stack their
+    dropped; `skip`: a name to pass over, such as a tied LM head; tensors of modules another pipeline stage
+    holds are passed over too), then lets quantized layers stack their
     projections (floats among them in `dtype`). Raises KeyError for a name the model does not have and
     ValueError when a parameter stays unset."""
     params = dict(model.named_parameters())
+    # a pipeline stage holds only its own layers: the others' tensors are passed over
+    elsewhere = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, PPMissingLayer))
     loaded = set()
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or name == skip:
             continue
         name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name of its MoE
+        if name.startswith(elsewhere):
+            continue
         parts = name.split(".")
         shards = [(0, tensor)]
         if (expert := expert_shard(name)) is not None:  # an MoE layer's expert weights (models/layers/fused_moe.py)

@@ -10,7 +10,6 @@ import dataclasses
 import os
 import re
 import signal
-import time
 from types import SimpleNamespace
 
 import httpx
@@ -20,12 +19,12 @@ import torch.nn.functional as F
 
 from api.cli import main as server_main
 from engine import LLM, SamplingParams
-from engine.engine_core import EngineStepError
 from models.config import ModelShape, partition_heads
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from scripts.make_tiny_model import save_tiny_model
 from tests.conftest import assert_greedy_matches, make_llm
+from tests.engines import kill_rank_and_expect_failure
 
 pytest_plugins = ["server_harness"]
 
@@ -95,18 +94,7 @@ def test_tp3_prompt_logprobs_match_tp1(tp3, llm, prompts):
 
 @pytest.mark.slow
 def test_killed_rank_fails_the_engine_with_a_clear_error(tp3):
-    workers = tp3.engine.engine_core.executor.workers
-    victim = workers.procs[1]  # rank 2
-    os.kill(victim.pid, signal.SIGKILL)
-    start = time.monotonic()
-    message = f"tensor-parallel rank 2 \\(pid {victim.pid}\\) was killed by SIGKILL"
-    # whether the watchdog or the step sees it first, the request fails (its blocks freed) and names the rank
-    with pytest.raises(EngineStepError, match=message):
-        tp3.generate(["Hello"], SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
-    assert time.monotonic() - start < 30
-    assert all(p.poll() is not None for p in workers.procs)  # rank 1 was stopped too
-    with pytest.raises(EngineStepError, match=message):  # and the engine stays dead
-        tp3.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
+    kill_rank_and_expect_failure(tp3, 1, "tensor-parallel rank 2")
 
 
 @pytest.mark.slow
@@ -226,16 +214,10 @@ def test_heads_that_do_not_divide_are_a_startup_error():
         LLM(tensor_parallel_size=2, dtype="float32", kv_cache_memory=64 << 20)
 
 
-def test_pipeline_parallelism_is_refused(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        server_main(["--pipeline-parallel-size", "2"])
-    assert exit_info.value.code == 2 and "pipeline_parallel_size 2 is not supported" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["-tp", "3", "--nnodes", "2"], "tensor_parallel_size 3 does not split evenly over nnodes 2"),
+        (["-tp", "3", "--nnodes", "2"], "pipeline_parallel_size (3 ranks) does not split evenly over nnodes 2"),
         (["-tp", "2", "--nnodes", "2", "--node-rank", "2"], "node_rank must be in [0, nnodes 2), got 2"),
         (
             ["-tp", "2", "--nnodes", "2", "--node-rank", "1"],

@@ -2,8 +2,8 @@
 its own; tests/netns.py): two data-parallel replicas on two hosts behind vllm-router on a third
 (cache-aware routing), then one replica host's link cut during streams; a prefill server and a decode
 server on two hosts with the prompt's KV pulled by NIXL over UCX's TCP transport, then the prefill server
-killed before the pull; the two tensor-parallel ranks of one engine on two hosts (node 0 serving, node 1
-headless), then node 1's link cut during a stream. Hosts are made and removed here."""
+killed before the pull; the two tensor-parallel ranks, then the two pipeline stages, of one engine on two
+hosts (node 0 serving, node 1 headless), then node 1's link cut during a stream. Hosts are made and removed here."""
 
 import asyncio
 import json
@@ -277,14 +277,20 @@ def tiny_llama(tmp_path_factory, llm):
     return path, prompt, (n, llm.tokenizer.decode(out.token_ids[:n]))
 
 
-async def test_tensor_parallel_ranks_on_two_hosts_then_one_cut_off(tiny_llama, tmp_path):
+@pytest.mark.parametrize(
+    "flag,rank_1",
+    [("--tensor-parallel-size", "tensor-parallel rank 1"), ("--pipeline-parallel-size", "rank 1 (pipeline stage 1)")],
+)
+async def test_ranks_on_two_hosts_then_one_cut_off(flag, rank_1, tiny_llama, tmp_path):
+    """Tensor parallelism (each host one half of every layer), then pipeline parallelism (each host one of
+    the two layers, a stage)."""
     path, prompt, (num_tokens, expected) = tiny_llama
     with Network(2) as net:
         common = [
             *ENGINE,
             "--model",
             str(path),
-            "--tensor-parallel-size",
+            flag,
             "2",
             "--nnodes",
             "2",
@@ -316,7 +322,7 @@ async def test_tensor_parallel_ranks_on_two_hosts_then_one_cut_off(tiny_llama, t
         url = f"http://{net.addr(0)}:{PORT}"
         wait_healthy(url, [node0, node1], timeout=180)
         log = (tmp_path / "node0.log").read_text()
-        assert f"tensor-parallel rank 1 of 2: on {net.addr(1)}" in log, log[-3000:]
+        assert f"{rank_1} of 2: on {net.addr(1)}" in log, log[-3000:]
 
         async with httpx.AsyncClient(base_url=url, timeout=TP_TIMEOUT * 4) as http:
             r = await http.post(
@@ -342,7 +348,7 @@ async def test_tensor_parallel_ranks_on_two_hosts_then_one_cut_off(tiny_llama, t
         assert time.monotonic() - cut_at < TP_TIMEOUT + 30
         log = (tmp_path / "node0.log").read_text()
         assert re.search(
-            rf"shutting down: tensor-parallel rank 1 on {re.escape(net.addr(1))} sent no heartbeat "
+            rf"shutting down: {re.escape(rank_1)} on {re.escape(net.addr(1))} sent no heartbeat "
             rf"for \d+ s \(host down or cut off\)",
             log,
         ), log[-3000:]

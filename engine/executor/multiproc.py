@@ -1,16 +1,20 @@
-"""Rank 0's side of tensor parallelism: the executor, and the other ranks' processes (start, watch, stop).
+"""Rank 0's side of tensor and pipeline parallelism: the executor, and the other ranks' processes (start,
+watch, stop).
 
-Rank 0 is the engine's own process (it runs the scheduler, its model shard and the sampler); ranks
-1..N-1 are `python -m engine.executor.tp_worker` processes that only run their model shard, started
-with torchrun's semantics: rank, world size and the address of the rendezvous (a TCPStore that rank
-0 serves, holding the engine config) on the command line. Unlike multiprocessing's "spawn", this
-never re-imports the caller's main module, so a script needs no `if __name__ == "__main__"` guard.
+There are tensor_parallel_size x pipeline_parallel_size ranks; rank r is tensor-parallel rank r % T of
+pipeline stage r // T (models/distributed/group.py). Rank 0 is the engine's own process (it runs the
+scheduler and its part of the model; without pipeline stages also the sampler); ranks 1..N-1 are
+`python -m engine.executor.worker_proc` processes that only run their part (the first rank of the last
+stage also samples), started with torchrun's semantics: rank, world size and the address of the
+rendezvous (a TCPStore that rank 0 serves, holding the engine config) on the command line. Unlike
+multiprocessing's "spawn", this never re-imports the caller's main module, so a script needs no
+`if __name__ == "__main__"` guard.
 
 On one host rank 0 starts every rank and the rendezvous is on 127.0.0.1. Across hosts (vLLM's
-`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`) each host runs tensor_parallel_size /
-nnodes consecutive ranks: node 0 runs the server with rank 0 and starts its own others; every other
-node runs `server.py --headless`, which starts its ranks (`run_headless`), and they join rank 0's
-rendezvous at the master address.
+`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`) each host runs world size / nnodes
+consecutive ranks (one pipeline stage per host when nnodes is the number of stages): node 0 runs the
+server with rank 0 and starts its own others; every other node runs `server.py --headless`, which starts
+its ranks (`run_headless`), and they join rank 0's rendezvous at the master address.
 
 A rank that exits (killed, crashed, out of memory) is seen at once by a watchdog thread waiting on
 it: the thread records the error, logs it and kills the other ranks, so any collective rank 0 is in
@@ -30,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from datetime import timedelta
 from pathlib import Path
 
@@ -37,11 +42,12 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.core.step_io import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from engine.executor.abstract import Executor, default_device, use_cpu_threads
+from engine.core.step_io import GrammarOutput, SchedulerOutput
+from engine.executor.abstract import Executor, StepFuture, default_device, use_cpu_threads
 from engine.worker.model_runner import ModelRunner
 from models.config import ModelShape
-from models.distributed.group import COLLECTIVE_TIMEOUT, EngineDeadError, TPGroup
+from models.distributed.group import COLLECTIVE_TIMEOUT, EngineDeadError, ParallelGroup
+from models.distributed.pipeline import get_pp_indices
 from models.loader import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -53,9 +59,17 @@ HEARTBEAT_TIMEOUT = 10.0  # seconds without one (either way) before that rank or
 
 
 def node_ranks(config: EngineConfig, node_rank: int) -> range:
-    """The ranks that run on node `node_rank`: tensor_parallel_size / nnodes consecutive ones."""
-    per_node = config.tensor_parallel_size // config.nnodes
+    """The ranks that run on node `node_rank`: world_size / nnodes consecutive ones."""
+    per_node = config.world_size // config.nnodes
     return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+def rank_name(config: EngineConfig, rank: int) -> str:
+    """How logs and errors name a rank: "tensor-parallel rank r" without pipeline stages, else
+    "rank r (pipeline stage s)"."""
+    if config.pipeline_parallel_size == 1:
+        return f"tensor-parallel rank {rank}"
+    return f"rank {rank} (pipeline stage {rank // config.tensor_parallel_size})"
 
 
 def collective_timeout(config: EngineConfig) -> timedelta:
@@ -82,11 +96,11 @@ def start_rank(rank: int, config: EngineConfig, port: int, model_dir: str, devic
         [
             sys.executable,
             "-m",
-            "engine.executor.tp_worker",
+            "engine.executor.worker_proc",
             "--rank",
             str(rank),
             "--world-size",
-            str(config.tensor_parallel_size),
+            str(config.world_size),
             "--master-addr",
             config.master_addr,
             "--port",
@@ -100,26 +114,34 @@ def start_rank(rank: int, config: EngineConfig, port: int, model_dir: str, devic
     )
 
 
-class TensorParallelExecutor(Executor):
-    """Rank 0 of `config.tensor_parallel_size` ranks, after starting the others (which load their
-    shards at the same time): each step rank 0 sends the step's description (the SchedulerOutput and the
-    grammar masks) to the others, and every rank's runner updates its own requests, builds its inputs and
-    runs its shard; rank 0 samples alone. No CUDA graphs (the collectives would have to be captured).
+class MultiprocExecutor(Executor):
+    """Rank 0 of `config.world_size` ranks, after starting the others (which load their parts at the same
+    time): each step rank 0 sends the step's description (the SchedulerOutput and the grammar masks) to the
+    others, and every rank's runner updates its own requests, builds its inputs and runs its part; the
+    driver (the first rank of the last stage) samples. Without pipeline stages rank 0 is the driver and a
+    step is done when `execute_model` returns. With P stages rank 0 runs the first and returns the step's
+    future at once, so the engine can start the next (`max_concurrent_batches` = P); the driver sends each
+    step's output back in order, and a future's `result()` receives the outputs up to its own. No CUDA
+    graphs (the collectives would have to be captured).
 
-    Raises ValueError when the model's heads do not split over the ranks (before starting any),
-    or when CUDA has fewer GPUs than ranks, and EngineDeadError when a rank fails to start.
+    Raises ValueError when the model's heads do not split over the tensor-parallel ranks or its layers over
+    the stages (before starting any rank), or when CUDA has fewer GPUs than ranks, and EngineDeadError when
+    a rank fails to start.
     """
 
     def __init__(self, config: EngineConfig, hf_config, model_dir: str):
-        world = config.tensor_parallel_size
-        ModelShape.from_hf(hf_config, world)
+        world = config.world_size
+        ModelShape.from_hf(hf_config, config.tensor_parallel_size)
+        get_pp_indices(hf_config.num_hidden_layers, 0, config.pipeline_parallel_size, config.layer_partition)
         device = default_device(config)
         if device.type == "cuda" and torch.cuda.device_count() < world:
-            raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; {torch.cuda.device_count()} visible")
+            raise ValueError(f"{world} ranks need {world} GPUs; {torch.cuda.device_count()} visible")
         if config.node_rank != 0:
             raise ValueError(f"node_rank {config.node_rank} runs no engine: start it with run_headless")
         self.workers = Workers(config, model_dir, device.type)
         self.group = self.workers.group
+        self.max_concurrent_batches = config.pipeline_parallel_size
+        self._in_flight: deque[StepFuture] = deque()  # futures of the steps whose output has not come back
         try:
             self.runner = build_rank_runner(config, hf_config, model_dir, self.group)
         except BaseException:
@@ -128,24 +150,45 @@ class TensorParallelExecutor(Executor):
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
-    ) -> ModelRunnerOutput:
-        self.group.send_step((scheduler_output, grammar_output))
-        return self.runner.execute_model(scheduler_output, grammar_output)
+    ) -> StepFuture:
+        try:
+            self.group.send_step((scheduler_output, grammar_output))
+            output = self.runner.execute_model(scheduler_output, grammar_output)
+        except Exception as e:
+            return StepFuture(error=e)
+        if self.group.pp_size == 1:
+            return StepFuture(output)
+        future = StepFuture(wait=self._receive_until)
+        self._in_flight.append(future)
+        return future
+
+    def _receive_until(self, future: StepFuture) -> None:
+        """Receives the driver's outputs, oldest step first, until `future`'s has come."""
+        while not future.done:
+            oldest = self._in_flight.popleft()
+            try:
+                oldest.set(self.group.recv_output())
+            except EngineDeadError as e:
+                oldest.set(error=e)
 
     @property
     def error(self) -> str | None:
         return self.group.error
 
     def shutdown(self) -> None:
+        """Takes the outputs of the steps still in flight (so the driver's sends complete), then stops the
+        other ranks and closes the group."""
+        while self._in_flight and self.group.error is None:
+            self._receive_until(self._in_flight[-1])
         self.workers.shutdown()
         self.group.close()
 
 
-def build_rank_runner(config: EngineConfig, hf_config, model_dir: str, group: TPGroup) -> ModelRunner:
-    """One rank's ModelRunner (every rank builds its own the same way): its shard of the model, and
-    as many KV blocks as the rank with the least room holds (a collective: all ranks call it)."""
-    if group.device.type == "cpu":  # the ranks share the cores
-        use_cpu_threads(config, group.world_size)
+def build_rank_runner(config: EngineConfig, hf_config, model_dir: str, group: ParallelGroup) -> ModelRunner:
+    """One rank's ModelRunner (every rank builds its own the same way): its part of the model, and as many
+    KV blocks as the rank with the least room holds (a collective: all ranks call it)."""
+    if group.device.type == "cpu":  # the ranks of a host share its cores
+        use_cpu_threads(config, group.world_size // config.nnodes)
     runner = ModelRunner(config, hf_config, model_dir, group.device, group)
     # the ranks share the machine's memory: kv_cache_memory is for all of them
     runner.init_kv_cache(
@@ -161,14 +204,14 @@ def rank_device(device_type: str, rank: int) -> torch.device:
 
 class Workers:
     """The processes of ranks 1..N-1 on this host, the heartbeats of those on other hosts, and rank
-    0's TPGroup (`group`; its `error` says why the engine died).
+    0's ParallelGroup (`group`; its `error` says why the engine died).
 
     Stopped by `shutdown()` (also at interpreter exit): the stop message, then SIGKILL for any rank
     of this host still running 10 s later.
     """
 
     def __init__(self, config: EngineConfig, model_dir: str, device_type: str):
-        world = config.tensor_parallel_size
+        world = config.world_size
         store = dist.TCPStore(
             config.master_addr,
             master_port(config),
@@ -178,7 +221,7 @@ class Workers:
             wait_for_workers=False,
         )
         store.set("engine_config", pickle.dumps(config))  # whatever fields it grows
-        self.group: TPGroup | None = None
+        self.group: ParallelGroup | None = None
         self.death: str | None = None  # which rank exited, as the watchdog saw it
         self._died = threading.Event()
         self._stopping = False
@@ -189,14 +232,22 @@ class Workers:
         try:
             for rank in node_ranks(config, 0)[1:]:
                 self.procs.append(start_rank(rank, config, store.port, model_dir, device_type))
-                logger.info("tensor-parallel rank %d of %d: pid %d", rank, world, self.procs[-1].pid)
+                logger.info("%s of %d: pid %d", rank_name(config, rank), world, self.procs[-1].pid)
             for rank, proc in enumerate(self.procs, 1):
-                threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-watch-{rank}", daemon=True).start()
+                threading.Thread(
+                    target=self._watch, args=(rank_name(config, rank), proc), name=f"rank-watch-{rank}", daemon=True
+                ).start()
             self._wait_for_ranks(store, config)
             for rank in remote:
-                logger.info("tensor-parallel rank %d of %d: on %s", rank, world, store.get(f"host{rank}").decode())
-            group = TPGroup(
-                store, 0, world, rank_device(device_type, 0), config.master_addr, collective_timeout(config)
+                logger.info("%s of %d: on %s", rank_name(config, rank), world, store.get(f"host{rank}").decode())
+            group = ParallelGroup(
+                store,
+                0,
+                world,
+                rank_device(device_type, 0),
+                config.master_addr,
+                collective_timeout(config),
+                config.tensor_parallel_size,
             )
         except BaseException:
             self.shutdown()
@@ -213,7 +264,7 @@ class Workers:
     def _wait_for_ranks(self, store: dist.TCPStore, config: EngineConfig) -> None:
         """Waits until every rank has reached the rendezvous, failing at once if one of this host's
         exits first (the process group's own rendezvous would wait out its whole timeout)."""
-        keys = [f"rank{rank}" for rank in range(1, config.tensor_parallel_size)]
+        keys = [f"rank{rank}" for rank in range(1, config.world_size)]
         deadline = time.monotonic() + START_TIMEOUT
         while not store.check(keys):
             if self.death is not None:
@@ -221,7 +272,7 @@ class Workers:
             if time.monotonic() > deadline:
                 missing = [n for n in range(1, config.nnodes) if not store.check([f"rank{node_ranks(config, n)[0]}"])]
                 raise EngineDeadError(
-                    f"tensor-parallel ranks did not start within {START_TIMEOUT} s"
+                    f"the other ranks did not start within {START_TIMEOUT} s"
                     + (
                         f"; nodes {missing} never joined {config.master_addr}:{store.port} (start "
                         f"`server.py --headless --nnodes {config.nnodes} --node-rank N --master-addr "
@@ -237,7 +288,7 @@ class Workers:
         Ends soon after `_stopping` is set (shutdown joins it: a thread in the store's C++ at interpreter
         exit aborts the process)."""
         store = dist.TCPStore(
-            config.master_addr, port, config.tensor_parallel_size, False, timeout=timedelta(seconds=HEARTBEAT_TIMEOUT)
+            config.master_addr, port, config.world_size, False, timeout=timedelta(seconds=HEARTBEAT_TIMEOUT)
         )
         seen = {rank: (-1, time.monotonic()) for rank in ranks}  # last count, when it changed
         while not self._stopping:
@@ -249,17 +300,17 @@ class Workers:
                 elif now - seen[rank][1] > HEARTBEAT_TIMEOUT and not self._stopping:
                     host = store.get(f"host{rank}").decode()
                     self._fail(
-                        f"tensor-parallel rank {rank} on {host} sent no heartbeat for "
+                        f"{rank_name(config, rank)} on {host} sent no heartbeat for "
                         f"{HEARTBEAT_TIMEOUT:g} s (host down or cut off)"
                     )
                     return
 
-    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+    def _watch(self, name: str, proc: subprocess.Popen) -> None:
         code = proc.wait()
         if self._stopping:
             return
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-        self._fail(f"tensor-parallel rank {rank} (pid {proc.pid}) {how}")
+        self._fail(f"{name} (pid {proc.pid}) {how}")
 
     def _fail(self, death: str) -> None:
         """A rank is gone: records why, stops this host's ranks and fails the group."""
@@ -317,9 +368,9 @@ def run_headless(config: EngineConfig) -> int:
     }
     for rank, proc in procs.items():
         logger.info(
-            "tensor-parallel rank %d of %d: pid %d, joining %s:%d",
-            rank,
-            config.tensor_parallel_size,
+            "%s of %d: pid %d, joining %s:%d",
+            rank_name(config, rank),
+            config.world_size,
             proc.pid,
             config.master_addr,
             port,
@@ -335,5 +386,5 @@ def run_headless(config: EngineConfig) -> int:
     codes = {rank: proc.wait() for rank, proc in procs.items()}
     for rank, code in codes.items():
         if code != 0:
-            logger.error("tensor-parallel rank %d exited with status %d", rank, code)
+            logger.error("%s exited with status %d", rank_name(config, rank), code)
     return 0 if not any(codes.values()) else 1

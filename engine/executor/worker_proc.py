@@ -1,7 +1,8 @@
-"""A tensor-parallel rank other than 0 (`python -m engine.executor.tp_worker`, started by
-tensor_parallel.py on rank 0's host or by a headless node): loads its shard of the model and the KV
-cache of its heads, then runs every step rank 0 sends (its own copy of the requests updated from the
-SchedulerOutput, its own inputs, its shard's forward), until rank 0 says stop.
+"""A rank other than 0 (`python -m engine.executor.worker_proc`, started by multiproc.py on rank 0's host
+or by a headless node): loads its part of the model (its pipeline stage's layers, of each its tensor-parallel
+shard) and the KV cache of those, then runs every step rank 0 sends (its own copy of the requests updated
+from the SchedulerOutput, its own inputs, its part's forward; the driver, the first rank of the last stage,
+sends the step's output back to rank 0) until rank 0 says stop.
 A rank on another host than rank 0's sends it a heartbeat every second and exits when rank 0 has not
 answered one for HEARTBEAT_TIMEOUT."""
 
@@ -17,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.executor.tensor_parallel import (
+from engine.executor.multiproc import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
     START_TIMEOUT,
@@ -26,7 +27,7 @@ from engine.executor.tensor_parallel import (
     node_ranks,
     rank_device,
 )
-from models.distributed.group import EngineDeadError, TPGroup, local_address
+from models.distributed.group import EngineDeadError, ParallelGroup, local_address
 from models.loader import load_config
 
 logger = logging.getLogger(__name__)
@@ -53,23 +54,34 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     store = dist.TCPStore(args.master_addr, args.port, args.world_size, False, timeout=timedelta(seconds=START_TIMEOUT))
     config = pickle.loads(store.get("engine_config"))  # rank 0's EngineConfig
-    if config.tensor_parallel_size != args.world_size:
+    if config.world_size != args.world_size:
         logger.error(
-            "rank 0 at %s runs tensor_parallel_size %d, this rank was started for %d",
+            "rank 0 at %s runs %d ranks (tensor x pipeline parallel), this rank was started for %d",
             args.master_addr,
-            config.tensor_parallel_size,
+            config.world_size,
             args.world_size,
         )
         return 1
     store.set(f"host{args.rank}", local_address(args.master_addr))
     if args.rank not in node_ranks(config, 0):  # rank 0 cannot see this process: it hears from it instead
-        threading.Thread(target=heartbeat, args=(args,), name="tp-heartbeat", daemon=True).start()
+        threading.Thread(target=heartbeat, args=(args,), name="heartbeat", daemon=True).start()
     store.set(f"rank{args.rank}", "ready")
     try:
-        group = TPGroup(store, args.rank, args.world_size, device, args.master_addr, collective_timeout(config))
+        group = ParallelGroup(
+            store,
+            args.rank,
+            args.world_size,
+            device,
+            args.master_addr,
+            collective_timeout(config),
+            config.tensor_parallel_size,
+        )
         runner = build_rank_runner(config, load_config(args.model_dir), args.model_dir, group)
         while (step := group.recv_step()) is not None:
-            runner.execute_model(*step)
+            output = runner.execute_model(*step)
+            if output is not None:  # the driver of a pipeline (rank 0 drives without stages)
+                group.send_output(output)
+        group.flush()  # the stop message on to the next stage
     except EngineDeadError as e:
         logger.error("stopping: %s", e)
         return 1
@@ -95,7 +107,7 @@ def heartbeat(args: argparse.Namespace) -> None:
             last_beat = time.monotonic()
             time.sleep(HEARTBEAT_INTERVAL)
 
-    threading.Thread(target=beat, name="tp-heartbeat-send", daemon=True).start()
+    threading.Thread(target=beat, name="heartbeat-send", daemon=True).start()
     while time.monotonic() - last_beat < HEARTBEAT_TIMEOUT:
         time.sleep(HEARTBEAT_INTERVAL)
     logger.error(
