@@ -72,10 +72,10 @@ def test_preemption_keeps_greedy_output(prompts, hf_reference):
 @pytest.mark.slow
 def test_bfloat16_agrees_with_float32(llm):
     """bfloat16 (the CPU default with AVX512-BF16) takes the first 16 greedy tokens of float32 on at
-    least 80% of the benchmark workload's prompts (the first 24 here). bfloat16 weights and activations
+    least 80% of the benchmark workload's prompts (the first 16 here). bfloat16 weights and activations
     flip a near-tie now and then (86% of all 64 agree, measured; 72% before the LM head re-scored its top
     logits in float32), a wrong kernel flips most."""
-    work = [r["prompt_token_ids"] for r in _workload()[:24]]
+    work = [r["prompt_token_ids"] for r in _workload()[:16]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     bf16 = make_llm(dtype="bfloat16")
     assert bf16.engine.engine_core.executor.runner.kv_cache.dtype == torch.bfloat16
