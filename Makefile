@@ -32,7 +32,7 @@ check:
 	ruff format --check .
 
 test: install browser check
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=20 tests
 
 test-fast: check
 	$(PYTHON) -m pytest -q -m "not slow" tests

@@ -254,7 +254,7 @@ async def test_prefill_host_killed_before_the_pull_fails_the_request_and_frees_i
 # Tensor parallelism across hosts
 # ---------------------------------------------------------------------------------------------
 
-TP_TIMEOUT = 20  # --distributed-timeout-seconds: how long a step may wait in a collective for a cut-off rank
+TP_TIMEOUT = 15  # --distributed-timeout-seconds: how long a step may wait in a collective for a cut-off rank
 
 
 @pytest.fixture(scope="module")
