@@ -45,8 +45,8 @@ class Executor(ABC):
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
     ) -> StepFuture:
-        """Starts one step on every rank; returns its future, whose result is the driver rank's output. The
-        future raises whatever the forward raised (the engine fails the step's requests)."""
+        """Starts one step on every rank; returns its future, whose result is the driver rank's output. Raises
+        (or the future raises) whatever the forward raised: the engine fails the step's requests either way."""
 
     @property
     def error(self) -> str | None:

@@ -151,11 +151,8 @@ class MultiprocExecutor(Executor):
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
     ) -> StepFuture:
-        try:
-            self.group.send_step((scheduler_output, grammar_output))
-            output = self.runner.execute_model(scheduler_output, grammar_output)
-        except Exception as e:
-            return StepFuture(error=e)
+        self.group.send_step((scheduler_output, grammar_output))
+        output = self.runner.execute_model(scheduler_output, grammar_output)
         if self.group.pp_size == 1:
             return StepFuture(output)
         future = StepFuture(wait=self._receive_until)

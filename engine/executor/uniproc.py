@@ -21,7 +21,4 @@ class UniProcExecutor(Executor):
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
     ) -> StepFuture:
-        try:
-            return StepFuture(self.runner.execute_model(scheduler_output, grammar_output))
-        except Exception as e:
-            return StepFuture(error=e)
+        return StepFuture(self.runner.execute_model(scheduler_output, grammar_output))
