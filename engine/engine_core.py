@@ -55,12 +55,11 @@ class EngineCore:
         self.executor = build_executor(config, hf_config, model_dir)
         runner = self.executor.runner  # rank 0's: the KV cache size and limits are the engine's
         self.max_model_len, self.num_blocks = runner.max_model_len, runner.num_blocks
-        # a window shared by every layer lets blocks that left it be freed (a model mixing kinds keeps them)
-        windows = set(runner.shape.sliding_windows)
-        window = next(iter(windows)) if len(windows) == 1 else None
-        if config.kv_transfer_config is not None and windows - {None}:
+        # a block table per KV cache group: a sliding-window group frees the blocks that left its window
+        specs = tuple(group.kv_cache_spec for group in runner.kv_cache_groups)
+        if config.kv_transfer_config is not None and any(spec.sliding_window for spec in specs):
             raise ValueError("kv_transfer_config is not supported for a model with sliding-window layers")
-        self.kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching, window)
+        self.kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching, specs)
         self.kv_connector = (
             NixlConnector(config.kv_transfer_config, runner.kv_cache, config.block_size)
             if config.kv_transfer_config

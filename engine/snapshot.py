@@ -100,7 +100,7 @@ class Snapshotter:
         n = kv.num_blocks
         # every block table as one array (a pool can hold 100k+ blocks: no Python loop per block)
         reqs = list(itertools.chain(sched.running, sched.waiting))
-        tables = [[b for b in kv.req_blocks.get(req.request_id, ()) if b is not kv.null_block] for req in reqs]
+        tables = [kv.held_blocks(req.request_id) for req in reqs]  # its groups' tables one after another
         lengths = np.fromiter(map(len, tables), np.int64, len(tables))
         ids = np.fromiter(itertools.chain.from_iterable(map(_block_id, t) for t in tables), np.int64, lengths.sum())
         starts = np.cumsum(lengths) - lengths

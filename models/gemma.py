@@ -145,13 +145,15 @@ class GemmaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        attn_metadata: list[AttentionMetadata],
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """As LlamaForCausalLM.forward: kv_caches and attn_metadata per layer of this stage."""
         if self.pp.is_first:
             residual = self.embed_tokens(input_ids).float() * self.normalizer
         x, rope = None, {kind: rotary(positions) for kind, rotary in self.rotary.items()}
-        for layer, kv_cache in zip(self.layers[self.pp.start_layer : self.pp.end_layer], kv_caches):
+        layers = self.layers[self.pp.start_layer : self.pp.end_layer]
+        for layer, kv_cache, meta in zip(layers, kv_caches, attn_metadata):
             x = layer(residual, x, rope[layer.kind], kv_cache, meta)
         return self.norm(residual, x) if self.pp.is_last else residual.add_(x)
 

@@ -32,12 +32,14 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 # architectures whose q/k rows llama.cpp's converter interleaves (LlamaModel.permute), undone at load
 PERMUTED = ("llama", "smollm3", "granite")
 # architectures whose norms the converter stores as 1 + w (Gemma's scale); w is given back to the model
-NORM_SHIFTED = ("gemma3",)
+NORM_SHIFTED = ("gemma2", "gemma3")
 # GGUF tensor name (after blk.N.) -> Hugging Face name (after model.layers.N.)
 LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -68,6 +70,8 @@ GEMMA_TENSORS = LAYER_TENSORS | {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3's fused projections: q, k, v rows in one tensor, and the gate rows then the up rows in ffn_up
+PHI3_TENSORS = LAYER_TENSORS | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 MODEL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -173,9 +177,11 @@ class GGUFModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    sliding_window: int | None = None  # Gemma 3
+    sliding_window: int | None = None  # Gemma 2/3, Phi-3
     layer_types: list[str] | None = None
     query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2
+    final_logit_softcapping: float | None = None
     num_experts: int | None = None  # mixtures of experts (Qwen3-MoE; Mixtral, which llama.cpp calls llama)
     num_experts_per_tok: int | None = None
     moe_intermediate_size: int | None = None
@@ -203,6 +209,11 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         rope["freq_factors"] = _float_tensor(header, ROPE_FREQS).tolist()
     layers = _key(path, md, "block_count")
     head_dim = _key(path, md, "attention.key_length", hidden // heads)
+    rope_dims = md.get(f"{arch}.rope.dimension_count", head_dim)
+    if rope_dims != head_dim:  # Phi-4-mini, ...: rotary on part of each head
+        raise ValueError(
+            f"{path}: rope.dimension_count {rope_dims} < head_dim {head_dim} (partial rotary) is not supported"
+        )
     extra = {}
     if arch == "smollm3":  # llama.cpp's rule (no metadata): no rotary on every fourth layer
         extra["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
@@ -213,6 +224,10 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
             residual_multiplier=md.get(f"{arch}.residual_scale", 1.0),
             logits_scaling=md.get(f"{arch}.logit_scale", 1.0),
         )
+    elif arch == "phi3":  # one window for every layer (0: none, Phi-4)
+        extra["sliding_window"] = md.get("phi3.attention.sliding_window") or None
+    elif arch == "gemma2":
+        extra = _gemma2_fields(md, layers, hidden, heads, head_dim)
     elif arch == "gemma3":
         extra = _gemma3_fields(path, md, layers, hidden, heads, head_dim, rope)
     if md.get(f"{arch}.expert_count"):  # llama.cpp's MoE layers: softmax routing, top-k renormalised but in qwen2moe
@@ -227,6 +242,7 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
     return GGUFModelConfig(
         architectures=[ARCHITECTURES[arch]],
         model_type="gemma3_text" if arch == "gemma3" else arch,
+        hidden_act="gelu_pytorch_tanh" if arch.startswith("gemma") else "silu",
         num_hidden_layers=layers,
         hidden_size=hidden,
         intermediate_size=md.get(f"{arch}.feed_forward_length") or _key(path, md, "expert_feed_forward_length"),
@@ -245,6 +261,19 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
     )
 
 
+def _gemma2_fields(md: dict, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
+    """Gemma 2's fields as llama.cpp reads them: the window on every other layer from the first, the soft caps,
+    1 / sqrt(head_dim) as the attention scale (hidden / heads for the 46-layer 27B model)."""
+    window = md.get("gemma2.attention.sliding_window")
+    return dict(
+        sliding_window=window or None,
+        layer_types=["sliding_attention" if window and i % 2 == 0 else "full_attention" for i in range(layers)],
+        query_pre_attn_scalar=hidden // heads if layers == 46 else head_dim,
+        attn_logit_softcapping=md.get("gemma2.attn_logit_softcapping"),
+        final_logit_softcapping=md.get("gemma2.final_logit_softcapping"),
+    )
+
+
 def _gemma3_fields(path: str, md: dict, layers: int, hidden: int, heads: int, head_dim: int, rope: dict) -> dict:
     """Gemma 3's fields as llama.cpp reads them: the sliding window on 5 of every 6 layers (or the file's
     sliding_window_pattern), the sliding layers' own rope base, 1 / sqrt(head_dim) as the attention scale
@@ -258,7 +287,6 @@ def _gemma3_fields(path: str, md: dict, layers: int, hidden: int, heads: int, he
     scalar = hidden // heads if layers == 62 else head_dim
     local = {"rope_type": "default", "rope_theta": md.get("gemma3.rope.freq_base_swa", 10000.0)}
     return dict(
-        hidden_act="gelu_pytorch_tanh",
         sliding_window=window or None,
         layer_types=["sliding_attention" if window and s else "full_attention" for s in sliding],
         query_pre_attn_scalar=scalar,
@@ -308,7 +336,7 @@ def load_gguf_tokenizer(path: str, cache: Path | None = None):
 def _hf_name(path: str, name: str, arch: str) -> str:
     if name in MODEL_TENSORS:
         return MODEL_TENSORS[name]
-    names = GEMMA_TENSORS if arch.startswith("gemma") else LAYER_TENSORS
+    names = GEMMA_TENSORS if arch.startswith("gemma") else PHI3_TENSORS if arch == "phi3" else LAYER_TENSORS
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m is None or m[2] not in names:
         raise ValueError(f"{path}: tensor {name} is not one this server knows how to load")

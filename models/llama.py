@@ -130,9 +130,13 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        attn_metadata: list[AttentionMetadata],
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Hidden states [T, hidden] of one step's tokens `input_ids` at `positions` (int64 [T]); kv_caches and
+        attn_metadata: those of each layer of this pipeline stage (a layer's KV cache group's metadata); on a
+        stage but the first, the previous stage's float32 `residual` [T, hidden] instead of the embeddings,
+        and on a stage but the last the residual stream is returned instead of the final norm's output."""
         # The residual stream stays float32 (see models/kernels/csrc/layer_ops.c); sublayers run in the model dtype
         # (a quantized model's linears in float32: load_weights).
         if self.pp.is_first:
@@ -140,7 +144,8 @@ class LlamaForCausalLM(nn.Module):
             if self.embedding_multiplier != 1.0:
                 residual *= self.embedding_multiplier
         x, rope = None, self.rotary(positions)
-        for layer, kv_cache in zip(self.layers[self.pp.start_layer : self.pp.end_layer], kv_caches):
+        layers = self.layers[self.pp.start_layer : self.pp.end_layer]
+        for layer, kv_cache, meta in zip(layers, kv_caches, attn_metadata):
             x = layer(residual, x, rope, kv_cache, meta)
         return self.norm(residual, x) if self.pp.is_last else residual.add_(x)
 

@@ -22,9 +22,9 @@ first 16 output tokens equal ours: a check that every engine ran the same model 
 The GGUF llama.cpp runs: --model when it is a .gguf, else --gguf (without --model: the default model's file).
 
 With --latency it measures batch-1 decode instead: each of --latency-prompts prompts of the workload
-(truncated to 434 tokens) runs alone for 1 and for --output-len tokens (greedy, EOS ignored, prefix cache
-reset before each run), and ms per output token = (t(N) - t(1)) / (N - 1), so prefill and per-request
-overheads cancel; the table gives each engine's median over prompts and rounds. Peers: vLLM-CPU
+(truncated to 434 tokens, or --latency-depth) runs alone for 1 and for --output-len tokens (greedy, EOS
+ignored, prefix cache reset before each run), and ms per output token = (t(N) - t(1)) / (N - 1), so prefill
+and per-request overheads cancel; the table gives each engine's median over prompts and rounds. Peers: vLLM-CPU
 (--with-vllm, scripts/vllm_latency.py in its venv), llama.cpp's llama-bench (--llama-bench: `-p 0 -n N
 -d 434 -r 1`, decode of N tokens at a context depth of 434; ms per token = 1000 / its avg_ts) and
 llama-server (--llama-server, one slot, the same two runs as ours) on the GGUF, all with our thread
@@ -186,8 +186,8 @@ def vllm_latency(script: Path, model_dir: str, dtype: str, prompts: list[list[in
     return json.loads(lines[-1])["ms_per_token"]
 
 
-def llama_bench(binary: str, gguf: str, n: int) -> list[float]:
-    """llama.cpp's llama-bench: decode ms per token at a context depth of LATENCY_PROMPT_LEN, our threads
+def llama_bench(binary: str, gguf: str, n: int, depth: int = LATENCY_PROMPT_LEN) -> list[float]:
+    """llama.cpp's llama-bench: decode ms per token at a context depth of `depth` tokens, our threads
     (the depth is filled before the timed decode, so it adds no prefill to the time)."""
     proc = subprocess.run(
         [
@@ -199,7 +199,7 @@ def llama_bench(binary: str, gguf: str, n: int) -> list[float]:
             "-n",
             str(n),
             "-d",
-            str(LATENCY_PROMPT_LEN),
+            str(depth),
             "-t",
             str(torch.get_num_threads()),
             "-r",
@@ -343,7 +343,12 @@ def gguf_type(path: str) -> str:
 
 def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
     """The --latency mode: batch-1 ms per output token of every engine, alternating over rounds."""
-    long = [r.prompt_token_ids[:LATENCY_PROMPT_LEN] for r in reqs if len(r.prompt_token_ids) >= LATENCY_PROMPT_LEN]
+    depth = args.latency_depth
+    if depth <= LATENCY_PROMPT_LEN:
+        long = [r.prompt_token_ids[:depth] for r in reqs if len(r.prompt_token_ids) >= depth]
+    else:  # deeper than any prompt: the workload's prompts end to end, from a different one each time
+        ids = [t for r in reqs for t in r.prompt_token_ids]
+        long = [(ids[i * 997 :] + ids)[:depth] for i in range(args.latency_prompts)]
     prompts = long[: args.latency_prompts]
     n = args.output_len or 64
     engines = {"ours": lambda: ours_latency(llm, prompts, n)}
@@ -358,14 +363,14 @@ def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
             gguf = gguf_of(args)
             label = f"GGUF {gguf_type(gguf)}"
         if args.llama_bench:
-            engines[f"llama.cpp llama-bench ({label})"] = lambda: llama_bench(args.llama_bench, gguf, n)
+            engines[f"llama.cpp llama-bench ({label})"] = lambda: llama_bench(args.llama_bench, gguf, n, depth)
         if args.llama_server:
             server = stack.enter_context(LlamaServer(args.llama_server, gguf))
             server.complete(prompts[0], 4)  # warm-up
             engines[f"llama.cpp llama-server ({label})"] = lambda: [ms_per_token(server.run, p, n) for p in prompts]
         ours_latency(llm, prompts[:1], 4)  # warm-up
         print(
-            f"batch 1: {len(prompts)} prompts of {LATENCY_PROMPT_LEN} tokens, {n} output tokens, {args.dtype}, "
+            f"batch 1: {len(prompts)} prompts of {depth} tokens, {n} output tokens, {args.dtype}, "
             f"{torch.get_num_threads()} threads"
         )
         for rnd in range(args.repeats):
@@ -444,6 +449,12 @@ def main():
     ap.add_argument("--output-json", help="write the config and every measurement here")
     ap.add_argument("--latency", action="store_true", help="batch-1 decode ms per output token instead of throughput")
     ap.add_argument("--latency-prompts", type=int, default=3, help="--latency: prompts (each run alone)")
+    ap.add_argument(
+        "--latency-depth",
+        type=int,
+        default=LATENCY_PROMPT_LEN,
+        help="--latency: tokens of each prompt (llama-bench's -d); past the longest prompt, prompts end to end",
+    )
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary, run on the model's GGUF")
     ap.add_argument("--llama-slots", type=int, default=64, help="llama-server's slots in throughput mode")
     ap.add_argument("--llama-bench", help="--latency: llama.cpp's llama-bench binary, run on the model's GGUF")

@@ -130,7 +130,7 @@ def use_backend(model, backend):
 
 def eager(model, backend, ids, pos, kv, meta):
     backend.plan(meta)
-    return model(ids, pos, kv, meta)
+    return model(ids, pos, kv, [meta] * len(kv))
 
 
 def check_mixed(model, cfg, fi, native) -> bool:

@@ -10,6 +10,13 @@ every engine runs the same model.
 
     python scripts/make_1b_model.py                      # ~/.cache/minivllm/models/llama-1b-random/
     python scripts/make_1b_model.py --layers 2 --out /tmp/tiny --formats hf F16 Q4_K_M
+    python scripts/make_1b_model.py --arch gemma3 --formats hf F16 Q4_K_M  # ~/.cache/minivllm/models/gemma3-1b-random/
+
+With --arch gemma3 the shape is Gemma-3-1B's: 26 layers (5 sliding-window layers of 512 tokens : 1 global, local
+rope base 10,000, global 1,000,000), hidden 1152, 4 query / 1 KV heads of 256, intermediate 6912 (GeGLU), q/k
+norms, a 262,144-row embedding (a SentencePiece tokenizer of 1,027 pieces, scripts/make_tiny_model.py, padded
+by llama.cpp's converter as for any vocabulary shorter than the embedding); norms 0 (Gemma's scale is 1 + w).
+Its GGUF files are made by llama.cpp's own convert_hf_to_gguf.py (F16) and llama-quantize (Q4_K_M).
 
 Outputs that exist are kept. Q4_K_M needs llama-quantize (scripts/build_llama_server.sh builds it).
 """
@@ -29,6 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from models.cache_dir import CACHE_DIR  # noqa: E402
 from models.loader import default_model_path, load_tokenizer  # noqa: E402
+from scripts import llama_cpp  # noqa: E402
+from scripts.make_tiny_model import sentencepiece_tokenizer  # noqa: E402
 
 SHAPE = dict(
     layers=16,
@@ -43,6 +52,73 @@ SHAPE = dict(
     context=8192,
 )
 GGUF_TYPES = {"F16": "MOSTLY_F16", "Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0"}
+GEMMA3_1B = dict(
+    layers=26, hidden=1152, heads=4, kv_heads=1, head_dim=256, intermediate=6912, vocab=262144, window=512, eps=1e-6
+)
+
+
+def config_fields(shape: dict) -> dict:
+    """The transformers config fields of a shape."""
+    return dict(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        rms_norm_eps=shape["eps"],
+    )
+
+
+def gemma3_tensors(shape: dict, seed: int):
+    """(Hugging Face name, bfloat16 tensor) of every weight of the Gemma 3 text model, one by one."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, d = shape["hidden"], shape["intermediate"], shape["head_dim"]
+    rand = lambda *size: (torch.randn(*size, generator=g) * 0.02).bfloat16()  # noqa: E731
+    zeros = lambda n: torch.zeros(n, dtype=torch.bfloat16)  # noqa: E731
+    yield "model.embed_tokens.weight", rand(shape["vocab"], h)
+    for n in range(shape["layers"]):
+        p = f"model.layers.{n}."
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm"):
+            yield p + norm + ".weight", zeros(h)
+        yield p + "post_feedforward_layernorm.weight", zeros(h)
+        yield p + "self_attn.q_proj.weight", rand(shape["heads"] * d, h)
+        yield p + "self_attn.k_proj.weight", rand(shape["kv_heads"] * d, h)
+        yield p + "self_attn.v_proj.weight", rand(shape["kv_heads"] * d, h)
+        yield p + "self_attn.o_proj.weight", rand(h, shape["heads"] * d)
+        yield p + "self_attn.q_norm.weight", zeros(d)
+        yield p + "self_attn.k_norm.weight", zeros(d)
+        yield p + "mlp.gate_proj.weight", rand(i, h)
+        yield p + "mlp.up_proj.weight", rand(i, h)
+        yield p + "mlp.down_proj.weight", rand(h, i)
+    yield "model.norm.weight", zeros(h)
+
+
+def write_gemma3_hf(out: Path, shape: dict, seed: int) -> None:
+    """The Gemma-3-1B-shaped Hugging Face directory (config, a SentencePiece tokenizer, safetensors)."""
+    from safetensors.torch import save_file
+    from transformers import Gemma3TextConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    Gemma3TextConfig(
+        **config_fields(shape),
+        sliding_window=shape["window"],
+        query_pre_attn_scalar=shape["head_dim"],
+        max_position_embeddings=32768,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="bfloat16",
+        architectures=["Gemma3ForCausalLM"],
+    ).save_pretrained(out)
+    sentencepiece_tokenizer(out, "GemmaTokenizer")  # a SentencePiece vocabulary, as Gemma's (padded to 262,144)
+    save_file(dict(gemma3_tensors(shape, seed)), out / "model.safetensors", metadata={"format": "pt"})
 
 
 def hf_tensors(shape: dict, seed: int):
@@ -78,14 +154,7 @@ def write_hf(out: Path, shape: dict, seed: int, tokenizer: str | None = None) ->
 
     out.mkdir(parents=True, exist_ok=True)
     LlamaConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["head_dim"],
-        rms_norm_eps=shape["eps"],
+        **config_fields(shape),
         rope_theta=shape["rope_theta"],
         max_position_embeddings=shape["context"],
         tie_word_embeddings=True,
@@ -172,20 +241,23 @@ def write_gguf(path: Path, kind: str, shape: dict, seed: int) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=CACHE_DIR / "models" / "llama-1b-random")
+    ap.add_argument("--arch", choices=["llama", "gemma3"], default="llama", help="Llama-3.2-1B's shape or Gemma-3-1B's")
+    ap.add_argument("--out", type=Path, help="default: ~/.cache/minivllm/models/{llama,gemma3}-1b-random")
     ap.add_argument(
         "--formats",
         nargs="+",
-        default=["hf", "F16", "Q8_0", "Q4_0", "Q4_K_M"],
+        help="default: hf F16 Q8_0 Q4_0 Q4_K_M (llama), hf F16 Q4_K_M (gemma3)",
         choices=["hf", "F16", "Q8_0", "Q4_0", "Q4_K_M"],
     )
     ap.add_argument("--llama-bin", type=Path, default=CACHE_DIR / "llama.cpp" / "build" / "bin")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--layers", type=int, default=SHAPE["layers"], help="fewer layers for a quick check")
+    ap.add_argument("--layers", type=int, help="fewer layers for a quick check")
     args = ap.parse_args()
-    shape = dict(SHAPE, layers=args.layers)
+    gemma = args.arch == "gemma3"
+    shape = dict(GEMMA3_1B if gemma else SHAPE, layers=args.layers or (GEMMA3_1B if gemma else SHAPE)["layers"])
+    args.out = args.out or CACHE_DIR / "models" / f"{args.arch}-1b-random"
     args.out.mkdir(parents=True, exist_ok=True)
-    formats = list(args.formats)
+    formats = list(args.formats or (["hf", "F16", "Q4_K_M"] if gemma else ["hf", "F16", "Q8_0", "Q4_0", "Q4_K_M"]))
     if "Q4_K_M" in formats and "F16" not in formats:
         formats.insert(0, "F16")  # llama-quantize's input
     for kind in formats:
@@ -195,7 +267,13 @@ def main():
             continue
         start = time.perf_counter()
         if kind == "hf":
-            write_hf(path, shape, args.seed)
+            (write_gemma3_hf if gemma else write_hf)(path, shape, args.seed)
+        elif gemma and kind == "F16":  # as users' files are made: llama.cpp's converter on the directory
+            if not (args.out / "hf").exists():
+                write_gemma3_hf(args.out / "hf", shape, args.seed)
+            llama_cpp.convert(args.out / "hf", path, "f16")
+        elif gemma and kind != "Q4_K_M":
+            raise SystemExit(f"--arch gemma3 makes hf, F16 and Q4_K_M, not {kind}")
         elif kind == "Q4_K_M":
             quantizer = args.llama_bin / "llama-quantize"
             if not quantizer.exists():

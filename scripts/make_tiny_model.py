@@ -130,6 +130,52 @@ def save_tiny_model(arch: str, path, tokenizer, **overrides):
     return model
 
 
+def sentencepiece_tokenizer(path, tokenizer_class: str = "LlamaTokenizer", vocab_size: int = 1024):
+    """A SentencePiece BPE tokenizer with byte fallback (the kind Llama 2, Phi-3 and Gemma ship), trained on the
+    prompts of scripts/data/workload.jsonl, written at `path` as those checkpoints come: `tokenizer.model` and
+    transformers' files for `tokenizer_class` ("LlamaTokenizer", "GemmaTokenizer"). Ids: 0 pad, 1 eos, 2 bos,
+    3 unk; Gemma's turn markers are single pieces. Returns the transformers tokenizer (protobuf reads the
+    model). llama.cpp's converter takes Phi-3's and Gemma 2's vocabularies from `tokenizer.model` only."""
+    import json
+    import tempfile
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "workload.jsonl")
+    os.makedirs(path, exist_ok=True)
+    with open(data) as f, tempfile.TemporaryDirectory() as tmp:
+        corpus = os.path.join(tmp, "corpus.txt")
+        with open(corpus, "w") as out:
+            for line in f:
+                out.write(json.loads(line)["prompt"] + "\n")
+        spm.SentencePieceTrainer.train(
+            input=corpus,
+            model_prefix=os.path.join(tmp, "spm"),
+            vocab_size=vocab_size,
+            model_type="bpe",
+            byte_fallback=True,
+            character_coverage=1.0,
+            pad_id=0,
+            eos_id=1,
+            bos_id=2,
+            unk_id=3,
+            user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+            num_threads=1,
+            minloglevel=2,
+        )
+        with (
+            open(os.path.join(tmp, "spm.model"), "rb") as src,
+            open(os.path.join(path, "tokenizer.model"), "wb") as dst,
+        ):
+            dst.write(src.read())
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": tokenizer_class}, f)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", help="directory to write")

@@ -36,7 +36,7 @@ def assert_no_leak(engine) -> None:
     pool = kv.pool
     assert pool.num_free_blocks == len(pool.blocks) - (kv.null_block is not None)  # the null block is never free
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert not kv.req_blocks
+    assert not kv.req_blocks and not kv.num_skipped and not kv.num_cached_blocks
     runner = core.executor.runner
     assert set(runner.input_batch.requests) <= core.scheduler._finished_req_ids
 

@@ -97,10 +97,12 @@ class Scheduler:
             del req.spec_token_ids[max(0, req.num_computed_tokens + n - req.num_tokens) :]
         return self._describe(scheduled, new_blocks, admitted)
 
-    def _schedule_running(self, budget: int) -> tuple[list[tuple[Request, int]], dict[str, list[int]], bool]:
+    def _schedule_running(
+        self, budget: int
+    ) -> tuple[list[tuple[Request, int]], dict[str, tuple[list[int], ...]], bool]:
         """The running pass: each running request in order (but those in flight) gets its remaining tokens
         (drafts included) within the budget; while blocks run out, the newest running request not in flight
-        is preempted. Returns the scheduled (request, tokens), each one's newly allocated block ids, and
+        is preempted. Returns the scheduled (request, tokens), each one's newly allocated block ids (per group), and
         whether any was preempted."""
         scheduled, new_blocks, preempted = [], {}, False
         i = 0
@@ -110,7 +112,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
-            num_blocks = len(self.kv.req_blocks.get(req.request_id, ()))
+            before = [len(ids) for ids in self.kv.block_ids(req.request_id)]
             while not self.kv.allocate_slots(req, n, num_lookahead_tokens=self.num_lookahead_tokens):
                 # the newest one at or after req that is not in flight (req itself at worst)
                 victim = next(r for r in reversed(self.running) if r.request_id not in self.in_flight)
@@ -120,7 +122,7 @@ class Scheduler:
                 if victim is req:  # nothing below it can run either
                     return scheduled, new_blocks, preempted
             scheduled.append((req, n))
-            new_blocks[req.request_id] = self.kv.block_ids(req.request_id)[num_blocks:]
+            new_blocks[req.request_id] = tuple(ids[k:] for ids, k in zip(self.kv.block_ids(req.request_id), before))
             budget -= n
             i += 1
         return scheduled, new_blocks, preempted
@@ -134,9 +136,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(admitted) < room:
             req = self.waiting[0]
             if self.kv.req_blocks.get(req.request_id):  # back from a KV pull, its blocks allocated
-                hits, num_hit_tokens = [], req.num_computed_tokens
+                hits, num_hit_tokens = None, req.num_computed_tokens
             else:
-                hits, num_hit_tokens = ([], 0) if req.skip_reading_prefix_cache else self.kv.get_computed_blocks(req)
+                hits, num_hit_tokens = (None, 0) if req.skip_reading_prefix_cache else self.kv.get_computed_blocks(req)
                 num_external = self.connector.get_num_new_matched_tokens(req, num_hit_tokens)
                 if num_external:
                     if not self._start_load(req, hits, num_external):
@@ -157,7 +159,7 @@ class Scheduler:
             budget -= n
         return admitted
 
-    def _start_load(self, req: Request, hits: list, num_external: int) -> bool:
+    def _start_load(self, req: Request, hits: tuple[list, ...] | None, num_external: int) -> bool:
         """Allocates the blocks a remote prefill's K/V is pulled into and starts the pull; the request waits
         off the queue until it arrives. False (nothing changed) when the blocks are not free."""
         if not self.kv.allocate_slots(req, num_external, hits, delay_cache=True):
@@ -165,14 +167,15 @@ class Scheduler:
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         req.num_external_computed_tokens = num_external
-        self.connector.start_load(req, self.kv.block_ids(req.request_id)[len(hits) :])
+        # KV transfer runs only with one KV cache group (full attention everywhere)
+        self.connector.start_load(req, self.kv.block_ids(req.request_id)[0][len(hits[0]) if hits else 0 :])
         req.kv_transfer_params = None  # used up: if preempted later, it recomputes like any request
         return True
 
     def _describe(
         self,
         scheduled: list[tuple[Request, int]],
-        new_blocks: dict[str, list[int]],
+        new_blocks: dict[str, tuple[list[int], ...]],
         admitted: list[tuple[Request, int]],
     ) -> SchedulerOutput:
         """The step as the workers see it: new requests whole, the others as what changed since they last
@@ -331,7 +334,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.finish_reason = req.finish_reason or reason
-        params = self.connector.request_finished(req, self.kv.block_ids(req.request_id))
+        # KV transfer runs only with one KV cache group
+        params = self.connector.request_finished(req, self.kv.block_ids(req.request_id)[0])
         if free and params is None:
             self.kv.free(req, uncache=uncache)
         req.kv_transfer_params = params

@@ -24,7 +24,8 @@ class NewRequestData:
 
     prompt_token_ids: its prompt; sampling_params: its own (a sample of an n > 1 request has n 1 and its seed
     offset by its index); eos_token_ids: the token ids that end it (empty with ignore_eos); pooling: an
-    embedding request's pooling type ("LAST" or "MEAN"), else None; block_ids: its KV blocks in order;
+    embedding request's pooling type ("LAST" or "MEAN"), else None; block_ids: its KV blocks in order, one list
+    per KV cache group (engine.core.kv_cache_spec);
     num_computed_tokens: tokens whose K/V is already in them (prefix-cache hits, pulled K/V).
     """
 
@@ -32,7 +33,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     pooling: str | None = None
 
@@ -42,15 +43,16 @@ class CachedRequestData:
     """Requests the workers already know, as parallel lists (index i is one request).
 
     new_token_ids[i]: the tokens it sampled since it last ran (the workers append them); new_block_ids[i]: the
-    KV blocks it was given since then, or all of its blocks when resumed_from_preemption[i] (the workers
-    replace its table); num_computed_tokens[i]: tokens with K/V before this step (it drops when rejected
-    draft tokens are rolled back, and to the prefix-cache hit after a preemption).
+    KV blocks it was given since then in each KV cache group, or all of its blocks when
+    resumed_from_preemption[i] (the workers replace its tables); num_computed_tokens[i]: tokens with K/V
+    before this step (it drops when rejected draft tokens are rolled back, and to the prefix-cache hit after
+    a preemption).
     """
 
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
 

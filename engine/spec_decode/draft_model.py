@@ -56,6 +56,10 @@ class DraftModelProposer:
     cheap = False
 
     def __init__(self, runner, max_num_batched_tokens: int):
+        if len(runner.kv_cache_groups) > 1:  # it writes its K/V by the target's first block table
+            raise ValueError(
+                "speculative draft model: a model mixing sliding-window and global layers is not supported"
+            )
         self.runner = runner
         self.max_num_batched_tokens = max_num_batched_tokens
         self.sampler = RejectionSampler()
@@ -87,7 +91,7 @@ class DraftModelProposer:
             state.num_computed = min(state.num_computed, state.base + matched)
             state.base, state.drafts, state.probs = r.num_tokens, [], []
             # the proposals' K/V goes to positions num_tokens .. num_tokens + length - 2
-            length = min(length, len(r.request.block_ids) * block_size - r.num_tokens + 1)
+            length = min(length, len(r.request.block_ids[0]) * block_size - r.num_tokens + 1)
             n = min(r.num_tokens - state.num_computed, budget)
             if n > 0 and length > 0:
                 rows.append((r, state, length, n))
@@ -100,7 +104,7 @@ class DraftModelProposer:
             logits = self.runner.compute_logits_of_rows(
                 [(r.all_token_ids + s.drafts)[s.num_computed : s.num_computed + n] for r, s, _, n in rows],
                 [s.num_computed for _, s, _, _ in rows],
-                [r.request.block_ids for r, _, _, _ in rows],
+                [r.request.block_ids[0] for r, _, _, _ in rows],
                 [int(end) for end in ends],
             )
             for _, s, _, n in rows:

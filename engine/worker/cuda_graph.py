@@ -44,7 +44,8 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
 class CUDAGraphRunner:
     """Captures `model`'s decode forward for each ladder size and replays it for decode steps.
 
-    model(input_ids int64 [T], positions int64 [T], kv_caches, meta) -> hidden [T, hidden].
+    model(input_ids int64 [T], positions int64 [T], kv_caches, attn_metadata per layer) -> hidden [T, hidden]
+    (one KV cache group: every layer reads the same block tables).
     kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
     max_blocks_per_seq: columns of the static block table, ceil(max_model_len / block_size).
     dummy_block: a KV block that no sequence owns; padded rows write their K/V there and attend only
@@ -117,11 +118,11 @@ class CUDAGraphRunner:
             ids, pos = self.input_ids[:bs], self.positions[:bs]
             with self._decode_state(bs):
                 self._plan(meta)
-                self.model(ids, pos, self.kv_caches, meta)
+                self.model(ids, pos, self.kv_caches, [meta] * len(self.kv_caches))
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self._outputs[bs] = self.model(ids, pos, self.kv_caches, meta)
+                    self._outputs[bs] = self.model(ids, pos, self.kv_caches, [meta] * len(self.kv_caches))
             self._graphs[bs] = graph
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]

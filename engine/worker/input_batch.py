@@ -18,7 +18,8 @@ from models.attention.base import AttentionMetadata
 class CachedRequestState:
     """One request as a worker knows it: what its inputs and its sampling need.
 
-    token_ids: prompt + the output tokens the scheduler has sent; block_ids: its KV blocks in order;
+    token_ids: prompt + the output tokens the scheduler has sent; block_ids: its KV blocks in order, a list
+    per KV cache group;
     num_computed_tokens: tokens with K/V before the current step; generator: its own torch.Generator when
     seeded; spec_token_ids: the draft tokens it verifies this step, spec_token_probs their draft
     distributions q [len, vocab] (None: one-hot, as n-gram drafts); num_prompt_logprobs: prompt-logprob
@@ -30,7 +31,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     pooling: str | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -48,7 +49,7 @@ class CachedRequestState:
             new.prompt_token_ids,
             p,
             new.eos_token_ids,
-            list(new.block_ids),
+            tuple(list(ids) for ids in new.block_ids),
             new.num_computed_tokens,
             new.pooling,
             token_ids=list(new.prompt_token_ids),
@@ -81,13 +82,14 @@ class CachedRequestState:
 class ModelInputs:
     """What the forward pass of one step reads.
 
-    input_ids, positions: int64 [T]; attn_metadata: where each token reads and writes the paged KV cache;
+    input_ids, positions: int64 [T]; attn_metadata: where each token reads and writes the paged KV cache, one
+    per KV cache group (they differ in block tables and slot mapping only);
     logits_indices: int64 [N], the rows whose hidden states become logits.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: AttentionMetadata
+    attn_metadata: tuple[AttentionMetadata, ...]
     logits_indices: torch.Tensor
 
 
@@ -126,9 +128,10 @@ class InputBatch:
             state = self.requests[req_id]
             state.token_ids.extend(cached.new_token_ids[i])
             if cached.resumed_from_preemption[i]:  # its K/V is computed again from its prefix-cache hit
-                state.block_ids, state.pooled = list(cached.new_block_ids[i]), None
+                state.block_ids, state.pooled = tuple(list(ids) for ids in cached.new_block_ids[i]), None
             else:
-                state.block_ids.extend(cached.new_block_ids[i])
+                for table, ids in zip(state.block_ids, cached.new_block_ids[i]):
+                    table.extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens[i]
         drafts = scheduler_output.scheduled_spec_decode_tokens
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -176,14 +179,15 @@ class InputBatch:
 def build_model_inputs(
     token_ids: list[list[int]],
     starts: list[int],
-    block_tables: list[list[int]],
+    block_tables: list[tuple[list[int], ...]],
     num_logits: list[int],
     block_size: int,
     device: torch.device,
 ) -> tuple[ModelInputs, np.ndarray]:
     """Flat inputs of rows laid end to end: row i computes `token_ids[i]` at positions starts[i].. with the
-    KV blocks `block_tables[i]`, and gives logits at its last `num_logits[i]` positions (0: none). Rows with
-    one token must come first (the attention metadata's decodes). Returns the inputs and the rows' start
+    KV blocks `block_tables[i]` (a list per KV cache group: one attention metadata per group), and gives
+    logits at its last `num_logits[i]` positions (0: none). Rows with one token must come first (the
+    attention metadata's decodes). Returns the inputs and the rows' start
     offsets in the flat batch (query_start_loc, int64 [rows + 1])."""
     counts = np.fromiter(map(len, token_ids), np.int64, len(token_ids))
     starts = np.asarray(starts, dtype=np.int64)
@@ -194,25 +198,32 @@ def build_model_inputs(
     row_of_token = np.repeat(np.arange(len(token_ids)), counts)
     positions = starts[row_of_token] + np.arange(qsl[-1]) - qsl[row_of_token]
     input_ids = np.fromiter((t for ids in token_ids for t in ids), np.int64, int(qsl[-1]))
-    bt = np.zeros((len(token_ids), max(map(len, block_tables))), dtype=np.int32)
-    for i, t in enumerate(block_tables):
-        bt[i, : len(t)] = t
-    slots = bt[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    meta = AttentionMetadata(
-        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(bt).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
-        num_decodes=int((counts == 1).sum()),
-        query_start_loc_cpu=qsl.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
-    )
+    query_start_loc = torch.from_numpy(qsl.astype(np.int32)).to(device)
+    seq_lens_t = torch.from_numpy(seq_lens.astype(np.int32)).to(device)
+    num_decodes, qsl_cpu, seq_lens_cpu = int((counts == 1).sum()), qsl.tolist(), seq_lens.tolist()
+    metas = []
+    for g in range(len(block_tables[0])):
+        bt = np.zeros((len(token_ids), max(len(t[g]) for t in block_tables)), dtype=np.int32)
+        for i, t in enumerate(block_tables):
+            bt[i, : len(t[g])] = t[g]
+        slots = bt[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        metas.append(
+            AttentionMetadata(
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens_t,
+                block_tables=torch.from_numpy(bt).to(device),
+                slot_mapping=torch.from_numpy(slots).to(device),
+                num_decodes=num_decodes,
+                query_start_loc_cpu=qsl_cpu,
+                seq_lens_cpu=seq_lens_cpu,
+            )
+        )
     # the last w tokens of each row with logits: row end - w + rank inside those
     widths = np.asarray(num_logits, dtype=np.int64)
     rank = np.arange(widths.sum()) - np.repeat(np.cumsum(widths) - widths, widths)
     logits_indices = torch.from_numpy(np.repeat(qsl[1:] - widths, widths) + rank).to(device)
     return ModelInputs(
-        torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), meta, logits_indices
+        torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), tuple(metas), logits_indices
     ), qsl
 
 

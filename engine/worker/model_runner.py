@@ -8,6 +8,7 @@ import os
 import torch
 
 from engine.config import EngineConfig
+from engine.core.kv_cache_spec import kv_cache_groups, max_request_tokens
 from engine.core.step_io import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from engine.sample import prompt_logprobs
 from engine.sample.rejection_sampler import RejectionSampler
@@ -35,8 +36,11 @@ class ModelRunner:
 
     Built in two phases, as vLLM's workers are: the constructor loads the weights; the executor then
     asks how many KV blocks fit (`available_kv_blocks`; ranks agree on the smallest) and calls
-    `init_kv_cache`. The KV cache is one tensor [num_layers, 2, *backend.kv_cache_shape(num_blocks)]
-    in the model dtype (a block's K/V in each layer is contiguous, in the backend's layout).
+    `init_kv_cache`. The KV cache is one tensor [group_size, 2, *backend.kv_cache_shape(num_blocks)] in the
+    model dtype (a block's K/V in each layer is contiguous, in the backend's layout): the layers are in KV
+    cache groups (`kv_cache_groups`, engine.core.kv_cache_spec; one group, all layers, unless a model mixes
+    attention kinds), each with its own block tables, and the i-th layer of each group keeps its K/V in
+    tensor i, at its group's blocks.
     `max_model_len` is capped by what the cache holds, so a request can always run alone and nothing
     deadlocks. The runner keeps its own copy of every request (`input_batch`, updated from each
     SchedulerOutput), so every rank builds its inputs itself; it never sees a scheduler's Request.
@@ -76,11 +80,26 @@ class ModelRunner:
         self.max_model_len = min(
             config.max_model_len or self.shape.max_position_embeddings, self.shape.max_position_embeddings
         )
-        # each layer's attention backend; the layers of one sliding window (or none) share one
+        # which layers share block tables, and where each of this stage's layers keeps its K/V
+        self.kv_cache_groups = kv_cache_groups(self.shape.sliding_windows, self.shape.num_layers)
+        layer_group = {i: g for g, group in enumerate(self.kv_cache_groups) for i in group.layer_indices}
+        stage_layers = range(self.pp.start_layer, self.pp.end_layer)
+        self.stage_layer_groups = [layer_group[i] for i in stage_layers]
+        # the i-th of a group's layers on this stage is stored in KV cache tensor i (engine.core.kv_cache_spec)
+        self.kv_cache_slots = [
+            self.stage_layer_groups[: j + 1].count(g) - 1 for j, g in enumerate(self.stage_layer_groups)
+        ]
+        self.num_kv_cache_slots = max(self.kv_cache_slots) + 1
+        # each layer's attention backend, one per group, planned once per step with that group's metadata
         self.layer_backends = make_backends(
-            config.attention_backend, self.device, self.dtype, self.shape, self.block_size
+            config.attention_backend,
+            self.device,
+            self.dtype,
+            self.shape,
+            self.block_size,
+            [layer_group[i] for i in range(self.shape.num_layers)],
         )
-        self.backends = list(dict.fromkeys(self.layer_backends))  # each planned once per step
+        self.backends = [self.layer_backends[group.layer_indices[0]] for group in self.kv_cache_groups]
         self.backend = self.backends[0]  # the layout, dtype and CUDA-graph support are the same for all
         self.model = load_model(
             model_dir,
@@ -151,7 +170,14 @@ class ModelRunner:
         """Allocates `num_blocks` KV blocks and caps max_model_len to what they hold; with
         `cuda_graphs` (and a backend whose decode can be captured) captures the decode graphs."""
         self.num_blocks = num_blocks
-        capacity = num_blocks * self.block_size
+        capacity = max_request_tokens(
+            self.kv_cache_groups, num_blocks, self.block_size, self.config.max_num_batched_tokens, self.max_model_len
+        )
+        if capacity < 1:
+            raise ValueError(
+                f"a KV cache of {num_blocks} blocks holds not one token of this model, whose layers keep "
+                f"{len(self.kv_cache_groups)} block tables; give it more memory (--kv-cache-memory)"
+            )
         if self.max_model_len > capacity:
             log = logger.warning if self.config.max_model_len else logger.info
             log("max_model_len %d capped to %d tokens, what the KV cache holds", self.max_model_len, capacity)
@@ -163,14 +189,17 @@ class ModelRunner:
             # an MoE layer sizes its per-expert groups on the host each step, which a captured graph cannot
             logger.info("CUDA graphs off: this model's mixture-of-experts layers route on the host")
             use_graphs = False
+        if use_graphs and len(self.kv_cache_groups) > 1:
+            logger.info("CUDA graphs off: this model's layers keep %d block tables", len(self.kv_cache_groups))
+            use_graphs = False
         # With CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V.
-        shape = (self.pp.num_layers, 2, *self.backend.kv_cache_shape(num_blocks + use_graphs))
+        shape = (self.num_kv_cache_slots, 2, *self.backend.kv_cache_shape(num_blocks + use_graphs))
         self.kv_cache = (
             host_memory.zeros(shape, self.dtype)
             if self.device.type == "cpu"
             else torch.zeros(shape, dtype=self.dtype, device=self.device)
         )
-        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.kv_caches = [(self.kv_cache[i][0], self.kv_cache[i][1]) for i in self.kv_cache_slots]
         if use_graphs:
             self.graphs = CUDAGraphRunner(
                 self.model,
@@ -186,10 +215,11 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of K and V for one block over this stage's layers (this rank's heads)."""
+        """Bytes of K and V for one block over this stage's KV cache tensors (a group's layers; this rank's
+        heads)."""
         return (
             2
-            * self.pp.num_layers
+            * self.num_kv_cache_slots
             * self.block_size
             * self.shape.num_kv_heads
             * self.shape.head_dim
@@ -216,7 +246,7 @@ class ModelRunner:
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-n // self.block_size)
         kv = torch.zeros(
-            self.pp.num_layers, 2, *self.backend.kv_cache_shape(blocks), dtype=self.dtype, device=self.device
+            self.num_kv_cache_slots, 2, *self.backend.kv_cache_shape(blocks), dtype=self.dtype, device=self.device
         )
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
@@ -234,8 +264,8 @@ class ModelRunner:
             hidden = self.model(
                 torch.zeros(n, dtype=torch.long, device=self.device),
                 torch.arange(n, device=self.device),
-                [(layer[0], layer[1]) for layer in kv],
-                meta,
+                [(kv[i][0], kv[i][1]) for i in self.kv_cache_slots],
+                [meta] * len(self.kv_cache_slots),
                 None if self.pp.is_first else torch.zeros(n, self.shape.hidden_size, device=self.device),
             )
             if self.pp.is_last:
@@ -291,12 +321,13 @@ class ModelRunner:
         """The model's hidden states [T, hidden] of one step's inputs (CUDA graphs for decodes where captured);
         on a pipeline stage, from the previous stage's `residual` (float32 [T, hidden]) unless it is the
         first, and this stage's residual stream unless it is the last."""
-        meta = inputs.attn_metadata
-        if self.graphs is not None and self.graphs.can_run(meta):
-            return self.graphs.run(inputs.input_ids, inputs.positions, meta)  # plans for the padded batch itself
-        for backend in self.backends:
+        metas = inputs.attn_metadata
+        if self.graphs is not None and self.graphs.can_run(metas[0]):  # one group
+            return self.graphs.run(inputs.input_ids, inputs.positions, metas[0])  # plans the padded batch itself
+        for backend, meta in zip(self.backends, metas):
             backend.plan(meta)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, residual)
+        layer_metas = [metas[g] for g in self.stage_layer_groups]
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, layer_metas, residual)
 
     @torch.inference_mode()
     def compute_logits_of_rows(
@@ -305,7 +336,8 @@ class ModelRunner:
         """A forward over rows given directly (a draft model's steps, engine/spec_decode): float32 CPU logits
         [sum(num_logits), vocab] at each row's last num_logits[i] positions, None when there are none. Rows
         are as `build_model_inputs` takes them (one-token rows first)."""
-        inputs, _ = build_model_inputs(token_ids, starts, block_tables, num_logits, self.block_size, self.device)
+        tables = [(t,) for t in block_tables]  # a draft model keeps one KV cache group
+        inputs, _ = build_model_inputs(token_ids, starts, tables, num_logits, self.block_size, self.device)
         hidden = self.forward(inputs)
         return self.model.compute_logits(hidden[inputs.logits_indices]).cpu() if sum(num_logits) else None
 

@@ -62,14 +62,24 @@ def choose_backend(
 
 
 def make_backends(
-    name: str | None, device: torch.device, dtype: torch.dtype, shape, block_size: int
+    name: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    shape,
+    block_size: int,
+    layer_groups: list[int] | None = None,
 ) -> list[AttentionBackend]:
     """The attention backend of each layer of one rank (`shape`: models.config.ModelShape), as choose_backend
-    picks it: one backend per distinct sliding window (None: full attention), shared by the layers that have
-    it, so each is planned once per step. Raises ValueError as choose_backend does."""
+    picks it: one backend per KV cache group (`layer_groups[i]`: layer i's group; by default one group per
+    distinct sliding window), shared by its layers, so each is planned once per step with its group's block
+    tables. Raises ValueError as choose_backend does."""
     windows = shape.sliding_windows or (None,) * shape.num_layers
-    by_window = {w: make_backend(name, device, dtype, shape, block_size, w) for w in dict.fromkeys(windows)}
-    return [by_window[w] for w in windows]
+    groups = layer_groups if layer_groups is not None else windows
+    by_group = {}
+    for g, w in zip(groups, windows):
+        if g not in by_group:
+            by_group[g] = make_backend(name, device, dtype, shape, block_size, w)
+    return [by_group[g] for g in groups]
 
 
 def make_backend(

@@ -19,7 +19,7 @@ from models.gguf import load_gguf_config
 from models.layers.rotary_embedding import rope_inv_freq
 from models.registry import get_model_class
 from scripts import llama_cpp
-from scripts.make_tiny_model import CONFIGS, save_tiny_model
+from scripts.make_tiny_model import CONFIGS, save_tiny_model, sentencepiece_tokenizer
 from tests.conftest import assert_greedy_matches, make_llm
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # > 64 positions, longer than the windows
@@ -65,16 +65,23 @@ FEATURES = {
 }
 
 # llama.cpp's converter maps no dense layer in a Qwen3-MoE: its files have experts in every layer
-GGUF_EDITS = {"qwen3_moe": {"mlp_only_layers": []}}
+# llama.cpp reads no query_pre_attn_scalar and writes no LM head for Gemma 2 (real ones have the scalar at head_dim
+# and the head tied, as here)
+GGUF_EDITS = {
+    "qwen3_moe": {"mlp_only_layers": []},
+    "gemma2": {"query_pre_attn_scalar": 16, "tie_word_embeddings": True},
+}
+# checkpoints whose converter takes the vocabulary from a SentencePiece tokenizer.model, with its tokenizer class
+SENTENCEPIECE = {"phi3": "LlamaTokenizer", "gemma2": "GemmaTokenizer"}
 
 
-def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' 16 greedy tokens after `prompt`, with the top-two logit gap at each (the near-tie rule)."""
+def hf_greedy(model, prompt: list[int], n: int = 16) -> tuple[list[int], list[float]]:
+    """transformers' n greedy tokens after `prompt`, with the top-two logit gap at each (the near-tie rule)."""
     with torch.inference_mode():
         ref = model.generate(
             torch.tensor([prompt]),
-            max_new_tokens=16,
-            min_new_tokens=16,
+            max_new_tokens=n,
+            min_new_tokens=n,
             do_sample=False,
             output_logits=True,
             return_dict_in_generate=True,
@@ -111,23 +118,33 @@ def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", ["llama3", "qwen3", "smollm3", "granite", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"]
+    "name", ["llama3", "qwen3", "smollm3", "granite", "phi3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"]
 )
 def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
     """The GGUF llama.cpp's own convert_hf_to_gguf.py makes of the tiny model (float32), as users' files are
     made: Llama 3's rope scaling arrives as the `rope_freqs` tensor of frequency divisors, applied; SmolLM3's
     rotary-free layers and Gemma 3's sliding layers follow llama.cpp's fixed patterns (the files carry neither),
-    which the tiny configs share; Granite's multipliers and Gemma 3's rope bases come from the metadata, Gemma's
-    norms stored as 1 + w. The mixtures of experts arrive with every expert of a projection stacked in one
-    tensor (Mixtral as a "llama" file with experts)."""
+    which the tiny configs share; Granite's multipliers, Gemma 2's soft caps and Gemma 3's rope bases come from the
+    metadata, Gemma's norms stored as 1 + w; Phi-3's fused q/k/v and gate/up tensors stay fused. Phi-3 and
+    Gemma 2 come with a SentencePiece vocabulary, which the converter reads from `tokenizer.model`. The mixtures
+    of experts arrive with every expert of a projection stacked in one tensor (Mixtral as a "llama" file with
+    experts)."""
     if llama_cpp.converter() is None:
         pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
-    ref_model = save_tiny_model(name, tmp_path / "hf", llm.tokenizer, **GGUF_EDITS.get(name, {}))
+    tokenizer, edits = llm.tokenizer, GGUF_EDITS.get(name, {})
+    if name in SENTENCEPIECE:  # as Phi-3 and Gemma 2 come: a SentencePiece vocabulary, read back from the file
+        tokenizer = sentencepiece_tokenizer(tmp_path / "hf", SENTENCEPIECE[name])
+        edits = edits | {"vocab_size": len(tokenizer)}
+    ref_model = save_tiny_model(name, tmp_path / "hf", tokenizer, **edits)
     gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf")
     factors = load_gguf_config(str(gguf)).rope_parameters.get("freq_factors")
     assert (factors is not None and max(factors) > 1) == (name == "llama3")
-    prompt = llm.tokenizer.encode(PROMPT)
-    out = make_llm(model=str(gguf)).generate([prompt], GREEDY, use_tqdm=False)[0]
+    prompt = tokenizer.encode(PROMPT)
+    ours = make_llm(model=str(gguf))
+    # the tokenizer rebuilt from the file's vocabulary (BPE merges, or SentencePiece pieces and scores) agrees
+    text = PROMPT + "Ünïcode ✓ 123"
+    assert ours.tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False)
+    out = ours.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert_greedy_matches(out.outputs[0].token_ids, hf_greedy(ref_model, prompt))
 
 
@@ -137,26 +154,38 @@ def test_unknown_architecture_names_the_supported_ones():
 
 
 @pytest.mark.slow
-def test_sliding_window_blocks_are_freed_as_a_request_advances(llm, tmp_path):
-    """Mistral with a window of 24 (every layer): prefilled in chunks of 64, then decoding four windows, the
-    request holds at most ceil(24 / 16) + 1 blocks per decode step, and the dashboard's snapshot shows those."""
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_sliding_window_blocks_are_freed_as_a_request_advances(name, llm, tmp_path):
+    """A window of 24, on every layer (Mistral) or on 5 of Gemma 3's 6 layers (a block table per KV cache
+    group): prefilled in chunks of 64, then decoding four windows, the request holds at most ceil(24 / 16) + 1
+    blocks of each sliding group per decode step while the full group keeps them all, the dashboard's
+    snapshot shows those, and the tokens are transformers'. The same prompt again hits the prefix cache (a
+    sliding group only its last blocks) and gives the same tokens."""
     from engine.snapshot import Snapshotter
 
-    save_tiny_model("mistral", tmp_path, llm.tokenizer)
+    ref_model = save_tiny_model(name, tmp_path, llm.tokenizer)
     ours = make_llm(model=str(tmp_path), max_num_batched_tokens=64)
     engine, kv = ours.engine, ours.engine.engine_core.kv
+    assert kv.num_groups == (1 if name == "mistral" else 6)
     prompt = llm.tokenizer.encode(PROMPT)
     rid = engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=4 * 24, ignore_eos=True))
-    snapshots, decodes = Snapshotter(engine), 0
+    snapshots, decodes, tokens = Snapshotter(engine), 0, []
     while engine.has_unfinished_requests():
-        engine.step()
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
         req = engine.engine_core.scheduler.requests.get(rid)
         if req is not None and req.num_computed_tokens > len(prompt):  # a decode step was scheduled
             decodes += 1
-            assert kv.num_held_blocks(rid) <= 3
+            for window, table in zip(kv.windows, kv.req_blocks[rid]):
+                held = sum(b is not kv.null_block for b in table)
+                assert held <= 3 if window else held == len(table) == -(-req.num_computed_tokens // 16)
             [row] = snapshots.take()["requests"]
             assert len(row["blocks"]) == kv.num_held_blocks(rid)
     assert decodes >= 4 * 24 - 2 and kv.pool.num_free_blocks == kv.num_blocks - 1
+    assert_greedy_matches(tokens, hf_greedy(ref_model, prompt, 4 * 24))
+    hits = kv.prefix_cache_hits
+    again = ours.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert kv.prefix_cache_hits - hits == (len(prompt) - 1) // 16 * 16 and again == tokens[:16]
 
 
 @pytest.mark.slow

@@ -46,7 +46,7 @@ def assert_map_matches_pool(snap: dict, engine) -> np.ndarray:
     assert kv["used"] + kv["shared"] == len(pool.blocks) - pool.num_free_blocks
     # a held block's position is its index in every holder's block table
     for row in snap["requests"]:
-        assert row["blocks"] == engine.engine_core.kv.block_ids(row["id"])
+        assert row["blocks"] == [b.block_id for b in engine.engine_core.kv.held_blocks(row["id"])]
         assert pos[row["blocks"]].tolist() == list(range(len(row["blocks"])))
     return pos
 

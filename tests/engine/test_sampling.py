@@ -98,7 +98,7 @@ def test_n_samples_share_prompt_blocks(llm):
     prompt = llm.tokenizer.encode("The history of the printing press " * 12)[:70]  # 4 full blocks + 6
     engine.add_request("n2", prompt, SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=4))
     engine.step()
-    a, b = engine.engine_core.kv.req_blocks["n2#0"], engine.engine_core.kv.req_blocks["n2#1"]
+    (a,), (b,) = engine.engine_core.kv.req_blocks["n2#0"], engine.engine_core.kv.req_blocks["n2#1"]
     assert a[:4] == b[:4] and all(blk.ref_cnt == 2 for blk in a[:4])  # same blocks, no copies
     assert a[4] is not b[4]
     while engine.has_unfinished_requests():

@@ -44,10 +44,10 @@ class ToyModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed(input_ids)
         x = x + (0.01 * positions[:, None]).to(x.dtype)
-        for qkv, o, kv_cache in zip(self.qkv, self.o, kv_caches):
+        for qkv, o, kv_cache, m in zip(self.qkv, self.o, kv_caches, meta):
             q, k, v = qkv(x).split([H * self.d, KVH * self.d, KVH * self.d], dim=-1)
             a = self.backend.forward(
-                q.reshape(-1, H, self.d), k.reshape(-1, KVH, self.d), v.reshape(-1, KVH, self.d), kv_cache, meta
+                q.reshape(-1, H, self.d), k.reshape(-1, KVH, self.d), v.reshape(-1, KVH, self.d), kv_cache, m
             )
             x = x + o(a.reshape(-1, H * self.d))
         return x
@@ -91,7 +91,7 @@ def make(backend, head_dim, dtype, device):
 
 def eager(model, backend, ids, pos, kv, meta):
     backend.plan(meta)
-    return model(ids, pos, kv, meta)
+    return model(ids, pos, kv, [meta] * len(kv))
 
 
 def assert_same_cache(kv, kv_ref, **tol):

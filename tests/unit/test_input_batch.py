@@ -12,13 +12,13 @@ BLOCK = 4
 
 
 def new(req_id, prompt, blocks, computed=0, **params):
-    return NewRequestData(req_id, list(prompt), SamplingParams(**params), frozenset({2}), list(blocks), computed)
+    return NewRequestData(req_id, list(prompt), SamplingParams(**params), frozenset({2}), (list(blocks),), computed)
 
 
 def cached(*rows):
     """rows: (req_id, new tokens, new blocks, computed, resumed)."""
     return CachedRequestData(
-        *map(list, zip(*[(r, resumed, toks, blocks, computed) for r, toks, blocks, computed, resumed in rows]))
+        *map(list, zip(*[(r, resumed, toks, (blocks,), computed) for r, toks, blocks, computed, resumed in rows]))
     )
 
 
@@ -31,7 +31,7 @@ def test_states_follow_new_requests_diffs_resumes_and_finishes():
         )
     )
     a = batch.requests["a"]
-    assert a.token_ids == list(range(10, 16)) and a.block_ids == [3, 4] and a.output_token_ids == []
+    assert a.token_ids == list(range(10, 16)) and a.block_ids == ([3, 4],) and a.output_token_ids == []
     assert torch.equal(torch.rand(3, generator=a.generator), torch.rand(3, generator=torch.Generator().manual_seed(7)))
     assert batch.requests["b"].generator is None
     batch.update_states(
@@ -41,7 +41,7 @@ def test_states_follow_new_requests_diffs_resumes_and_finishes():
         )
     )
     assert a.token_ids[-1] == 99 and a.output_token_ids == [99] and a.num_computed_tokens == 6
-    assert batch.requests["b"].block_ids == [5, 6]
+    assert batch.requests["b"].block_ids == ([5, 6],)
     # b was preempted: it comes back with all its blocks; a finished
     batch.update_states(
         SchedulerOutput(
@@ -52,7 +52,7 @@ def test_states_follow_new_requests_diffs_resumes_and_finishes():
     )
     assert set(batch.requests) == {"b"}
     b = batch.requests["b"]
-    assert b.block_ids == [8, 9] and b.token_ids == [20, 21, 22, 98, 97] and b.num_computed_tokens == 0
+    assert b.block_ids == ([8, 9],) and b.token_ids == [20, 21, 22, 98, 97] and b.num_computed_tokens == 0
 
 
 def test_inputs_put_decodes_first_and_give_logits_at_drafts():
@@ -63,7 +63,7 @@ def test_inputs_put_decodes_first_and_give_logits_at_drafts():
     )
     batch.update_states(so)
     step = batch.prepare(so, BLOCK, torch.device("cpu"))
-    inputs, meta = step.model_inputs, step.model_inputs.attn_metadata
+    inputs, (meta,) = step.model_inputs, step.model_inputs.attn_metadata
     # the decode row first: d's last prompt token at position 4 (block 4, slot 16); then p's first 6 tokens
     assert inputs.input_ids.tolist() == [34] + list(range(10, 16))
     assert inputs.positions.tolist() == [4, 0, 1, 2, 3, 4, 5]
@@ -81,7 +81,7 @@ def test_inputs_put_decodes_first_and_give_logits_at_drafts():
     inputs = step.model_inputs
     assert inputs.input_ids.tolist() == [16, 17, 18, 19, 40, 41, 42]
     assert inputs.positions.tolist() == [6, 7, 8, 9, 5, 6, 7]
-    assert inputs.attn_metadata.slot_mapping.tolist() == [6, 7, 8, 9, 17, 18, 19]
+    assert inputs.attn_metadata[0].slot_mapping.tolist() == [6, 7, 8, 9, 17, 18, 19]
     # p samples at its last position; d at its 1 + 2 positions
     assert [r.req_id for r in step.sampled] == ["p", "d"] and inputs.logits_indices.tolist() == [3, 4, 5, 6]
 
@@ -103,3 +103,19 @@ def test_prompt_only_requests_give_no_logits_and_prompt_logprob_rows_are_collect
     [rows] = batch.prepare(so, BLOCK, torch.device("cpu")).prompt_rows
     assert (rows.position, rows.count) == (4, 1)  # the last prompt token predicts nothing in the prompt
     assert batch.requests["l"].num_prompt_logprobs == 6
+
+
+def test_each_kv_cache_group_gets_its_own_block_tables_and_slots():
+    """A model mixing attention kinds has a block table per KV cache group: the same rows, positions and
+    sequence lengths, each group's tokens written to its own blocks (the null block 0 where a sliding group
+    freed the blocks before the window)."""
+    batch = InputBatch()
+    req = NewRequestData("a", list(range(10)), SamplingParams(), frozenset(), ([5, 6, 7], [0, 8, 9]), 8)
+    so = SchedulerOutput([req], num_scheduled_tokens={"a": 2})
+    batch.update_states(so)
+    full, sliding = batch.prepare(so, BLOCK, torch.device("cpu")).model_inputs.attn_metadata
+    assert full.slot_mapping.tolist() == [7 * BLOCK, 7 * BLOCK + 1] and sliding.slot_mapping.tolist() == [36, 37]
+    assert full.block_tables.tolist() == [[5, 6, 7]] and sliding.block_tables.tolist() == [[0, 8, 9]]
+    assert full.seq_lens is sliding.seq_lens and full.num_decodes == sliding.num_decodes == 0
+    batch.update_states(SchedulerOutput(scheduled_cached_reqs=cached(("a", [1], [], 10, False))))
+    assert batch.requests["a"].block_ids == ([5, 6, 7], [0, 8, 9])

@@ -80,18 +80,18 @@ def test_new_requests_whole_then_diffs():
     out, _ = run_step(sched)
     [new] = out.scheduled_new_reqs
     assert (new.req_id, new.prompt_token_ids, new.num_computed_tokens) == ("a", a.prompt_token_ids, 0)
-    assert new.block_ids == sched.kv.block_ids("a") and len(new.block_ids) == 2
+    assert new.block_ids == sched.kv.block_ids("a") and len(new.block_ids[0]) == 2
     assert new.sampling_params.seed == 3 and new.eos_token_ids == {2}
     # next steps: the token sampled since, the blocks given since, the computed count
     out, _ = run_step(sched, token=8)
     cached = out.scheduled_cached_reqs
     assert not out.scheduled_new_reqs and cached.req_ids == ["a"]
-    assert cached.new_token_ids == [[7]] and cached.new_block_ids == [[]] and cached.num_computed_tokens == [6]
+    assert cached.new_token_ids == [[7]] and cached.new_block_ids == [([],)] and cached.num_computed_tokens == [6]
     assert cached.resumed_from_preemption == [False]
     out, _ = run_step(sched)
-    assert out.scheduled_cached_reqs.new_token_ids == [[8]] and out.scheduled_cached_reqs.new_block_ids == [[]]
+    assert out.scheduled_cached_reqs.new_token_ids == [[8]] and out.scheduled_cached_reqs.new_block_ids == [([],)]
     out, _ = run_step(sched)
-    assert out.scheduled_cached_reqs.new_block_ids == [[sched.kv.block_ids("a")[2]]]  # position 8: a third block
+    assert out.scheduled_cached_reqs.new_block_ids == [([sched.kv.block_ids("a")[0][2]],)]  # position 8: a third block
 
 
 def test_preempts_newest_running_request_fcfs_and_resumes_it_with_all_its_blocks():
@@ -106,7 +106,7 @@ def test_preempts_newest_running_request_fcfs_and_resumes_it_with_all_its_blocks
     assert list(out.num_scheduled_tokens) == ["a"]
     assert sched.num_preemptions == 1 and b.num_preemptions == 1
     assert list(sched.waiting) == [b] and b.num_computed_tokens == 0 and b.status == RequestStatus.PREEMPTED
-    assert sched.kv.block_ids("b") == []
+    assert sched.kv.block_ids("b") == ([],)
     # b comes back first once a finishes, recomputing its prompt and its sampled token; its first block is
     # still in the prefix cache (a's new block evicted b's tail, the LRU block)
     sched.finish(a, "length")
@@ -212,7 +212,7 @@ def test_lookahead_slots_for_a_draft_model():
     a = make_request("a", 8)
     sched.add_request(a)
     sched.schedule()
-    assert len(sched.kv.block_ids("a")) == 3  # 8 prompt tokens + 3 lookahead slots
+    assert len(sched.kv.block_ids("a")[0]) == 3  # 8 prompt tokens + 3 lookahead slots
     assert len(sched.kv.pool.cached) == 2  # the prompt's two full blocks; the lookahead block is not cached
 
 

@@ -182,7 +182,7 @@ def test_only_verified_blocks_enter_the_prefix_cache():
     # next step: the last token + 3 drafts fill block 1 (positions 4..7) and reach block 2 (8)
     req.spec_token_ids = [7, 8, 9]
     assert kv.allocate_slots(req, 4)
-    assert len(kv.req_blocks["a"]) == 3 and len(kv.pool.cached) == 1  # block 1 holds drafts: not cached
+    assert len(kv.req_blocks["a"][0]) == 3 and len(kv.pool.cached) == 1  # block 1 holds drafts: not cached
     # two drafts accepted (7, 8) plus a bonus token: positions 4..7 are verified now
     req.all_token_ids += [7, 8, 10]
     req.num_computed_tokens = 9
@@ -191,7 +191,7 @@ def test_only_verified_blocks_enter_the_prefix_cache():
     assert len(kv.pool.cached) == 2 and req.block_hashes[1] in kv.pool.cached
     # the same prefix from another request hits both verified blocks
     hits, n = kv.get_computed_blocks(make_request("b", list(range(7)) + [7, 8, 10]))
-    assert n == 8 and [b.block_id for b in hits] == kv.block_ids("a")[:2]
+    assert n == 8 and [b.block_id for b in hits[0]] == kv.block_ids("a")[0][:2]
     kv.free(req)
     assert kv.pool.num_free_blocks == 16 and not kv.num_cached_blocks
 

@@ -146,7 +146,7 @@ def test_llama_step_with_the_kernels_equals_torch_ops(tri, monkeypatch):
         )  # fmt: skip
         backend.plan(meta)
         kv = [(layer[0], layer[1]) for layer in cache]
-        return model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), kv, meta))
+        return model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), kv, [meta] * len(kv)))
 
     prompt = torch.randint(100, (20,)).tolist()
     with torch.inference_mode(), ops.torch_ops():
