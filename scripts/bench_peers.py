@@ -467,9 +467,15 @@ def main():
         "transformers) (default: ours, a GGUF dequantized)",
     )
     ap.add_argument("--quantization", choices=["gguf", "none"], help="ours, as the server's flag")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="ours, as the server's flag (int8, fp8, ...)")
     args = ap.parse_args()
     if args.latency:
-        dtype_kwargs = dict(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, quantization=args.quantization)
+        dtype_kwargs = dict(
+            dtype=args.dtype,
+            kv_cache_memory=args.kv_cache_memory,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
         latency_main(args, LLM(model=args.model, **dtype_kwargs), load_jsonl(args.dataset))
         return
 
@@ -492,6 +498,7 @@ def main():
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )

@@ -98,6 +98,7 @@ class ModelRunner:
             self.shape,
             self.block_size,
             [layer_group[i] for i in range(self.shape.num_layers)],
+            config.kv_cache_dtype,
         )
         self.backends = [self.layer_backends[group.layer_indices[0]] for group in self.kv_cache_groups]
         self.backend = self.backends[0]  # the layout, dtype and CUDA-graph support are the same for all
@@ -194,10 +195,11 @@ class ModelRunner:
             use_graphs = False
         # With CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V.
         shape = (self.num_kv_cache_slots, 2, *self.backend.kv_cache_shape(num_blocks + use_graphs))
+        cache_dtype = self.backend.cache_dtype(self.dtype)  # the model dtype, or a quantized cache's bytes
         self.kv_cache = (
-            host_memory.zeros(shape, self.dtype)
+            host_memory.zeros(shape, cache_dtype)
             if self.device.type == "cpu"
-            else torch.zeros(shape, dtype=self.dtype, device=self.device)
+            else torch.zeros(shape, dtype=cache_dtype, device=self.device)
         )
         self.kv_caches = [(self.kv_cache[i][0], self.kv_cache[i][1]) for i in self.kv_cache_slots]
         if use_graphs:
@@ -222,8 +224,8 @@ class ModelRunner:
             * self.num_kv_cache_slots
             * self.block_size
             * self.shape.num_kv_heads
-            * self.shape.head_dim
-            * self.dtype.itemsize
+            * self.backend.row
+            * self.backend.cache_dtype(self.dtype).itemsize
         )
 
     def available_kv_blocks(self, kv_cache_memory: int) -> int:
@@ -246,7 +248,11 @@ class ModelRunner:
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-n // self.block_size)
         kv = torch.zeros(
-            self.num_kv_cache_slots, 2, *self.backend.kv_cache_shape(blocks), dtype=self.dtype, device=self.device
+            self.num_kv_cache_slots,
+            2,
+            *self.backend.kv_cache_shape(blocks),
+            dtype=self.backend.cache_dtype(self.dtype),
+            device=self.device,
         )
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),

@@ -68,6 +68,7 @@ def make_backends(
     shape,
     block_size: int,
     layer_groups: list[int] | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> list[AttentionBackend]:
     """The attention backend of each layer of one rank (`shape`: models.config.ModelShape), as choose_backend
     picks it: one backend per KV cache group (`layer_groups[i]`: layer i's group; by default one group per
@@ -78,7 +79,7 @@ def make_backends(
     by_group = {}
     for g, w in zip(groups, windows):
         if g not in by_group:
-            by_group[g] = make_backend(name, device, dtype, shape, block_size, w)
+            by_group[g] = make_backend(name, device, dtype, shape, block_size, w, kv_cache_dtype)
     return [by_group[g] for g in groups]
 
 
@@ -89,10 +90,12 @@ def make_backend(
     shape,
     block_size: int,
     sliding_window: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> AttentionBackend:
     """Builds the attention backend for one rank's heads (`shape`: models.config.ModelShape), as
-    choose_backend picks it, attending within `sliding_window` tokens if given. Raises ValueError as
-    choose_backend does."""
+    choose_backend picks it, attending within `sliding_window` tokens if given, over a cache of
+    `kv_cache_dtype` (models.attention.kv_cache_dtype). Raises ValueError as choose_backend does, and for a
+    quantized cache on flashinfer."""
     # Probe only what the choice can use: importing flashinfer takes seconds, and the C kernels
     # are compiled on first use.
     flashinfer_ok = device.type == "cuda" and name in (None, "flashinfer") and flashinfer_available()
@@ -102,5 +105,8 @@ def make_backend(
     args = (shape.num_heads, shape.num_kv_heads, shape.head_dim, block_size, scale)
     kinds = dict(sliding_window=sliding_window, logits_soft_cap=shape.attn_logit_softcapping)
     if choice == "flashinfer":
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is built for the cpu and torch_native backends only")
         return FlashInferBackend(*args, dtype=dtype, device=device, **kinds)
-    return (CPUBackend if choice == "cpu" else TorchNativeBackend)(*args, **kinds)
+    backend_cls = CPUBackend if choice == "cpu" else TorchNativeBackend
+    return backend_cls(*args, **kinds, kv_cache_dtype=kv_cache_dtype, dtype=dtype)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.attention.kv_cache_dtype import STORAGE, kv_cache_code, row_elements
+
 
 @dataclass
 class AttentionMetadata:
@@ -41,9 +43,11 @@ class AttentionBackend(ABC):
 
     The KV cache of one layer is a pair (k_cache, v_cache), each of `kv_cache_shape(num_blocks)` in
     the model dtype: [num_blocks, block_size, num_kv_heads, head_dim] (FlashInfer's "NHD" paged layout)
-    unless a backend says otherwise. With `sliding_window` W a query at position p attends to keys
-    p - W + 1 .. p only (the layers of one window share a backend; models.attention.make_backends). With
-    `logits_soft_cap` c the scaled scores s become c * tanh(s / c) before the softmax (Gemma 2).
+    unless a backend says otherwise; with a quantized `kv_cache_dtype` each head's row is its quantized bytes
+    (`cache_dtype`, models.attention.kv_cache_dtype), written and read by the backend. With `sliding_window`
+    W a query at position p attends to keys p - W + 1 .. p only (the layers of one KV cache group share a
+    backend; models.attention.make_backends). With `logits_soft_cap` c the scaled scores s become
+    c * tanh(s / c) before the softmax (Gemma 2).
 
     CUDA graphs (engine/worker/cuda_graph.py) call `init_cuda_graph_decode` once and then plan and
     run each captured decode inside `cuda_graph_decode(batch_size)`; both do nothing here.
@@ -64,14 +68,25 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        kv_cache_dtype: str = "auto",
+        dtype: torch.dtype | None = None,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.dtype = dtype  # q, k, v and the output (None: the KV cache's dtype)
         self.block_size, self.scale, self.sliding_window = block_size, scale, sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # a quantized cache (models.attention.kv_cache_dtype): its code, and the elements of one head's row
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_quant = kv_cache_code(kv_cache_dtype, head_dim)
+        self.row = row_elements(head_dim, self.kv_quant)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of one layer's K (or V) cache for `num_blocks` blocks."""
-        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """Shape of one layer's K (or V) cache for `num_blocks` blocks (a quantized row's bytes last)."""
+        return (num_blocks, self.block_size, self.num_kv_heads, self.row)
+
+    def cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model in `dtype`: its own, or a quantized cache's storage dtype."""
+        return STORAGE[self.kv_quant] if self.kv_quant else dtype
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Prepare per-step state shared by all layers (index arrays, kernel plans)."""

@@ -42,7 +42,7 @@ class CPUBackend(AttentionBackend):
         self.isa = int(kernel_isa() == "avx512bf16")
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        return (num_blocks, self.num_kv_heads, self.block_size, self.row)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         k_cache, v_cache = kv_cache
@@ -50,7 +50,8 @@ class CPUBackend(AttentionBackend):
             if x.stride(-1) != 1 or x.stride(-2) != self.head_dim:
                 raise ValueError("CPU attention needs each token's heads contiguous")
         out = q.new_empty(q.shape)
-        fn = self.lib.paged_attention_bf16 if q.dtype == torch.bfloat16 else self.lib.paged_attention_float
+        name = "bf16" if q.dtype == torch.bfloat16 else "float"
+        fn = getattr(self.lib, f"paged_attention_{name}_q" if self.kv_quant else f"paged_attention_{name}")
         rc = fn(
             q.data_ptr(),
             q.stride(0),
@@ -77,6 +78,7 @@ class CPUBackend(AttentionBackend):
             self.logits_soft_cap or 0.0,
             torch.get_num_threads(),
             self.isa,
+            self.kv_quant,
         )
         if rc != 0:
             raise ValueError(

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from models.attention.base import AttentionBackend, AttentionMetadata
+from models.attention.kv_cache_dtype import dequantize_rows, quantize_rows
 from models.kernels import ops
 
 
@@ -15,7 +16,8 @@ class TorchNativeBackend(AttentionBackend):
     and SDPA runs over it with a length mask, viewing the query heads as [num_kv_heads, group] so
     K/V are never repeated for GQA. Prefill chunks, few per step, each run one causal SDPA: over the
     fresh K/V when nothing precedes the chunk, else over its gathered context. `plan` builds the
-    per-step masks once for all layers.
+    per-step masks once for all layers. A quantized cache (kv_cache_dtype) is written through
+    models.attention.kv_cache_dtype.quantize_rows and dequantized as it is gathered.
     """
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -30,34 +32,41 @@ class TorchNativeBackend(AttentionBackend):
                 mask &= pos >= lens - self.sliding_window
             self.decode_mask = mask[:, None, None, :]  # [nd, 1, 1, L]
 
-    def _gather(self, cache, block_table, ctx_len):
-        """K or V of the first ctx_len tokens of one or more block tables: [..., ctx_len, kvh, d]."""
-        return cache[block_table].flatten(-4, -3)[..., :ctx_len, :, :]
+    def _gather(self, cache, block_table, ctx_len, dtype=None):
+        """K or V of the first ctx_len tokens of one or more block tables: [..., ctx_len, kvh, d] (a quantized
+        cache's dequantized to `dtype`)."""
+        rows = cache[block_table].flatten(-4, -3)[..., :ctx_len, :, :]
+        return dequantize_rows(rows, self.head_dim, self.kv_quant).to(dtype) if self.kv_quant else rows
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         k_cache, v_cache = kv_cache
         # Write every new token's K/V before any read, so that sequences sharing prefix blocks being
         # filled in this same step (n > 1 siblings, same-step prefix hits) see them.
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.kv_quant:  # as bytes: torch copies no float8 by index
+            kq, vq = (quantize_rows(x, self.kv_quant).view(torch.uint8) for x in (k, v))
+            ops.write_kv(kq, vq, k_cache.view(torch.uint8), v_cache.view(torch.uint8), meta.slot_mapping)
+            k = v = None  # below, the fresh K/V as the cache has them
+        else:
+            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         nd = meta.num_decodes
         if nd:
             qd = q[:nd].view(nd, self.num_kv_heads, -1, self.head_dim)  # [nd, kvh, group, d]
             # SDPA takes the gathered [nd, L, kvh, d] transposed as a strided view: no copy
-            kd = self._gather(k_cache, self.decode_blocks, self.decode_len).transpose(1, 2)
-            vd = self._gather(v_cache, self.decode_blocks, self.decode_len).transpose(1, 2)
+            kd = self._gather(k_cache, self.decode_blocks, self.decode_len, q.dtype).transpose(1, 2)
+            vd = self._gather(v_cache, self.decode_blocks, self.decode_len, q.dtype).transpose(1, 2)
             o = self._attend(qd, kd, vd, self.decode_mask)
             out[:nd] = o.reshape(nd, self.num_heads, self.head_dim)
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in range(nd, meta.num_seqs):
             start, end, ctx = qsl[i], qsl[i + 1], lens[i]
             window = self.sliding_window
-            if ctx == end - start and (window is None or window >= ctx):  # nothing before: its own fresh K/V
+            if k is not None and ctx == end - start and (window is None or window >= ctx):  # its own fresh K/V
                 kc, vc, mask = k[start:end], v[start:end], None
             else:
                 nb = -(-ctx // self.block_size)
-                kc = self._gather(k_cache, meta.block_tables[i, :nb], ctx)  # [ctx, kvh, d]
-                vc = self._gather(v_cache, meta.block_tables[i, :nb], ctx)
+                kc = self._gather(k_cache, meta.block_tables[i, :nb], ctx, q.dtype)  # [ctx, kvh, d]
+                vc = self._gather(v_cache, meta.block_tables[i, :nb], ctx, q.dtype)
                 # query j sits at position ctx - q_len + j and sees keys up to that position (the last
                 # `window` of them)
                 qpos = torch.arange(ctx - (end - start), ctx, device=q.device)[:, None]

@@ -30,6 +30,8 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 RETURNS_STATUS = {
     "paged_attention_float",
     "paged_attention_bf16",
+    "paged_attention_float_q",
+    "paged_attention_bf16_q",
     "attention_isa",
     "linear_bf16",
     "gguf_linear",
@@ -41,8 +43,12 @@ RETURNS_STATUS = {
 }
 RETURNS_LONG = {"gguf_r16_bytes"}
 SIGNATURES = {
-    "paged_attention_float": [_p, _i, _p, _i, _p, _i, _p, _p, _p, _i, _p, _p, _p, _p] + [_i] * 6 + [_f, _i, _f, _i, _i],
-    "paged_attention_bf16": [_p, _i, _p, _i, _p, _i, _p, _p, _p, _i, _p, _p, _p, _p] + [_i] * 6 + [_f, _i, _f, _i, _i],
+    **{
+        f"paged_attention_{name}": [_p, _i, _p, _i, _p, _i, _p, _p, _p, _i, _p, _p, _p, _p]
+        + [_i] * 6
+        + [_f, _i, _f, _i, _i, _i]
+        for name in ("float", "bf16", "float_q", "bf16_q")
+    },
     "attention_isa": [],
     "linear_bf16": [_p, _i, _p, _p, _p, _i, _i, _i, _i],
     "gguf_linear": [_p, _i, _i, _p, _i, _p, _i, _i, _i, _i, _i, _i],

@@ -57,7 +57,9 @@ class SelfAttention(nn.Module):
         cached prefix and its new tokens. Returns [T, hidden] (summed over ranks by o_proj under
         tensor parallelism).
         """
-        qkv = self.qkv_proj(x, out_dtype=kv_cache[0].dtype).view(x.shape[0], -1, self.head_dim)
+        # q, k, v in the attention dtype (the model's; a quantized cache's storage is not one to compute in)
+        dtype = self.backend.dtype or kv_cache[0].dtype
+        qkv = self.qkv_proj(x, out_dtype=dtype).view(x.shape[0], -1, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # views of qkv
         if self.q_norm is not None:
             q.copy_(self.q_norm(q))

@@ -7,6 +7,7 @@ import torch
 
 from models.attention.base import AttentionMetadata
 from models.attention.cpu import CPUBackend, kernel_isa
+from models.attention.kv_cache_dtype import STORAGE, dequantize_rows, quantize_rows
 from models.attention.torch_native import TorchNativeBackend
 from models.kernels import cpu_kernels
 
@@ -200,3 +201,72 @@ def test_cpu_kernel_sliding_window(window, cap, dtype, isa, monkeypatch):
         ref, out = run_against_torch_native(meta, q, k, v, 16, num_blocks, window, cap)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_quantized_kv_cache(kv_cache_dtype, dtype):
+    """--kv-cache-dtype: the CPU kernel quantizes the new K/V as it writes them (the bytes quantize_rows
+    gives, up to a rounding tie) and reads the cache in place; its output equals torch_native's over the same
+    quantized cache, and that equals dense attention over the dequantized keys and values; the error against
+    the unquantized K/V is what the format allows (int8: half a step of max|x| / 127; fp8: 2^-4, 2^-3)."""
+    rng = random.Random(kv_cache_dtype)
+    torch.manual_seed(0)
+    shapes = [(700, 1), (37, 1), (300, 20), (0, 45)]
+    meta, q, k, v, num_blocks = random_step(rng, 3, 2, 64, 16, shapes, dtype)
+    backends = [
+        cls(
+            3 * 2,
+            2,
+            64,
+            16,
+            64**-0.5,
+            sliding_window=100 if dtype == torch.bfloat16 else None,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        for cls in (TorchNativeBackend, CPUBackend)
+    ]
+    code = backends[0].kv_quant
+    caches = [new_cache(b, num_blocks, STORAGE[code]) for b in backends]
+    cached = quantize_rows(torch.randn(caches[0][1][0].shape[:-1] + (64,)), code)
+    for _, nhd in caches:
+        for c in nhd:
+            c.copy_(cached)
+    outs = []
+    for backend, (cache, _) in zip(backends, caches):
+        backend.plan(meta)
+        outs.append(backend.forward(q, k, v, cache, meta))
+    ref, out = outs
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    slots = meta.slot_mapping
+    written = [nhd[0].reshape(-1, 2, backends[0].row)[slots] for _, nhd in caches]
+    same = (written[0].view(torch.uint8) == written[1].view(torch.uint8)).float().mean()
+    assert same > 0.99, f"the kernel's bytes differ from quantize_rows' at {1 - same:.2%} of the values"
+    deq = dequantize_rows(written[1], 64, code)
+    step = k.float().abs().unflatten(-1, (2, 32)).amax(-1).repeat_interleave(32, -1) / 254 if code == 1 else None
+    err = (deq - k.float()).abs()
+    bound = step + 1e-6 if code == 1 else k.float().abs() * (2.0**-4 if code == 2 else 2.0**-3) + 2.0**-9
+    assert (err <= bound).all()
+    # torch_native against the definition, over the dequantized rows
+    for i, (ctx, new) in enumerate(shapes):
+        table = meta.block_tables[i, : -(-(ctx + new) // 16)]
+        keys, values = (dequantize_rows(c[table].flatten(0, 1)[: ctx + new], 64, code) for c in caches[0][1])
+        qi = q[meta.query_start_loc_cpu[i] : meta.query_start_loc_cpu[i + 1]].float()
+        window = backends[0].sliding_window
+        dense_out = dense_gqa(qi, keys, values, 64**-0.5, window)
+        torch.testing.assert_close(
+            ref[meta.query_start_loc_cpu[i] : meta.query_start_loc_cpu[i + 1]].float(), dense_out, atol=2e-2, rtol=2e-2
+        )
+
+
+def dense_gqa(q, keys, values, scale, window=None):
+    """dense() for any group size: q [m, H, D], keys/values [n, KVH, D]."""
+    g = q.shape[1] // keys.shape[1]
+    k, v = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
+    m, n = q.shape[0], k.shape[0]
+    s = torch.einsum("mhd,nhd->hmn", q, k) * scale
+    kpos, qpos = torch.arange(n)[None, :], torch.arange(n - m, n)[:, None]
+    s.masked_fill_(kpos > qpos, float("-inf"))
+    if window is not None:
+        s.masked_fill_(kpos <= qpos - window, float("-inf"))
+    return torch.einsum("hmn,nhd->mhd", s.softmax(-1), v)

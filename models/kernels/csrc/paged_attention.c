@@ -25,6 +25,14 @@
  * registers for blocks of up to RB query rows. The portable path is plain C that the compiler vectorizes, for float32, other head sizes
  * and CPUs without AVX512-BF16.
  * Accumulation is float32 throughout.
+ *
+ * Quantized caches (`paged_attention_{float,bf16}_q`, vLLM's --kv-cache-dtype): the cache holds bytes, each
+ * K or V row of a head `row` bytes: kvq 1 = int8 as llama.cpp's q8_0 (D int8 values, then D / 32 float32
+ * scales, one per 32 values: x = q * scale, scale = max|x| / 127), kvq 2 = fp8 e4m3 ("fn": max 448, no
+ * infinities), kvq 3 = fp8 e5m2 (max 57344); fp8 values saturate at the format's largest finite value, as
+ * vLLM's conversions do, and round to nearest even. The new K/V are quantized as they are written; each
+ * chunk of 16 keys is dequantized into the same small float32 buffer the portable path uses for bfloat16,
+ * so the cache is read in place, never copied whole.
  */
 #include <math.h>
 #include <omp.h>
@@ -49,6 +57,8 @@
 /* Per-task state: rows r = j * G + g (tile position j, head g of the group). */
 typedef struct {
     int R, G, D;       /* rows, group size, head dim */
+    int row;           /* cache elements per K or V row of a head: D, or a quantized row's bytes */
+    int kvq;           /* the cache's quantization: 0 none, 1 int8 (q8_0), 2 fp8 e4m3, 3 fp8 e5m2 */
     int first_pos;     /* absolute position of the tile's first query */
     int window;        /* sliding window in keys, 0 = none */
     float scale;
@@ -103,27 +113,112 @@ static inline float f32_id(float x) { return x; }
 LOAD_ROWS(float, f32_id)
 LOAD_ROWS(bf16, bf16_to_f32)
 
+/* The scaled (and capped) scores s[r][0..n) of every row against n keys kf [n, D] in float32. */
+static inline void chunk_scores(const Task *tk, const float *kf, int pos0, int n, float s[][CHUNK]) {
+    const int D = tk->D;
+    for (int r = 0; r < tk->R; r++) {
+        const float *q = tk->qf + (size_t)r * D;
+        const int qpos = tk->first_pos + r / tk->G;
+        for (int t = 0; t < n; t++) {
+            float dot = 0.f;
+            const float *kr = kf + (size_t)t * D;
+            for (int d = 0; d < D; d++) dot += q[d] * kr[d];
+            s[r][t] = sees(tk, qpos, pos0 + t) ? capped(tk, dot * tk->scale) : NEG_INF;
+        }
+    }
+}
+
 /* Portable chunk step: scores from float32 copies of the chunk's keys. */
 #define CHUNK_PORTABLE(T)                                                                              \
     static void chunk_portable_##T(Task *tk, const T *kp, const T *vp, int pos0, int n, float *kvf) {  \
-        const int D = tk->D;                                                                           \
         float s[MAX_ROWS][CHUNK];                                                                      \
-        load_rows_##T(kp, n, D, kvf);                                                                  \
-        for (int r = 0; r < tk->R; r++) {                                                              \
-            const float *q = tk->qf + (size_t)r * D;                                                   \
-            const int qpos = tk->first_pos + r / tk->G;                                                \
-            for (int t = 0; t < n; t++) {                                                              \
-                float dot = 0.f;                                                                       \
-                const float *kr = kvf + (size_t)t * D;                                                 \
-                for (int d = 0; d < D; d++) dot += q[d] * kr[d];                                       \
-                s[r][t] = sees(tk, qpos, pos0 + t) ? capped(tk, dot * tk->scale) : NEG_INF;            \
-            }                                                                                          \
-        }                                                                                              \
-        load_rows_##T(vp, n, D, kvf);                                                                  \
+        load_rows_##T(kp, n, tk->D, kvf);                                                              \
+        chunk_scores(tk, kvf, pos0, n, s);                                                             \
+        load_rows_##T(vp, n, tk->D, kvf);                                                              \
         softmax_update(tk, s, n, kvf);                                                                 \
     }
 CHUNK_PORTABLE(float)
 CHUNK_PORTABLE(bf16)
+
+/* fp8 -> float32, a table per format, filled once (kvq_init). */
+static float FP8_E4M3[256], FP8_E5M2[256];
+
+__attribute__((constructor)) static void kvq_init(void) {
+    for (int c = 0; c < 256; c++) {
+        const int sign = c >> 7, e4 = (c >> 3) & 15, m3 = c & 7, e5 = (c >> 2) & 31, m2 = c & 3;
+        float a = e4 ? ldexpf(1.f + m3 / 8.f, e4 - 7) : ldexpf(m3 / 8.f, -6); /* 0x7F, 0xFF (NaN) never written */
+        FP8_E4M3[c] = sign ? -a : a;
+        a = e5 ? ldexpf(1.f + m2 / 4.f, e5 - 15) : ldexpf(m2 / 4.f, -14);
+        FP8_E5M2[c] = sign ? -a : a;
+    }
+}
+
+/* The fp8 code nearest to x (ties to the even code), saturated at the largest finite one: a binary search
+ * over the increasing positive codes 0 .. top. */
+static inline uint8_t fp8_encode(float x, const float *table, int top) {
+    const float a = fabsf(x);
+    int lo = 0, hi = top; /* the largest code with table[code] <= a */
+    if (!(a < table[top])) lo = top; /* saturate (NaN too) */
+    else
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (table[mid] <= a) lo = mid;
+            else hi = mid - 1;
+        }
+    int c = lo;
+    if (c < top) {
+        const float below = a - table[c], above = table[c + 1] - a;
+        if (above < below || (above == below && (c & 1))) c++;
+    }
+    return (uint8_t)(c | (x < 0.f ? 0x80 : 0));
+}
+
+/* Bytes of one quantized K or V row of D values (D % 32 == 0 for int8). */
+static inline int kvq_row_bytes(int D, int kvq) { return kvq == 1 ? D + D / 32 * (int)sizeof(float) : D; }
+
+/* One row of D float32 values into its quantized bytes. */
+static void kvq_store(uint8_t *dst, const float *x, int D, int kvq) {
+    if (kvq == 1) {
+        for (int b = 0; b < D / 32; b++) {
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[32 * b + i]));
+            const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            for (int i = 0; i < 32; i++) ((int8_t *)dst)[32 * b + i] = (int8_t)nearbyintf(x[32 * b + i] * inv);
+            memcpy(dst + D + b * sizeof(float), &scale, sizeof(float));
+        }
+    } else {
+        const float *table = kvq == 2 ? FP8_E4M3 : FP8_E5M2;
+        const int top = kvq == 2 ? 0x7E : 0x7B;
+        for (int d = 0; d < D; d++) dst[d] = fp8_encode(x[d], table, top);
+    }
+}
+
+/* n quantized rows (each `row` bytes apart) into float32 [n, D]. */
+static void kvq_load(const uint8_t *src, int n, int D, int row, int kvq, float *dst) {
+    for (int t = 0; t < n; t++) {
+        const uint8_t *r = src + (size_t)t * row;
+        float *o = dst + (size_t)t * D;
+        if (kvq == 1) {
+            for (int b = 0; b < D / 32; b++) {
+                float scale;
+                memcpy(&scale, r + D + b * sizeof(float), sizeof(float));
+                for (int i = 0; i < 32; i++) o[32 * b + i] = ((const int8_t *)r)[32 * b + i] * scale;
+            }
+        } else {
+            const float *table = kvq == 2 ? FP8_E4M3 : FP8_E5M2;
+            for (int d = 0; d < D; d++) o[d] = table[r[d]];
+        }
+    }
+}
+
+/* Portable chunk step over a quantized cache: each chunk's keys, then its values, dequantized in turn. */
+static void chunk_portable_uint8_t(Task *tk, const uint8_t *kp, const uint8_t *vp, int pos0, int n, float *kvf) {
+    float s[MAX_ROWS][CHUNK];
+    kvq_load(kp, n, tk->D, tk->row, tk->kvq, kvf);
+    chunk_scores(tk, kvf, pos0, n, s);
+    kvq_load(vp, n, tk->D, tk->row, tk->kvq, kvf);
+    softmax_update(tk, s, n, kvf);
+}
 
 #if defined(__x86_64__)
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -304,13 +399,13 @@ static inline void prefetch_bytes(const void *p, size_t bytes) {
             const int off = t % bs;                                                                    \
             int n = bs - off < CHUNK ? bs - off : CHUNK;                                               \
             n = k_end - t < n ? k_end - t : n;                                                         \
-            const size_t base = (((size_t)table[t / bs] * num_kv_heads + h) * bs + off) * tk->D;       \
+            const size_t base = (((size_t)table[t / bs] * num_kv_heads + h) * bs + off) * tk->row;     \
             const int next = t + n;                                                                    \
             if (next < k_end) {                                                                        \
                 const int noff = next % bs, nn = bs - noff < CHUNK ? bs - noff : CHUNK;                \
-                const size_t nbase = (((size_t)table[next / bs] * num_kv_heads + h) * bs + noff) * tk->D; \
-                prefetch_bytes(k_cache + nbase, (size_t)nn * tk->D * sizeof(T));                       \
-                prefetch_bytes(v_cache + nbase, (size_t)nn * tk->D * sizeof(T));                       \
+                const size_t nbase = (((size_t)table[next / bs] * num_kv_heads + h) * bs + noff) * tk->row; \
+                prefetch_bytes(k_cache + nbase, (size_t)nn * tk->row * sizeof(T));                     \
+                prefetch_bytes(v_cache + nbase, (size_t)nn * tk->row * sizeof(T));                     \
             }                                                                                          \
             CHUNK_DISPATCH_##T(tk, k_cache + base, v_cache + base, t, n, kvf, avx);                    \
             t += n;                                                                                    \
@@ -326,9 +421,12 @@ static inline void prefetch_bytes(const void *p, size_t bytes) {
 #else
 #define CHUNK_DISPATCH_bf16(tk, kp, vp, t, n, kvf, avx) chunk_portable_bf16(tk, kp, vp, t, n, kvf)
 #endif
+#define CHUNK_DISPATCH_uint8_t(tk, kp, vp, t, n, kvf, avx) chunk_portable_uint8_t(tk, kp, vp, t, n, kvf)
 RUN_KEYS(float)
 RUN_KEYS(bf16)
+RUN_KEYS(uint8_t)
 #define UNPERMUTE_float(tk, avx)
+#define UNPERMUTE_uint8_t(tk, avx)
 #if defined(__x86_64__)
 #define UNPERMUTE_bf16(tk, avx) if (avx) unpermute_acc(tk)
 #else
@@ -353,24 +451,36 @@ static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query
     return t;
 }
 
-#define PAGED_ATTENTION(T, FROM_F32, TO_F32)                                                           \
-    int paged_attention_##T(const T *q, int q_stride, const T *k, int k_stride, const T *v, int v_stride,   \
-                            T *k_cache, T *v_cache, const int64_t *slot_mapping, int num_tokens,       \
+/* Writing one new K or V row of a head into the cache: as it is, or quantized (kvq). */
+static inline void store_row_float(float *dst, const float *src, int D, int kvq) { memcpy(dst, src, D * sizeof(float)); }
+static inline void store_row_bf16(bf16 *dst, const bf16 *src, int D, int kvq) { memcpy(dst, src, D * sizeof(bf16)); }
+static inline void store_row_float_q(uint8_t *dst, const float *src, int D, int kvq) { kvq_store(dst, src, D, kvq); }
+static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kvq) {
+    float x[MAX_HEAD_DIM];
+    for (int d = 0; d < D; d++) x[d] = bf16_to_f32(src[d]);
+    kvq_store(dst, x, D, kvq);
+}
+
+/* paged_attention_NAME: q, k, v and out in T, the cache in TC (T itself, or the bytes of a quantized one). */
+#define PAGED_ATTENTION(NAME, T, TC, FROM_F32, TO_F32)                                                 \
+    int paged_attention_##NAME(const T *q, int q_stride, const T *k, int k_stride, const T *v, int v_stride, \
+                            TC *k_cache, TC *v_cache, const int64_t *slot_mapping, int num_tokens,     \
                             const int32_t *block_tables, const int32_t *seq_lens,                      \
                             const int32_t *query_start_loc, T *out, int num_seqs, int num_heads,       \
                             int num_kv_heads, int D, int bs, int max_blocks, float scale, int window,  \
-                            float softcap, int num_threads, int isa) {                                 \
+                            float softcap, int num_threads, int isa, int kvq) {                        \
         const int G = num_heads / num_kv_heads;                                                        \
-        if (D > MAX_HEAD_DIM || G * QT > MAX_ROWS) return -1;                                          \
-        const int avx = isa && sizeof(T) == 2 && (D == 64 || D == 128) && softcap == 0.f && cpu_has_avx512bf16(); \
+        if (D > MAX_HEAD_DIM || G * QT > MAX_ROWS || (kvq == 1 && D % 32)) return -1;                  \
+        const int row = kvq ? kvq_row_bytes(D, kvq) : D; /* cache elements per row of a head */       \
+        const int avx = isa && sizeof(TC) == 2 && (D == 64 || D == 128) && softcap == 0.f && cpu_has_avx512bf16(); \
         /* 1. the new tokens' K/V into their slots (every read below may need them) */                 \
         _Pragma("omp parallel for num_threads(num_threads)")                                           \
         for (int i = 0; i < num_tokens; i++) {                                                         \
             const int64_t blk = slot_mapping[i] / bs, off = slot_mapping[i] % bs;                      \
             for (int h = 0; h < num_kv_heads; h++) {                                                   \
-                const size_t dst = (((size_t)blk * num_kv_heads + h) * bs + off) * D;                  \
-                memcpy(k_cache + dst, k + (size_t)i * k_stride + (size_t)h * D, D * sizeof(T));        \
-                memcpy(v_cache + dst, v + (size_t)i * v_stride + (size_t)h * D, D * sizeof(T));        \
+                const size_t dst = (((size_t)blk * num_kv_heads + h) * bs + off) * row;                \
+                store_row_##NAME(k_cache + dst, k + (size_t)i * k_stride + (size_t)h * D, D, kvq);     \
+                store_row_##NAME(v_cache + dst, v + (size_t)i * v_stride + (size_t)h * D, D, kvq);     \
             }                                                                                          \
         }                                                                                              \
         /* 2. tasks (sequence, kv head, query tile), numbered through a prefix sum of tiles */         \
@@ -402,7 +512,8 @@ static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query
             const Tile ti = tile_of(task / num_kv_heads, tile_start, query_start_loc);                 \
             const int s = ti.s, nq = ti.nq;                                                            \
             float *ws = thread_ws + (size_t)omp_get_thread_num() * (2 * row_floats + CHUNK * D);       \
-            Task tk = {.R = nq * G, .G = G, .D = D, .first_pos = seq_lens[s] - ti.q_len + ti.j_first,  \
+            Task tk = {.R = nq * G, .G = G, .D = D, .row = row, .kvq = kvq,                             \
+                       .first_pos = seq_lens[s] - ti.q_len + ti.j_first,                              \
                        .window = window, .scale = scale, .softcap = softcap, .acc = ws,                \
                        .qf = ws + row_floats};                                                         \
             const int L = tk.first_pos + nq; /* keys up to the tile's last query */                    \
@@ -420,9 +531,9 @@ static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query
             }                                                                                          \
             memset(tk.acc, 0, sizeof(float) * tk.R * D);                                               \
             if (k_begin < k_end)                                                                       \
-                run_keys_##T(&tk, k_cache, v_cache, block_tables + (size_t)s * max_blocks, k_begin,   \
-                             k_end, h, num_kv_heads, bs, avx, ws + 2 * row_floats);                    \
-            UNPERMUTE_##T(&tk, avx);                                                                   \
+                run_keys_##TC(&tk, k_cache, v_cache, block_tables + (size_t)s * max_blocks, k_begin,  \
+                              k_end, h, num_kv_heads, bs, avx, ws + 2 * row_floats);                   \
+            UNPERMUTE_##TC(&tk, avx);                                                                  \
             if (parts == 1) {                                                                          \
                 for (int r = 0; r < tk.R; r++) {                                                       \
                     T *o = out + (tok0 + r / G) * num_heads * D + ((size_t)h * G + r % G) * D;         \
@@ -468,5 +579,7 @@ static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query
         return 0;                                                                                      \
     }
 
-PAGED_ATTENTION(float, f32_id, f32_id)
-PAGED_ATTENTION(bf16, f32_to_bf16, bf16_to_f32)
+PAGED_ATTENTION(float, float, float, f32_id, f32_id)
+PAGED_ATTENTION(bf16, bf16, bf16, f32_to_bf16, bf16_to_f32)
+PAGED_ATTENTION(float_q, float, uint8_t, f32_id, f32_id)
+PAGED_ATTENTION(bf16_q, bf16, uint8_t, f32_to_bf16, bf16_to_f32)

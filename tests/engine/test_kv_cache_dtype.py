@@ -1,0 +1,39 @@
+"""--kv-cache-dtype on the default model: a quantized KV cache holds more tokens in the same memory, keeps
+perplexity near the unquantized cache's (scripts/perplexity.py's method on a short text), and its blocks are
+prefix-cached like any others."""
+
+import pytest
+
+from engine import SamplingParams
+from scripts.perplexity import perplexity
+from tests.conftest import make_llm
+
+PROMPT = "The history of the printing press begins in 1440, when Johannes Gutenberg " * 6
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = make_llm(enable_prefix_caching=False)
+    return llm.engine.engine_core.num_blocks, perplexity(llm, 256, 2048)[0]
+
+
+@pytest.mark.parametrize("kv_cache_dtype, bound", [("int8", 0.005), ("fp8_e4m3", 0.03), ("fp8_e5m2", 0.06)])
+def test_quantized_kv_cache(kv_cache_dtype, bound, reference):
+    blocks, ppl = reference
+    llm = make_llm(kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
+    # float32 K/V are 4 bytes a value; int8 1 + 4 / 32 (its scales), fp8 1
+    ratio = 4 / (1.125 if kv_cache_dtype == "int8" else 1)
+    assert abs(llm.engine.engine_core.num_blocks / blocks - ratio) < 0.01
+    quantized = perplexity(llm, 256, 2048)[0]
+    assert abs(quantized / ppl - 1) < bound, (quantized, ppl)
+
+
+def test_quantized_blocks_are_prefix_cached():
+    llm = make_llm(kv_cache_dtype="int8")
+    kv = llm.engine.engine_core.kv
+    prompt = llm.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    hits = kv.prefix_cache_hits
+    again = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert kv.prefix_cache_hits - hits == (len(prompt) - 1) // 16 * 16 and again == first
