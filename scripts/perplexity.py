@@ -3,7 +3,9 @@ cut into non-overlapping chunks of --ctx tokens, each chunk a prompt on its own,
 each chunk scored (every scored token has at least ctx / 2 tokens of context). The text is the prompts of
 scripts/data/workload.jsonl (license texts), joined. Prompt logprobs come from the engine
 (`SamplingParams(prompt_logprobs=0)`), so whatever changes the arithmetic (`--kv-cache-dtype`, `--dtype`,
-`--quantization`) changes the figure; the prefix cache is off, so every chunk is computed.
+`--quantization`) changes the figure; the prefix cache is off, so every chunk is computed. With
+`--max-num-batched-tokens 8` the chunks go through the engine 8 tokens a step, so the kernels that decode
+(few rows at a time) compute them.
 
     python scripts/perplexity.py                                   # the default model, its Q4_1 weights
     python scripts/perplexity.py --kv-cache-dtype int8 --tokens 20480
@@ -48,6 +50,12 @@ def main():
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", choices=["gguf", "none"])
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens per step: 8 or fewer computes every chunk with the few-row (decode) kernels",
+    )
     args = ap.parse_args()
     llm = LLM(
         model=args.model,
@@ -55,6 +63,7 @@ def main():
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         enable_prefix_caching=False,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     start = time.perf_counter()
     ppl, n = perplexity(llm, args.ctx, args.tokens)

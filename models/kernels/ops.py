@@ -291,7 +291,14 @@ def gguf_dequantize_rows(
 
 
 def gguf_linear(
-    x: torch.Tensor, data: torch.Tensor, qtype: int, rows: int, cols: int, r16: bool, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    data: torch.Tensor,
+    qtype: int,
+    rows: int,
+    cols: int,
+    r16: bool,
+    out: torch.Tensor | None = None,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """x [M, cols] (float32 or bfloat16) @ W^T for a GGUF weight W of `rows` rows: ggml blocks `data` uint8
     [rows, row_bytes] of type `qtype`, or R16 (gguf_repack_r16) when `r16`. Returns y [M, rows] in x's dtype,
@@ -299,7 +306,9 @@ def gguf_linear(
     columns of a fused output).
 
     R16 weights run the AVX512-VNNI kernel (activations quantized to int16 per 32: a relative error near
-    1e-5); blocks run the portable C kernel in float32. Raises ValueError for a type the kernels do not know.
+    1e-5); blocks run the portable C kernel in float32, or with `int8_activations` (Q4_0, Q4_1 and Q8_0 blocks,
+    at most 8 rows, a CPU with AVX2: gguf_q8_isa) the AVX2 kernel on activations quantized to int8 per 32, as
+    llama.cpp computes. Raises ValueError for a type (or, int8, a shape or CPU) the kernels do not take.
     """
     lib = _gguf_lib()
     y = x.new_empty(x.shape[0], rows) if out is None else out
@@ -316,7 +325,8 @@ def gguf_linear(
         rows,
         cols,
     )
-    status = (lib.gguf_r16_linear if r16 else lib.gguf_linear)(*args, torch.get_num_threads())
+    fn = lib.gguf_r16_linear if r16 else lib.gguf_q8_linear if int8_activations else lib.gguf_linear
+    status = fn(*args, torch.get_num_threads())
     if status != 0:
         raise ValueError(f"ggml type {qtype} with rows of {cols} weights has no kernel")
     return y

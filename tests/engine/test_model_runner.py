@@ -13,7 +13,7 @@ def step(runner, so: SchedulerOutput):
 
 def cached(req_id, new_tokens, computed, num_tokens, drafts=()):
     return SchedulerOutput(
-        scheduled_cached_reqs=CachedRequestData([req_id], [False], [new_tokens], [[]], [computed]),
+        scheduled_cached_reqs=CachedRequestData([req_id], [False], [new_tokens], [([],)], [computed]),
         num_scheduled_tokens={req_id: num_tokens},
         scheduled_spec_decode_tokens={req_id: list(drafts)} if drafts else {},
     )
@@ -28,7 +28,7 @@ def test_runner_follows_synthetic_steps(llm, prompts):
     # the engine is idle: the last blocks of its cache are free to use
     blocks = list(range(runner.num_blocks - (n + 16) // 16 - 1, runner.num_blocks))
     half = n // 2
-    new = NewRequestData("x", prompt, greedy, frozenset(), blocks, 0)
+    new = NewRequestData("x", prompt, greedy, frozenset(), (blocks,), 0)
     assert step(runner, SchedulerOutput([new], num_scheduled_tokens={"x": half})) == {}  # still prefilling
     assert step(runner, cached("x", [], half, n - half)) == {"x": [ref[0]]}
     assert step(runner, cached("x", [ref[0]], n, 1)) == {"x": [ref[1]]}

@@ -114,3 +114,37 @@ def test_gguf_tensor_repacks_for_bfloat16_only_where_the_cpu_can():
     assert t.r16 == vnni() and t.rows == 20
     ids = torch.tensor([19, 3])
     assert np.array_equal(t.dequantize_rows(ids, torch.float32).numpy(), reference(raw, T.Q4_1, 64)[ids])
+
+
+def q8() -> bool:
+    lib = cpu_kernels.load()
+    return lib is not None and bool(lib.gguf_q8_isa())
+
+
+@pytest.mark.skipif(not q8(), reason="the CPU has no AVX2")
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_int8_activations(qtype, M, dtype):
+    """The AVX2 kernel (MINIVLLM_GGUF_ACTIVATIONS=int8): activations quantized to int8 per 32 (scale
+    max|x| / 127), so each product moves by at most |w| times half a step; the rest is the float product.
+    Other types, or 9 rows, are refused."""
+    rows, cols = shape(qtype)
+    raw = random_blocks(qtype, rows, cols, seed=200 + M)
+    w = reference(raw, qtype, cols)
+    x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M)).to(dtype)
+    xd = x.double().numpy()
+    y_ref = xd @ w.T.astype(np.float64)
+    y = ops.gguf_linear(x, raw, qtype, rows, cols, r16=False, int8_activations=True).double().numpy()
+    half_step = np.repeat(np.abs(xd).reshape(M, -1, 32).max(-1) / 127 / 2, 32, axis=1)  # [M, cols]
+    bound = half_step @ np.abs(w.T).astype(np.float64) * 1.01 + 1e-4 * np.abs(y_ref).max()
+    if dtype == torch.bfloat16:
+        bound += np.abs(y_ref) * 2.0**-8
+    err = np.abs(y - y_ref)
+    assert (err <= bound).all(), f"max excess {(err - bound).max()}"
+    assert np.abs(y - y_ref).max() > 0  # not the exact path
+    with pytest.raises(ValueError):
+        ops.gguf_linear(torch.zeros(9, cols), raw, qtype, rows, cols, r16=False, int8_activations=True)
+    with pytest.raises(ValueError):
+        q6 = random_blocks(T.Q6_K, 4, 256)
+        ops.gguf_linear(torch.zeros(1, 256), q6, T.Q6_K, 4, 256, r16=False, int8_activations=True)

@@ -753,3 +753,134 @@ int gguf_r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, i
     return -1;
 #endif
 }
+
+/* ---- Q8: int8 activations against the 32-weight types' blocks, AVX2 (llama.cpp's ggml_vec_dot_q4_0_q8_0 and
+ * kin) ----
+ * Each row of x is quantized per 32 values to int8 with a float scale dx = max|x| / 127 (and the block's float
+ * sum sx); a weight block's dot with it is then d dx sum(q xq), from _mm256_maddubs_epi16 (unsigned x signed
+ * bytes, pairs summed to int16) and _mm256_madd_epi16 (to int32), for Q4_0 (codes - 8), Q8_0 (signed: |w| with
+ * x's sign moved onto it) and Q4_1 (codes 0..15, plus m sx). Not exact: the activations' rounding moves each
+ * product by up to half a step of dx, as in llama.cpp; the caller chooses it (models/quantization/gguf.py). */
+#if defined(__x86_64__)
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+static int has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+AVX2 static inline float half_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* the 32 codes of a Q4_0 / Q4_1 block's 16 bytes: low nibbles (weights 0..15), then high (16..31) */
+AVX2 static inline __m256i nibbles32(const uint8_t *qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+/* sum over the 32 bytes of a * b as 8 float lanes: a unsigned, b signed */
+AVX2 static inline __m256 dot_u8_i8(__m256i a, __m256i b) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+}
+
+/* the same with both signed: |a| against b with a's sign */
+AVX2 static inline __m256 dot_i8_i8(__m256i a, __m256i b) {
+    return dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+
+AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#define Q8_MAX_ROWS 8
+
+AVX2 static void q8_rows(int type, const int8_t *xq, const float *xd, const float *xs, const uint8_t *w, void *y,
+                         int y_bf16, int y_stride, int M, int N, int K, int num_threads) {
+    const int nb = K / 32, bb = block_bytes(type);
+    const size_t row_bytes = (size_t)nb * bb;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        __m256 acc[Q8_MAX_ROWS];
+        float mins[Q8_MAX_ROWS] = {0};
+        for (int j = 0; j < M; j++) acc[j] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (size_t)b * bb;
+            const float d = half_to_f32(blk);
+            if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
+            if (type == Q4_1) {
+                const float m = half_to_f32(blk + 2);
+                const __m256i q = nibbles32(blk + 4);
+                for (int j = 0; j < M; j++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)j * K + 32 * b));
+                    acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[j * nb + b]), dot_u8_i8(q, xv), acc[j]);
+                    mins[j] += m * xs[j * nb + b];
+                }
+            } else {
+                const __m256i q = type == Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2))
+                                               : _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
+                for (int j = 0; j < M; j++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)j * K + 32 * b));
+                    acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[j * nb + b]), dot_i8_i8(q, xv), acc[j]);
+                }
+            }
+        }
+        for (int j = 0; j < M; j++) {
+            const float v = hsum8(acc[j]) + mins[j];
+            const size_t at = (size_t)j * y_stride + n;
+            if (y_bf16)
+                ((bf16 *)y)[at] = f32_to_bf16(v);
+            else
+                ((float *)y)[at] = v;
+        }
+    }
+}
+#endif
+
+/* 1 when this CPU runs gguf_q8_linear (AVX2, FMA, F16C), else 0 */
+int gguf_q8_isa(void) {
+#if defined(__x86_64__)
+    return has_avx2();
+#else
+    return 0;
+#endif
+}
+
+/* y = x W^T for Q4_0, Q4_1 or Q8_0 blocks and at most 8 rows of x, with x quantized to int8 per 32. Returns -1
+ * (nothing written) for another type or shape, or without AVX2. */
+int gguf_q8_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                   int y_stride, int M, int N, int K, int num_threads) {
+#if defined(__x86_64__)
+    if (!has_avx2() || (type != Q4_0 && type != Q4_1 && type != Q8_0) || K % 32 || M < 1 || M > Q8_MAX_ROWS)
+        return -1;
+    const int nb = K / 32;
+    int8_t *xq = malloc((size_t)M * K);
+    float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < nb; b++) {
+            float v[32], amax = 0.f, sum = 0.f;
+            for (int i = 0; i < 32; i++) {
+                v[i] = load_x(x, x_bf16, (size_t)m * x_stride + 32 * b + i);
+                amax = v[i] > amax ? v[i] : -v[i] > amax ? -v[i] : amax;
+                sum += v[i];
+            }
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            for (int i = 0; i < 32; i++) xq[(size_t)m * K + 32 * b + i] = (int8_t)__builtin_nearbyintf(v[i] * inv);
+            xd[m * nb + b] = amax / 127.f;
+            xs[m * nb + b] = sum;
+        }
+    q8_rows(type, xq, xd, xs, w, y, y_bf16, y_stride, M, N, K, num_threads);
+    free(xq), free(xd), free(xs);
+    return 0;
+#else
+    (void)x, (void)x_bf16, (void)x_stride, (void)w, (void)type, (void)y, (void)y_bf16, (void)y_stride, (void)M;
+    (void)N, (void)K, (void)num_threads;
+    return -1;
+#endif
+}
