@@ -30,7 +30,7 @@ from engine import SamplingParams  # noqa: E402
 
 ENGINE = cli_args(kv_cache_memory=128 << 20, max_model_len=1024)
 PORT = 8000
-STREAM_END_TIMEOUT = 45  # seconds: the router's request timeout, the bound on how long a cut host's stream lasts
+STREAM_END_TIMEOUT = 120  # seconds: the router's request timeout, the bound on how long a cut host's stream lasts
 
 
 @pytest.fixture(scope="module")
