@@ -20,6 +20,8 @@ __all__ = [
 ]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --kv-cache-dtype (models.attention.kv_cache_dtype has what each stores)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -77,7 +79,7 @@ class EngineConfig:
         "what the KV cache stores: auto = the model dtype; int8 (llama.cpp's q8_0: a float scale per 32 values), "
         "fp8 = fp8_e4m3, fp8_e5m2: fewer bytes per token, quantized as written (the cpu attention backend, and "
         "torch_native)",
-        choices=("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        choices=KV_CACHE_DTYPES,
     )
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes seen before")
     enforce_eager: bool = setting(False, "on CUDA, do not capture CUDA graphs")
@@ -195,10 +197,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in (None, "gguf", "none"):
             raise ValueError(f"quantization must be gguf or none, got {self.quantization!r}")
-        if self.kv_cache_dtype not in ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"):
-            raise ValueError(
-                f"kv_cache_dtype must be auto, int8, fp8, fp8_e4m3 or fp8_e5m2, got {self.kv_cache_dtype!r}"
-            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.pp_layer_partition is not None and len(self.layer_partition) != self.pipeline_parallel_size:

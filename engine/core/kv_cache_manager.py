@@ -282,10 +282,16 @@ class KVCacheManager:
         for i in range(len(hashes), num_tokens // bs):
             hashes.append(hash_block(hashes[-1] if hashes else None, tuple(tokens[i * bs : (i + 1) * bs])))
 
-    def block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """Each group's block table of a request (empty lists when it holds none)."""
+    def block_ids(self, request_id: str, after: tuple[int, ...] | None = None) -> tuple[list[int], ...]:
+        """Each group's block table of a request (empty lists when it holds none); with `after` (the tables'
+        lengths before an allocation, table_lengths), only each table's blocks past them."""
         tables = self.req_blocks.get(request_id) or tuple([] for _ in self.windows)
-        return tuple([b.block_id for b in blocks] for blocks in tables)
+        after = after or (0,) * len(tables)
+        return tuple([b.block_id for b in blocks[k:]] for blocks, k in zip(tables, after))
+
+    def table_lengths(self, request_id: str) -> tuple[int, ...]:
+        """The length of each group's block table of a request (zeros when it holds none)."""
+        return tuple(len(blocks) for blocks in self.req_blocks.get(request_id, ())) or (0,) * self.num_groups
 
     def free(self, request, uncache: bool = False) -> None:
         """Releases all blocks of a request, each group's tail first. `uncache` also drops their prefix-cache

@@ -112,7 +112,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
-            before = [len(ids) for ids in self.kv.block_ids(req.request_id)]
+            before = self.kv.table_lengths(req.request_id)
             while not self.kv.allocate_slots(req, n, num_lookahead_tokens=self.num_lookahead_tokens):
                 # the newest one at or after req that is not in flight (req itself at worst)
                 victim = next(r for r in reversed(self.running) if r.request_id not in self.in_flight)
@@ -122,7 +122,7 @@ class Scheduler:
                 if victim is req:  # nothing below it can run either
                     return scheduled, new_blocks, preempted
             scheduled.append((req, n))
-            new_blocks[req.request_id] = tuple(ids[k:] for ids, k in zip(self.kv.block_ids(req.request_id), before))
+            new_blocks[req.request_id] = self.kv.block_ids(req.request_id, before)
             budget -= n
             i += 1
         return scheduled, new_blocks, preempted

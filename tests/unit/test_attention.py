@@ -23,10 +23,10 @@ def new_cache(backend, num_blocks, dtype, randn=False):
 
 
 def dense(q, keys, values, scale, window=None, cap=None):
-    """q [m, H, D] are the last m positions of a sequence with keys/values [n, KVH, D]; with `window` W a
-    query at position p sees keys p - W + 1 .. p (transformers' sliding-window mask)."""
-    m, n = q.shape[0], keys.shape[0]
-    k, v = keys.repeat_interleave(H // KVH, 1), values.repeat_interleave(H // KVH, 1)
+    """q [m, H, D] are the last m positions of a sequence with keys/values [n, KVH, D] (any group size H / KVH);
+    with `window` W a query at position p sees keys p - W + 1 .. p (transformers' sliding-window mask)."""
+    m, n, g = q.shape[0], keys.shape[0], q.shape[1] // keys.shape[1]
+    k, v = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
     s = torch.einsum("mhd,nhd->hmn", q, k) * scale
     if cap is not None:
         s = cap * torch.tanh(s / cap)
@@ -253,20 +253,7 @@ def test_quantized_kv_cache(kv_cache_dtype, dtype):
         keys, values = (dequantize_rows(c[table].flatten(0, 1)[: ctx + new], 64, code) for c in caches[0][1])
         qi = q[meta.query_start_loc_cpu[i] : meta.query_start_loc_cpu[i + 1]].float()
         window = backends[0].sliding_window
-        dense_out = dense_gqa(qi, keys, values, 64**-0.5, window)
+        dense_out = dense(qi, keys, values, 64**-0.5, window)
         torch.testing.assert_close(
             ref[meta.query_start_loc_cpu[i] : meta.query_start_loc_cpu[i + 1]].float(), dense_out, atol=2e-2, rtol=2e-2
         )
-
-
-def dense_gqa(q, keys, values, scale, window=None):
-    """dense() for any group size: q [m, H, D], keys/values [n, KVH, D]."""
-    g = q.shape[1] // keys.shape[1]
-    k, v = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
-    m, n = q.shape[0], k.shape[0]
-    s = torch.einsum("mhd,nhd->hmn", q, k) * scale
-    kpos, qpos = torch.arange(n)[None, :], torch.arange(n - m, n)[:, None]
-    s.masked_fill_(kpos > qpos, float("-inf"))
-    if window is not None:
-        s.masked_fill_(kpos <= qpos - window, float("-inf"))
-    return torch.einsum("hmn,nhd->mhd", s.softmax(-1), v)
