@@ -13,6 +13,12 @@ from tests.engines import ENGINES, assert_no_leak, make_llm  # noqa: F401 (the t
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The tests that compare greedy tokens with transformers' on a GGUF's dequantized weights check how the file is
+# read, so they run the exact float32 kernels (servers the tests start inherit it). The default int8-activation
+# arithmetic (llama.cpp's) is judged as quantized arithmetic is: by lm-eval against float32
+# (tests/server/test_lm_eval.py) and by its kernel against a simulation of llama.cpp's (test_gguf_kernels.py).
+os.environ.setdefault("MINIVLLM_GGUF_ACTIVATIONS", "float")
+
 
 @pytest.fixture(autouse=True)
 def _check_no_leaks():

@@ -46,8 +46,8 @@ def server_factory():
     end of the session are stopped."""
     started = []
 
-    def start(*args: str) -> ServerProcess:
-        started.append(ServerProcess(list(args), timeout=180))
+    def start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        started.append(ServerProcess(list(args), timeout=180, env=env))
         return started[-1]
 
     yield start

@@ -46,18 +46,30 @@ R16_TYPES = (
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 # rows of x up to which the portable kernel beats dequantize-then-GEMM on weights kept as blocks
 PORTABLE_MAX_ROWS = 8
-# the types whose blocks the AVX2 kernel multiplies with int8 activations (llama.cpp's arithmetic) when
-# MINIVLLM_GGUF_ACTIVATIONS=int8; by default they take the exact float32 portable kernel
-Q8_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+# the types whose blocks the AVX2 kernel multiplies with int8 activations (llama.cpp's arithmetic) by default;
+# with MINIVLLM_GGUF_ACTIVATIONS=float they take the exact float32 portable kernel
+Q8_TYPES = (
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
+)
 
 
 @functools.cache
 def int8_activations() -> bool:
-    """Whether few-row products on Q8_TYPES blocks quantize the activations to int8 per 32 (the AVX2 kernel):
-    with MINIVLLM_GGUF_ACTIVATIONS=int8 on a CPU with AVX2 (read once). Opt-in for now: 4.5x faster batch-1
-    decode on an AVX2-only EPYC, but +2.8% perplexity on the default model where llama.cpp's own int8
-    arithmetic loses nothing measurable (docs/benchmarks.md)."""
-    if os.environ.get("MINIVLLM_GGUF_ACTIVATIONS", "float") != "int8":
+    """Whether few-row products on Q8_TYPES blocks quantize the activations to int8 per 32 (the AVX2 kernel, as
+    llama.cpp computes): on a CPU with AVX2 unless MINIVLLM_GGUF_ACTIVATIONS=float (read once), which keeps the
+    exact float32 kernel for comparison. 4.5x faster batch-1 decode on an AVX2-only EPYC at the default model's
+    float32 perplexity (docs/benchmarks.md). Raises ValueError for another value of the variable."""
+    mode = os.environ.get("MINIVLLM_GGUF_ACTIVATIONS", "int8")
+    if mode not in ("int8", "float"):
+        raise ValueError(f"MINIVLLM_GGUF_ACTIVATIONS={mode!r}: expected 'int8' or 'float'")
+    if mode == "float":
         return False
     lib = cpu_kernels.load()
     return lib is not None and bool(lib.gguf_q8_isa())

@@ -10,7 +10,7 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 
 from models.kernels import cpu_kernels, ops
-from models.quantization.gguf import QUANTIZED_TYPES, R16_TYPES, GGUFTensor
+from models.quantization.gguf import Q8_TYPES, QUANTIZED_TYPES, R16_TYPES, GGUFTensor
 from tests.gguf_blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
@@ -122,29 +122,33 @@ def q8() -> bool:
 
 
 @pytest.mark.skipif(not q8(), reason="the CPU has no AVX2")
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_int8_activations(qtype, M, dtype):
-    """The AVX2 kernel (MINIVLLM_GGUF_ACTIVATIONS=int8): activations quantized to int8 per 32 (scale
-    max|x| / 127), so each product moves by at most |w| times half a step; the rest is the float product.
-    Other types, or 9 rows, are refused."""
+    """The AVX2 kernel computes llama.cpp's arithmetic: the dequantized weights against the activations rounded
+    to int8 per 32 (scale max|x| / 127, round to nearest), to float rounding; an offset type's (Q4_1, Q5_1, Q4_K,
+    Q5_K) min meets the rounded activations' sum, not the exact one (that left m sum(x - xq) in every output).
+    Another type, or 9 rows, is refused."""
     rows, cols = shape(qtype)
     raw = random_blocks(qtype, rows, cols, seed=200 + M)
-    w = reference(raw, qtype, cols)
+    w = reference(raw, qtype, cols).astype(np.float64)
     x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M)).to(dtype)
-    xd = x.double().numpy()
-    y_ref = xd @ w.T.astype(np.float64)
+    x += torch.linspace(-1, 3, cols).to(dtype)  # a nonzero mean per block, so an exact-sum offset term shows
+    xb = x.float().numpy().reshape(M, -1, 32)  # rounded as the kernel does, in float32 (ties matter)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    codes = np.rint(xb * (np.float32(127) / amax)).astype(np.float64)
+    xq = (codes * (amax / np.float32(127)).astype(np.float64)).reshape(M, cols)
+    y_ref = xq @ w.T
     y = ops.gguf_linear(x, raw, qtype, rows, cols, r16=False, int8_activations=True).double().numpy()
-    half_step = np.repeat(np.abs(xd).reshape(M, -1, 32).max(-1) / 127 / 2, 32, axis=1)  # [M, cols]
-    bound = half_step @ np.abs(w.T).astype(np.float64) * 1.01 + 1e-4 * np.abs(y_ref).max()
+    bound = 1e-5 * (np.abs(xq) @ np.abs(w.T)) + 1e-6
     if dtype == torch.bfloat16:
         bound += np.abs(y_ref) * 2.0**-8
     err = np.abs(y - y_ref)
     assert (err <= bound).all(), f"max excess {(err - bound).max()}"
-    assert np.abs(y - y_ref).max() > 0  # not the exact path
+    assert np.abs(y - x.double().numpy() @ w.T).max() > 1e-3  # not the exact path
     with pytest.raises(ValueError):
         ops.gguf_linear(torch.zeros(9, cols), raw, qtype, rows, cols, r16=False, int8_activations=True)
     with pytest.raises(ValueError):
-        q6 = random_blocks(T.Q6_K, 4, 256)
-        ops.gguf_linear(torch.zeros(1, 256), q6, T.Q6_K, 4, 256, r16=False, int8_activations=True)
+        q3 = random_blocks(T.Q3_K, 4, 256)
+        ops.gguf_linear(torch.zeros(1, 256), q3, T.Q3_K, 4, 256, r16=False, int8_activations=True)

@@ -754,13 +754,18 @@ int gguf_r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, i
 #endif
 }
 
-/* ---- Q8: int8 activations against the 32-weight types' blocks, AVX2 (llama.cpp's ggml_vec_dot_q4_0_q8_0 and
- * kin) ----
- * Each row of x is quantized per 32 values to int8 with a float scale dx = max|x| / 127 (and the block's float
- * sum sx); a weight block's dot with it is then d dx sum(q xq), from _mm256_maddubs_epi16 (unsigned x signed
- * bytes, pairs summed to int16) and _mm256_madd_epi16 (to int32), for Q4_0 (codes - 8), Q8_0 (signed: |w| with
- * x's sign moved onto it) and Q4_1 (codes 0..15, plus m sx). Not exact: the activations' rounding moves each
- * product by up to half a step of dx, as in llama.cpp; the caller chooses it (models/quantization/gguf.py). */
+/* ---- Q8: int8 activations against the file's blocks, AVX2 (llama.cpp's ggml_vec_dot_*_q8_0 / _q8_1 / _q8_K) ----
+ * Each row of x is quantized per 32 values to int8 xq with a float scale dx = max|x| / 127, and the block's sum
+ * sx = dx sum(xq) (llama.cpp's Q8_1 `s`: the sum of the quantized values, so that a type with an offset m
+ * computes exactly sum (d q + m) (dx xq), the dot of the dequantized weights with the rounded activations; the
+ * float sum instead left m sum(x - dx xq) over, +2.8% perplexity on the default Q4_1 model). A 32-weight chunk's
+ * codes q are decoded into one 256-bit register (Q4_0 / Q4_1 nibbles, Q5_0 / Q5_1 plus a fifth bit, Q8_0 bytes,
+ * Q4_K / Q5_K sub-blocks, Q6_K's 6-bit codes) and multiplied with _mm256_maddubs_epi16 (unsigned x signed bytes,
+ * pairs summed to int16; codes ≤ 63, so no int16 saturates) and _mm256_madd_epi16 (to int32): signed codes (Q4_0
+ * q - 8, Q5_0 q - 16, Q6_K q - 32, Q8_0) as |q| against xq with q's sign. A chunk adds s dx dot + m sx, with s
+ * its scale (Q6_K: one per 16, the int32 lanes 0-3 and 4-7) and m its offset. Not exact: the activations'
+ * rounding moves each product by up to half a step of dx, as in llama.cpp; the caller chooses the path
+ * (models/quantization/gguf.py). */
 #if defined(__x86_64__)
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -781,13 +786,23 @@ AVX2 static inline __m256i nibbles32(const uint8_t *qs) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
 }
 
-/* sum over the 32 bytes of a * b as 8 float lanes: a unsigned, b signed */
-AVX2 static inline __m256 dot_u8_i8(__m256i a, __m256i b) {
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+/* byte i = 0x10 where bit i of the 4 bytes at p is set, else 0 (Q5_0 / Q5_1's fifth bits) */
+AVX2 static inline __m256i fifth_bits32(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* the 8 int32 sums over 4 bytes each of a * b: a unsigned, b signed */
+AVX2 static inline __m256i dot_u8_i8(__m256i a, __m256i b) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 }
 
 /* the same with both signed: |a| against b with a's sign */
-AVX2 static inline __m256 dot_i8_i8(__m256i a, __m256i b) {
+AVX2 static inline __m256i dot_i8_i8(__m256i a, __m256i b) {
     return dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
 }
 
@@ -800,39 +815,110 @@ AVX2 static inline float hsum8(__m256 v) {
 
 #define Q8_MAX_ROWS 8
 
-AVX2 static void q8_rows(int type, const int8_t *xq, const float *xd, const float *xs, const uint8_t *w, void *y,
-                         int y_bf16, int y_stride, int M, int N, int K, int num_threads) {
-    const int nb = K / 32, bb = block_bytes(type);
+/* the activations: xq int8 [M, K], xd and xs float [M, K / 32] */
+typedef struct {
+    const int8_t *xq;
+    const float *xd, *xs;
+    int M, K;
+} Q8Acts;
+
+/* acc[j] += s dx_j dot(q, xq_j) over the 32 activations of row j from column k, and bias[j] += m sx_j;
+ * `is_signed`: q holds signed codes; s: the scale of int32 lanes 0..7 */
+AVX2 static inline void q8_chunk(const Q8Acts *a, int k, __m256i q, int is_signed, __m256 s, float m, __m256 *acc,
+                                 float *bias) {
+    const int nb = a->K / 32, c = k / 32;
+    const __m256i qa = is_signed ? _mm256_sign_epi8(q, q) : q;
+    for (int j = 0; j < a->M; j++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(a->xq + (size_t)j * a->K + k));
+        if (is_signed) xv = _mm256_sign_epi8(xv, q);
+        const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(qa, xv));
+        acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a->xd[j * nb + c])), dot, acc[j]);
+        if (m != 0.f) bias[j] += m * a->xs[j * nb + c];
+    }
+}
+
+/* one block of a row (32 or 256 weights, starting at column k) into acc and bias */
+AVX2 static inline void q8_block(const Q8Acts *a, int type, const uint8_t *blk, int k, __m256 *acc, float *bias) {
+    switch (type) {
+    case Q4_0:
+        q8_chunk(a, k, _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8)), 1, _mm256_set1_ps(half_to_f32(blk)),
+                 0.f, acc, bias);
+        break;
+    case Q4_1:
+        q8_chunk(a, k, nibbles32(blk + 4), 0, _mm256_set1_ps(half_to_f32(blk)), half_to_f32(blk + 2), acc, bias);
+        break;
+    case Q5_0:
+        q8_chunk(a, k, _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 6), fifth_bits32(blk + 2)), _mm256_set1_epi8(16)),
+                 1, _mm256_set1_ps(half_to_f32(blk)), 0.f, acc, bias);
+        break;
+    case Q5_1:
+        q8_chunk(a, k, _mm256_or_si256(nibbles32(blk + 8), fifth_bits32(blk + 4)), 0, _mm256_set1_ps(half_to_f32(blk)),
+                 half_to_f32(blk + 2), acc, bias);
+        break;
+    case Q8_0:
+        q8_chunk(a, k, _mm256_loadu_si256((const __m256i *)(blk + 2)), 1, _mm256_set1_ps(half_to_f32(blk)), 0.f, acc,
+                 bias);
+        break;
+    case Q4_K:
+    case Q5_K: {
+        const float d = half_to_f32(blk), dmin = half_to_f32(blk + 2);
+        const uint8_t *qs = blk + (type == Q4_K ? 16 : 48);
+        const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+        const __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) { /* 32 bytes: sub-block 2p in the low nibbles, 2p + 1 in the high */
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+            for (int h = 0; h < 2; h++) {
+                const int sb = 2 * p + h;
+                __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, low);
+                if (type == Q5_K)
+                    q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, sb), one), 4));
+                int sc, m;
+                k_scale_min(blk + 4, sb, &sc, &m);
+                q8_chunk(a, k + 32 * sb, q, 0, _mm256_set1_ps(d * (float)sc), -(dmin * (float)m), acc, bias);
+            }
+        }
+        break;
+    }
+    case Q6_K: {
+        const float d = half_to_f32(blk + 208);
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+        for (int h = 0; h < 2; h++) { /* 128 weights: ql 64 B, qh 32 B */
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            for (int t = 0; t < 4; t++) { /* chunk t: low or high nibbles of l0 or l1, bits 2t.. of qh */
+                const __m256i l = t & 1 ? l1 : l0;
+                const __m256i lo = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(l, 4) : l, low);
+                const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two), 4);
+                const int g = 8 * h + 2 * t;
+                const __m256 s = _mm256_set_ps(d * sc[g + 1], d * sc[g + 1], d * sc[g + 1], d * sc[g + 1], d * sc[g],
+                                               d * sc[g], d * sc[g], d * sc[g]);
+                q8_chunk(a, k + 128 * h + 32 * t, _mm256_sub_epi8(_mm256_or_si256(lo, hi), off), 1, s, 0.f, acc, bias);
+            }
+        }
+        break;
+    }
+    }
+}
+
+AVX2 static void q8_rows(const Q8Acts *a, int type, const uint8_t *w, void *y, int y_bf16, int y_stride, int N,
+                         int num_threads) {
+    const int bw = block_weights(type), nb = a->K / bw, bb = block_bytes(type);
     const size_t row_bytes = (size_t)nb * bb;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int n = 0; n < N; n++) {
         const uint8_t *row = w + n * row_bytes;
         __m256 acc[Q8_MAX_ROWS];
-        float mins[Q8_MAX_ROWS] = {0};
-        for (int j = 0; j < M; j++) acc[j] = _mm256_setzero_ps();
+        float bias[Q8_MAX_ROWS] = {0};
+        for (int j = 0; j < a->M; j++) acc[j] = _mm256_setzero_ps();
         for (int b = 0; b < nb; b++) {
             const uint8_t *blk = row + (size_t)b * bb;
-            const float d = half_to_f32(blk);
-            if (b + 4 < nb) _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
-            if (type == Q4_1) {
-                const float m = half_to_f32(blk + 2);
-                const __m256i q = nibbles32(blk + 4);
-                for (int j = 0; j < M; j++) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)j * K + 32 * b));
-                    acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[j * nb + b]), dot_u8_i8(q, xv), acc[j]);
-                    mins[j] += m * xs[j * nb + b];
-                }
-            } else {
-                const __m256i q = type == Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2))
-                                               : _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
-                for (int j = 0; j < M; j++) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)j * K + 32 * b));
-                    acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[j * nb + b]), dot_i8_i8(q, xv), acc[j]);
-                }
-            }
+            _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
+            q8_block(a, type, blk, b * bw, acc, bias);
         }
-        for (int j = 0; j < M; j++) {
-            const float v = hsum8(acc[j]) + mins[j];
+        for (int j = 0; j < a->M; j++) {
+            const float v = hsum8(acc[j]) + bias[j];
             const size_t at = (size_t)j * y_stride + n;
             if (y_bf16)
                 ((bf16 *)y)[at] = f32_to_bf16(v);
@@ -843,6 +929,11 @@ AVX2 static void q8_rows(int type, const int8_t *xq, const float *xd, const floa
 }
 #endif
 
+static int q8_type(int type) {
+    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K ||
+           type == Q5_K || type == Q6_K;
+}
+
 /* 1 when this CPU runs gguf_q8_linear (AVX2, FMA, F16C), else 0 */
 int gguf_q8_isa(void) {
 #if defined(__x86_64__)
@@ -852,30 +943,34 @@ int gguf_q8_isa(void) {
 #endif
 }
 
-/* y = x W^T for Q4_0, Q4_1 or Q8_0 blocks and at most 8 rows of x, with x quantized to int8 per 32. Returns -1
- * (nothing written) for another type or shape, or without AVX2. */
+/* y = x W^T for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks and at most 8 rows of x, with x quantized
+ * to int8 per 32. Returns -1 (nothing written) for another type or shape, or without AVX2. */
 int gguf_q8_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
                    int y_stride, int M, int N, int K, int num_threads) {
 #if defined(__x86_64__)
-    if (!has_avx2() || (type != Q4_0 && type != Q4_1 && type != Q8_0) || K % 32 || M < 1 || M > Q8_MAX_ROWS)
-        return -1;
+    if (!has_avx2() || !q8_type(type) || K % block_weights(type) || M < 1 || M > Q8_MAX_ROWS) return -1;
     const int nb = K / 32;
     int8_t *xq = malloc((size_t)M * K);
     float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
     for (int m = 0; m < M; m++)
         for (int b = 0; b < nb; b++) {
-            float v[32], amax = 0.f, sum = 0.f;
+            float v[32], amax = 0.f;
+            int sum = 0;
             for (int i = 0; i < 32; i++) {
                 v[i] = load_x(x, x_bf16, (size_t)m * x_stride + 32 * b + i);
                 amax = v[i] > amax ? v[i] : -v[i] > amax ? -v[i] : amax;
-                sum += v[i];
             }
             const float inv = amax > 0.f ? 127.f / amax : 0.f;
-            for (int i = 0; i < 32; i++) xq[(size_t)m * K + 32 * b + i] = (int8_t)__builtin_nearbyintf(v[i] * inv);
+            for (int i = 0; i < 32; i++) {
+                const int8_t q = (int8_t)__builtin_nearbyintf(v[i] * inv);
+                xq[(size_t)m * K + 32 * b + i] = q;
+                sum += q;
+            }
             xd[m * nb + b] = amax / 127.f;
-            xs[m * nb + b] = sum;
+            xs[m * nb + b] = amax / 127.f * (float)sum;
         }
-    q8_rows(type, xq, xd, xs, w, y, y_bf16, y_stride, M, N, K, num_threads);
+    const Q8Acts a = {xq, xd, xs, M, K};
+    q8_rows(&a, type, w, y, y_bf16, y_stride, N, num_threads);
     free(xq), free(xd), free(xs);
     return 0;
 #else
