@@ -156,8 +156,10 @@ class GGUFLinearMethod:
 
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
         """Stacks the loaded projections into segments (float ones in `dtype`) and, for bfloat16
-        activations, repacks the quantized ones for the VNNI kernel (float32 activations keep the blocks
-        and the exact float path). Raises ValueError when a projection is missing."""
+        activations, repacks the quantized ones for the VNNI kernel (float32 activations keep the blocks:
+        int8_activations() or the exact float path). Raises ValueError when a projection is missing, or
+        for a bad MINIVLLM_GGUF_ACTIVATIONS (read here, at load, rather than at a request's first decode)."""
+        int8_activations()
         missing = [i for i in range(len(self.output_sizes)) if i not in self.shards]
         if missing:
             raise ValueError(f"projections {missing} of a stacked layer were not in the file")

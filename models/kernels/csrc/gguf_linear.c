@@ -891,9 +891,8 @@ AVX2 static inline void q8_block(const Q8Acts *a, int type, const uint8_t *blk, 
                 const __m256i l = t & 1 ? l1 : l0;
                 const __m256i lo = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(l, 4) : l, low);
                 const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two), 4);
-                const int g = 8 * h + 2 * t;
-                const __m256 s = _mm256_set_ps(d * sc[g + 1], d * sc[g + 1], d * sc[g + 1], d * sc[g + 1], d * sc[g],
-                                               d * sc[g], d * sc[g], d * sc[g]);
+                const float s0 = d * sc[8 * h + 2 * t], s1 = d * sc[8 * h + 2 * t + 1]; /* weights 0-15, 16-31 */
+                const __m256 s = _mm256_set_ps(s1, s1, s1, s1, s0, s0, s0, s0);
                 q8_chunk(a, k + 128 * h + 32 * t, _mm256_sub_epi8(_mm256_or_si256(lo, hi), off), 1, s, 0.f, acc, bias);
             }
         }
@@ -967,7 +966,7 @@ int gguf_q8_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, in
                 sum += q;
             }
             xd[m * nb + b] = amax / 127.f;
-            xs[m * nb + b] = amax / 127.f * (float)sum;
+            xs[m * nb + b] = xd[m * nb + b] * (float)sum;
         }
     const Q8Acts a = {xq, xd, xs, M, K};
     q8_rows(&a, type, w, y, y_bf16, y_stride, N, num_threads);
