@@ -20,6 +20,7 @@ from models.distributed.group import TPGroup
 from models.distributed.pipeline import PPMissingLayer, PPStage
 from models.layers.attention import SelfAttention
 from models.layers.checkpoint import keep_norms_float32, load_checkpoint
+from models.layers.fused_layer import FusedDecoderLayer
 from models.layers.fused_moe import SparseMoeBlock, is_sparse_layer
 from models.layers.layernorm import RMSNorm
 from models.layers.mlp import SwiGLUMLP
@@ -51,11 +52,18 @@ class LlamaDecoderLayer(nn.Module):
         )
         # Granite scales each sublayer's output before it joins the residual stream
         self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
+        # the whole layer in one C call for small CPU steps (models/layers/fused_layer.py): built at the first
+        # step, once the weights are loaded; False where the layer has something the C entry point lacks
+        self.fused: FusedDecoderLayer | bool | None = None
 
     def forward(self, residual, x, rope, kv_cache, meta):
         """residual: the float32 stream [T, hidden], updated in place; x: the previous layer's MLP output
         (None before the first layer), already scaled by the residual multiplier. Returns this layer's MLP
         output, so scaled, not yet added."""
+        if self.fused is None:
+            self.fused = FusedDecoderLayer.build(self) or False
+        if self.fused and (out := self.fused(residual, x, rope, kv_cache, meta)) is not None:
+            return out
         x = self.self_attn(self.input_layernorm(residual, x), rope, kv_cache, meta)
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier

@@ -4,8 +4,8 @@ In torch, attention over a paged cache needs a gathered (copied), padded K/V bat
 costs more than the model's matmuls at batch 64. `models/kernels/csrc/paged_attention.c` writes the step's
 new K/V into the cache and reads every K/V row in place through the block table, as vLLM's CPU
 kernels do, with an online softmax (one pass over K and V), all query heads of a GQA group per K/V
-load, AVX512-BF16 dot products where the CPU has them, and split keys when the step has too few
-(sequence, kv head) tasks for the threads (batch 1). The cache is "HND" per layer,
+load, AVX512-BF16 dot products (bfloat16) or AVX2 (float32) where the CPU has them, and split keys when
+the step has too few (sequence, kv head) tasks for the threads (batch 1). The cache is "HND" per layer,
 [num_blocks, num_kv_heads, block_size, head_dim], so one head's keys of a block are contiguous.
 """
 
@@ -17,14 +17,18 @@ from models.attention.base import AttentionBackend, AttentionMetadata
 from models.kernels import cpu_kernels
 
 
-def kernel_isa() -> str:
-    """The path the bfloat16 kernel takes on this CPU: "avx512bf16" or "portable".
+def kernel_isa(dtype: torch.dtype = torch.bfloat16) -> str:
+    """The path the kernel takes on this CPU for a cache in `dtype`: "avx512bf16" (bfloat16), "avx2"
+    (float32), or "portable" (either, on a CPU without the extension; quantized caches always).
 
-    `MINIVLLM_CPU_ISA=portable` forces the portable C path (as on a CPU without AVX512-BF16)."""
+    `MINIVLLM_CPU_ISA=portable` forces the portable C path."""
     lib = cpu_kernels.load()
-    if lib is None or os.environ.get("MINIVLLM_CPU_ISA") == "portable" or not lib.attention_isa():
+    if lib is None or os.environ.get("MINIVLLM_CPU_ISA") == "portable":
         return "portable"
-    return "avx512bf16"
+    isa = lib.attention_isa()
+    if dtype == torch.bfloat16 and isa & 1:
+        return "avx512bf16"
+    return "avx2" if dtype == torch.float32 and isa & 2 else "portable"
 
 
 class CPUBackend(AttentionBackend):
@@ -39,7 +43,7 @@ class CPUBackend(AttentionBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.lib = cpu_kernels.load()
-        self.isa = int(kernel_isa() == "avx512bf16")
+        self.isa = int(os.environ.get("MINIVLLM_CPU_ISA") != "portable")  # the kernel checks the CPU
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.num_kv_heads, self.block_size, self.row)

@@ -48,6 +48,11 @@ def _cuda(x: torch.Tensor):
     return _triton_ops()
 
 
+def kernels_enabled() -> bool:
+    """False within torch_ops() (every op on the torch path), else True."""
+    return _fused
+
+
 @contextlib.contextmanager
 def torch_ops():
     """Within the block every op takes the torch path (scripts/gpu_check.py measures what the kernels save;

@@ -822,13 +822,15 @@ typedef struct {
     int M, K;
 } Q8Acts;
 
-/* acc[j] += s dx_j dot(q, xq_j) over the 32 activations of row j from column k, and bias[j] += m sx_j;
- * `is_signed`: q holds signed codes; s: the scale of int32 lanes 0..7 */
-AVX2 static inline void q8_chunk(const Q8Acts *a, int k, __m256i q, int is_signed, __m256 s, float m, __m256 *acc,
-                                 float *bias) {
+/* acc[j] += s dx_j dot(q, xq_j) over the 32 activations of row j < M from column k, and bias[j] += m sx_j;
+ * `is_signed`: q holds signed codes; s: the scale of int32 lanes 0..7. Inlined into q8_range with M and the
+ * type known at compile time, so acc and bias stay in registers and the type's branches fold away. */
+#define Q8_INLINE AVX2 static inline __attribute__((always_inline))
+Q8_INLINE void q8_chunk(const Q8Acts *a, const int M, int k, __m256i q, int is_signed, __m256 s, float m,
+                        __m256 *acc, float *bias) {
     const int nb = a->K / 32, c = k / 32;
     const __m256i qa = is_signed ? _mm256_sign_epi8(q, q) : q;
-    for (int j = 0; j < a->M; j++) {
+    for (int j = 0; j < M; j++) {
         __m256i xv = _mm256_loadu_si256((const __m256i *)(a->xq + (size_t)j * a->K + k));
         if (is_signed) xv = _mm256_sign_epi8(xv, q);
         const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(qa, xv));
@@ -838,26 +840,28 @@ AVX2 static inline void q8_chunk(const Q8Acts *a, int k, __m256i q, int is_signe
 }
 
 /* one block of a row (32 or 256 weights, starting at column k) into acc and bias */
-AVX2 static inline void q8_block(const Q8Acts *a, int type, const uint8_t *blk, int k, __m256 *acc, float *bias) {
+Q8_INLINE void q8_block(const Q8Acts *a, const int M, const int type, const uint8_t *blk, int k, __m256 *acc,
+                        float *bias) {
     switch (type) {
     case Q4_0:
-        q8_chunk(a, k, _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8)), 1, _mm256_set1_ps(half_to_f32(blk)),
-                 0.f, acc, bias);
+        q8_chunk(a, M, k, _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8)), 1,
+                 _mm256_set1_ps(half_to_f32(blk)), 0.f, acc, bias);
         break;
     case Q4_1:
-        q8_chunk(a, k, nibbles32(blk + 4), 0, _mm256_set1_ps(half_to_f32(blk)), half_to_f32(blk + 2), acc, bias);
+        q8_chunk(a, M, k, nibbles32(blk + 4), 0, _mm256_set1_ps(half_to_f32(blk)), half_to_f32(blk + 2), acc, bias);
         break;
     case Q5_0:
-        q8_chunk(a, k, _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 6), fifth_bits32(blk + 2)), _mm256_set1_epi8(16)),
-                 1, _mm256_set1_ps(half_to_f32(blk)), 0.f, acc, bias);
+        q8_chunk(a, M, k,
+                 _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 6), fifth_bits32(blk + 2)), _mm256_set1_epi8(16)), 1,
+                 _mm256_set1_ps(half_to_f32(blk)), 0.f, acc, bias);
         break;
     case Q5_1:
-        q8_chunk(a, k, _mm256_or_si256(nibbles32(blk + 8), fifth_bits32(blk + 4)), 0, _mm256_set1_ps(half_to_f32(blk)),
-                 half_to_f32(blk + 2), acc, bias);
+        q8_chunk(a, M, k, _mm256_or_si256(nibbles32(blk + 8), fifth_bits32(blk + 4)), 0,
+                 _mm256_set1_ps(half_to_f32(blk)), half_to_f32(blk + 2), acc, bias);
         break;
     case Q8_0:
-        q8_chunk(a, k, _mm256_loadu_si256((const __m256i *)(blk + 2)), 1, _mm256_set1_ps(half_to_f32(blk)), 0.f, acc,
-                 bias);
+        q8_chunk(a, M, k, _mm256_loadu_si256((const __m256i *)(blk + 2)), 1, _mm256_set1_ps(half_to_f32(blk)), 0.f,
+                 acc, bias);
         break;
     case Q4_K:
     case Q5_K: {
@@ -874,7 +878,7 @@ AVX2 static inline void q8_block(const Q8Acts *a, int type, const uint8_t *blk, 
                     q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, sb), one), 4));
                 int sc, m;
                 k_scale_min(blk + 4, sb, &sc, &m);
-                q8_chunk(a, k + 32 * sb, q, 0, _mm256_set1_ps(d * (float)sc), -(dmin * (float)m), acc, bias);
+                q8_chunk(a, M, k + 32 * sb, q, 0, _mm256_set1_ps(d * (float)sc), -(dmin * (float)m), acc, bias);
             }
         }
         break;
@@ -893,7 +897,8 @@ AVX2 static inline void q8_block(const Q8Acts *a, int type, const uint8_t *blk, 
                 const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two), 4);
                 const float s0 = d * sc[8 * h + 2 * t], s1 = d * sc[8 * h + 2 * t + 1]; /* weights 0-15, 16-31 */
                 const __m256 s = _mm256_set_ps(s1, s1, s1, s1, s0, s0, s0, s0);
-                q8_chunk(a, k + 128 * h + 32 * t, _mm256_sub_epi8(_mm256_or_si256(lo, hi), off), 1, s, 0.f, acc, bias);
+                q8_chunk(a, M, k + 128 * h + 32 * t, _mm256_sub_epi8(_mm256_or_si256(lo, hi), off), 1, s, 0.f, acc,
+                         bias);
             }
         }
         break;
@@ -901,22 +906,22 @@ AVX2 static inline void q8_block(const Q8Acts *a, int type, const uint8_t *blk, 
     }
 }
 
-AVX2 static void q8_rows(const Q8Acts *a, int type, const uint8_t *w, void *y, int y_bf16, int y_stride, int N,
-                         int num_threads) {
+/* y[:, n] for the weight rows n0 <= n < n1: the body of q8_range_<type>_<M> */
+Q8_INLINE void q8_range(const Q8Acts *a, const int M, const int type, const uint8_t *w, int n0, int n1, void *y,
+                        int y_bf16, int y_stride) {
     const int bw = block_weights(type), nb = a->K / bw, bb = block_bytes(type);
     const size_t row_bytes = (size_t)nb * bb;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int n = 0; n < N; n++) {
+    for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + n * row_bytes;
         __m256 acc[Q8_MAX_ROWS];
         float bias[Q8_MAX_ROWS] = {0};
-        for (int j = 0; j < a->M; j++) acc[j] = _mm256_setzero_ps();
+        for (int j = 0; j < M; j++) acc[j] = _mm256_setzero_ps();
         for (int b = 0; b < nb; b++) {
             const uint8_t *blk = row + (size_t)b * bb;
             _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
-            q8_block(a, type, blk, b * bw, acc, bias);
+            q8_block(a, M, type, blk, b * bw, acc, bias);
         }
-        for (int j = 0; j < a->M; j++) {
+        for (int j = 0; j < M; j++) {
             const float v = hsum8(acc[j]) + bias[j];
             const size_t at = (size_t)j * y_stride + n;
             if (y_bf16)
@@ -924,6 +929,48 @@ AVX2 static void q8_rows(const Q8Acts *a, int type, const uint8_t *w, void *y, i
             else
                 ((float *)y)[at] = v;
         }
+    }
+}
+
+typedef void (*q8_range_fn)(const Q8Acts *, const uint8_t *, int, int, void *, int, int);
+#define Q8_RANGE(T, MM)                                                                                              \
+    AVX2 static void q8_range_##T##_##MM(const Q8Acts *a, const uint8_t *w, int n0, int n1, void *y, int y_bf16,   \
+                                         int y_stride) {                                                             \
+        q8_range(a, MM, T, w, n0, n1, y, y_bf16, y_stride);                                                          \
+    }
+#define Q8_RANGES(T)                                                                                                 \
+    Q8_RANGE(T, 1) Q8_RANGE(T, 2) Q8_RANGE(T, 3) Q8_RANGE(T, 4) Q8_RANGE(T, 5) Q8_RANGE(T, 6) Q8_RANGE(T, 7)         \
+        Q8_RANGE(T, 8)
+#define Q8_TABLE_ROW(T)                                                                                              \
+    {q8_range_##T##_1, q8_range_##T##_2, q8_range_##T##_3, q8_range_##T##_4, q8_range_##T##_5, q8_range_##T##_6,     \
+     q8_range_##T##_7, q8_range_##T##_8}
+Q8_RANGES(Q4_0)
+Q8_RANGES(Q4_1)
+Q8_RANGES(Q5_0)
+Q8_RANGES(Q5_1)
+Q8_RANGES(Q8_0)
+Q8_RANGES(Q4_K)
+Q8_RANGES(Q5_K)
+Q8_RANGES(Q6_K)
+
+/* the kernel specialised for `type` and M rows (1 <= M <= Q8_MAX_ROWS, type one of q8_type's) */
+static q8_range_fn q8_kernel(int type, int M) {
+    static const q8_range_fn table[][Q8_MAX_ROWS] = {Q8_TABLE_ROW(Q4_0), Q8_TABLE_ROW(Q4_1), Q8_TABLE_ROW(Q5_0),
+                                                     Q8_TABLE_ROW(Q5_1), Q8_TABLE_ROW(Q8_0), Q8_TABLE_ROW(Q4_K),
+                                                     Q8_TABLE_ROW(Q5_K), Q8_TABLE_ROW(Q6_K)};
+    const int t = type == Q4_0 ? 0 : type == Q4_1 ? 1 : type == Q5_0 ? 2 : type == Q5_1 ? 3 : type == Q8_0 ? 4
+                : type == Q4_K ? 5 : type == Q5_K ? 6 : 7;
+    return table[t][M - 1];
+}
+
+/* the N weight rows split evenly over the threads, one specialised call each */
+static void q8_rows(const Q8Acts *a, int type, const uint8_t *w, void *y, int y_bf16, int y_stride, int N,
+                    int num_threads) {
+    const q8_range_fn fn = q8_kernel(type, a->M);
+    _Pragma("omp parallel num_threads(num_threads)") {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int n0 = (int)((long)N * t / nt), n1 = (int)((long)N * (t + 1) / nt);
+        fn(a, w, n0, n1, y, y_bf16, y_stride);
     }
 }
 #endif

@@ -22,8 +22,9 @@
  * ISA. bfloat16 with head_dim 64 or 128 takes an AVX-512 path when the CPU has AVX512-BF16 (checked at
  * run time; `isa` 0 forces the portable path): scores from _mm512_dpbf16_ps over keys transposed into
  * bfloat16 pairs (16 scores per register, no horizontal sums), a vector exp, and accumulators kept in
- * registers for blocks of up to RB query rows. The portable path is plain C that the compiler vectorizes, for float32, other head sizes
- * and CPUs without AVX512-BF16.
+ * registers for blocks of up to RB query rows. float32 with head_dim 64 or 128 takes an AVX2 path (keys read in
+ * place, eight scores per register, a vector exp). The portable path is plain C that the compiler vectorizes,
+ * for other head sizes, soft caps, quantized caches and CPUs without those extensions.
  * Accumulation is float32 throughout.
  *
  * Quantized caches (`paged_attention_{float,bf16}_q`, vLLM's --kv-cache-dtype): the cache holds bytes, each
@@ -221,6 +222,13 @@ static void chunk_portable_uint8_t(Task *tk, const uint8_t *kp, const uint8_t *v
 }
 
 #if defined(__x86_64__)
+/* e^r for |r| <= ln 2 / 2: the degree-6 Taylor polynomial of the vector exps, in FMADD's width */
+#define EXP_TAYLOR6(FMADD, SET1, r)                                                                                \
+    FMADD(FMADD(FMADD(FMADD(FMADD(FMADD(SET1(1.f / 720), r, SET1(1.f / 120)), r, SET1(1.f / 24)), r, SET1(1.f / 6)), \
+                      r, SET1(0.5f)),                                                                            \
+                r, SET1(1.f)),                                                                                   \
+          r, SET1(1.f))
+
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 /* exp(x) for x <= 0 (softmax arguments), |relative error| < 2e-7: 2^n * e^r with a degree-6 polynomial. */
@@ -229,13 +237,7 @@ AVX512BF16 static inline __m512 exp512(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    const __m512 p = EXP_TAYLOR6(_mm512_fmadd_ps, _mm512_set1_ps, r);
     return _mm512_scalef_ps(p, n);
 }
 
@@ -380,8 +382,121 @@ static int cpu_has_avx512bf16(void) {
 static int cpu_has_avx512bf16(void) { return 0; }
 #endif
 
-/* Which path `paged_attention_bf16` takes here: 1 = AVX512-BF16, 0 = portable. */
-int attention_isa(void) { return cpu_has_avx512bf16(); }
+#if defined(__x86_64__)
+/* ---- float32 caches on AVX2 (head_dim 64 or 128, no soft cap): the cache's rows are read in place (no copy
+ * into a float buffer), eight keys' dot products reduced into one register, a vector exp, and each row's
+ * accumulator held in registers across the chunk's values. ---- */
+#define AVX2F __attribute__((target("avx2,fma")))
+
+static int cpu_has_avx2f(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* exp(x) for x <= 0, |relative error| < 2e-7 (exp512's polynomial; 2^n built in the exponent bits) */
+AVX2F static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    const __m256 p = EXP_TAYLOR6(_mm256_fmadd_ps, _mm256_set1_ps, r);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* lane i = the sum of a[i]'s 8 lanes */
+AVX2F static inline __m256 hsum8x8(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+AVX2F static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+AVX2F static inline float hadd8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+#define CHUNK_AVX2(D)                                                                                  \
+    AVX2F static void chunk_avx2_##D(Task *tk, const float *kp, const float *vp, int pos0, int n) {    \
+        enum { NV = D / 8 };                                                                           \
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                                \
+        for (int r = 0; r < tk->R; r++) {                                                              \
+            const float *q = tk->qf + (size_t)r * D;                                                   \
+            const int qpos = tk->first_pos + r / tk->G;                                                \
+            const int first = tk->window ? qpos - tk->window + 1 : 0; /* the first key the row sees */ \
+            __m256 sc[CHUNK / 8];                                                                      \
+            for (int t0 = 0; t0 < CHUNK; t0 += 8) {                                                    \
+                __m256 dots[8];                                                                        \
+                for (int t = 0; t < 8; t++) {                                                          \
+                    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();                           \
+                    if (t0 + t < n) {                                                                  \
+                        const float *k = kp + (size_t)(t0 + t) * D;                                    \
+                        for (int c = 0; c < NV; c += 2) {                                              \
+                            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), a); \
+                            b = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c + 8), _mm256_loadu_ps(k + 8 * c + 8), b); \
+                        }                                                                              \
+                    }                                                                                  \
+                    dots[t] = _mm256_add_ps(a, b);                                                     \
+                }                                                                                      \
+                const __m256i kpos = _mm256_add_epi32(_mm256_set1_epi32(pos0 + t0), lane);             \
+                const __m256i in = _mm256_and_si256(                                                   \
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(pos0 + n), kpos),                             \
+                    _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(qpos + 1), kpos),            \
+                                     _mm256_cmpgt_epi32(kpos, _mm256_set1_epi32(first - 1))));         \
+                sc[t0 / 8] = _mm256_blendv_ps(_mm256_set1_ps(NEG_INF),                                  \
+                                              _mm256_mul_ps(hsum8x8(dots), _mm256_set1_ps(tk->scale)),  \
+                                              _mm256_castsi256_ps(in));                                \
+            }                                                                                          \
+            const float mx = fmaxf(tk->m[r], hmax8(_mm256_max_ps(sc[0], sc[1])));                      \
+            if (IS_NEG_INF(mx)) continue; /* the row sees none of these keys */                        \
+            const float alpha = IS_NEG_INF(tk->m[r]) ? 0.f : expf(tk->m[r] - mx);                      \
+            float p[CHUNK];                                                                            \
+            __m256 sum = _mm256_setzero_ps();                                                          \
+            for (int h = 0; h < CHUNK / 8; h++) {                                                      \
+                const __m256 live = _mm256_cmp_ps(sc[h], _mm256_set1_ps(0.5f * NEG_INF), _CMP_GT_OQ);  \
+                const __m256 e = _mm256_and_ps(live, exp256(_mm256_sub_ps(sc[h], _mm256_set1_ps(mx))));\
+                sum = _mm256_add_ps(sum, e);                                                           \
+                _mm256_storeu_ps(p + 8 * h, e);                                                        \
+            }                                                                                          \
+            tk->m[r] = mx;                                                                             \
+            tk->l[r] = tk->l[r] * alpha + hadd8(sum);                                                  \
+            float *acc = tk->acc + (size_t)r * D;                                                      \
+            for (int c0 = 0; c0 < NV; c0 += 8) { /* 64 dims at a time: 8 accumulators */               \
+                __m256 o[8];                                                                           \
+                for (int c = 0; c < 8; c++)                                                            \
+                    o[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * (c0 + c)), _mm256_set1_ps(alpha));  \
+                for (int t = 0; t < n; t++) {                                                          \
+                    const __m256 w = _mm256_set1_ps(p[t]);                                             \
+                    const float *vr = vp + (size_t)t * D + 8 * c0;                                     \
+                    for (int c = 0; c < 8; c++) o[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), o[c]); \
+                }                                                                                      \
+                for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + 8 * (c0 + c), o[c]);                \
+            }                                                                                          \
+        }                                                                                              \
+    }
+CHUNK_AVX2(64)
+CHUNK_AVX2(128)
+
+AVX2F static void chunk_avx2(Task *tk, const float *kp, const float *vp, int pos0, int n) {
+    if (tk->D == 64) chunk_avx2_64(tk, kp, vp, pos0, n);
+    else chunk_avx2_128(tk, kp, vp, pos0, n);
+}
+#else
+static int cpu_has_avx2f(void) { return 0; }
+#endif
+
+/* The SIMD paths this CPU takes: bit 0 = AVX512-BF16 (bfloat16 caches), bit 1 = AVX2 (float32 caches). */
+int attention_isa(void) { return cpu_has_avx512bf16() | cpu_has_avx2f() << 1; }
 
 /* Asks for [p, p + bytes) in L1 ahead of use. A task's blocks lie wherever the block table put them, so
  * the hardware prefetchers cannot guess the next one: without this the kernel waited on DRAM latency
@@ -411,14 +526,19 @@ static inline void prefetch_bytes(const void *p, size_t bytes) {
             t += n;                                                                                    \
         }                                                                                              \
     }
-#define CHUNK_DISPATCH_float(tk, kp, vp, t, n, kvf, avx) chunk_portable_float(tk, kp, vp, t, n, kvf)
 #if defined(__x86_64__)
+#define CHUNK_DISPATCH_float(tk, kp, vp, t, n, kvf, avx)                                               \
+    do {                                                                                               \
+        if (avx) chunk_avx2(tk, kp, vp, t, n);                                                         \
+        else chunk_portable_float(tk, kp, vp, t, n, kvf);                                              \
+    } while (0)
 #define CHUNK_DISPATCH_bf16(tk, kp, vp, t, n, kvf, avx)                                                \
     do {                                                                                               \
         if (avx) chunk_avx512(tk, kp, vp, t, n);                                                       \
         else chunk_portable_bf16(tk, kp, vp, t, n, kvf);                                               \
     } while (0)
 #else
+#define CHUNK_DISPATCH_float(tk, kp, vp, t, n, kvf, avx) chunk_portable_float(tk, kp, vp, t, n, kvf)
 #define CHUNK_DISPATCH_bf16(tk, kp, vp, t, n, kvf, avx) chunk_portable_bf16(tk, kp, vp, t, n, kvf)
 #endif
 #define CHUNK_DISPATCH_uint8_t(tk, kp, vp, t, n, kvf, avx) chunk_portable_uint8_t(tk, kp, vp, t, n, kvf)
@@ -472,7 +592,9 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
         const int G = num_heads / num_kv_heads;                                                        \
         if (D > MAX_HEAD_DIM || G * QT > MAX_ROWS || (kvq == 1 && D % 32)) return -1;                  \
         const int row = kvq ? kvq_row_bytes(D, kvq) : D; /* cache elements per row of a head */       \
-        const int avx = isa && sizeof(TC) == 2 && (D == 64 || D == 128) && softcap == 0.f && cpu_has_avx512bf16(); \
+        /* the SIMD chunk step: AVX512-BF16 for bfloat16, AVX2 for float32 (not for quantized caches) */       \
+        const int avx = isa && (D == 64 || D == 128) && softcap == 0.f &&                              \
+                        (sizeof(TC) == 2 ? cpu_has_avx512bf16() : sizeof(TC) == 4 ? cpu_has_avx2f() : 0); \
         /* 1. the new tokens' K/V into their slots (every read below may need them) */                 \
         _Pragma("omp parallel for num_threads(num_threads)")                                           \
         for (int i = 0; i < num_tokens; i++) {                                                         \

@@ -1,0 +1,101 @@
+/* One Llama-family decoder layer in one call, for the few rows of a decode step on the CPU (float32 activations,
+ * GGUF weights, a float32 paged KV cache): the sequence models/llama.py's LlamaDecoderLayer runs op by op,
+ *
+ *     h = RMSNorm(residual += x)               add_rms_norm_float
+ *     q | k | v = h Wqkv^T (+ b)               gguf_q8_linear / gguf_linear, per stored segment
+ *     rotate q and k                           rotary_float
+ *     a = attention(q, k, v, paged cache)      paged_attention_float (writes the new K/V first)
+ *     h = RMSNorm(residual += a Wo^T)
+ *     x = (SiLU(h Wg^T) * (h Wu^T)) Wd^T       silu_and_mul_float between two linears
+ *
+ * with the layer's tensors described once (LayerDesc, filled by models/layers/fused_layer.py) and no Python
+ * between the kernels: at batch 1 the interpreter and the OpenMP wake-ups around ~10 Python-level ops per layer
+ * cost more than the layer's arithmetic (issue 34, "one C call per decoder layer"). Each kernel keeps its own
+ * threads; the arithmetic is theirs, so the result equals the op-by-op path's bit for bit.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+/* one linear layer's weight: up to 3 stacked segments of GGUF blocks (q | k in Q4_K and v in Q6_K, say) */
+typedef struct {
+    int n;
+    const uint8_t *data[3];
+    int type[3], rows[3];
+    int int8[3];       /* 1: gguf_q8_linear (int8 activations), 0: the exact float32 kernel */
+    const float *bias; /* float32 [sum rows], or NULL */
+} LayerLinear;
+
+typedef struct {
+    int hidden, num_heads, num_kv_heads, head_dim, inter;
+    float eps, scale;
+    int use_rope, window, block_size;
+    const float *input_norm, *post_norm; /* float32 [hidden] */
+    LayerLinear qkv, o, gate_up, down;
+} LayerDesc;
+
+int gguf_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                int y_stride, int M, int N, int K, int num_threads);
+int gguf_q8_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                   int y_stride, int M, int N, int K, int num_threads);
+void add_rms_norm_float(float *residual, const float *delta, const float *weight, float *out, int num_tokens,
+                        int hidden, float eps, int num_threads);
+void rotary_float(float *x, int num_tokens, int heads, int stride, int D, const float *cos_t, const float *sin_t,
+                  int num_threads);
+void silu_and_mul_float(const float *gate_up, float *out, int num_tokens, int inter, int num_threads);
+int paged_attention_float(const float *q, int q_stride, const float *k, int k_stride, const float *v, int v_stride,
+                          float *k_cache, float *v_cache, const int64_t *slot_mapping, int num_tokens,
+                          const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
+                          float *out, int num_seqs, int num_heads, int num_kv_heads, int D, int bs, int max_blocks,
+                          float scale, int window, float softcap, int num_threads, int isa, int kvq);
+
+static int out_rows(const LayerLinear *w) {
+    int n = 0;
+    for (int s = 0; s < w->n; s++) n += w->rows[s];
+    return n;
+}
+
+/* y [M, out_rows(w)] = x [M, K] W^T (+ b) */
+static int layer_linear(const LayerLinear *w, const float *x, int K, float *y, int M, int nt) {
+    const int N = out_rows(w);
+    for (int s = 0, at = 0; s < w->n; at += w->rows[s], s++) {
+        const int rc = (w->int8[s] ? gguf_q8_linear : gguf_linear)(x, 0, K, w->data[s], w->type[s], y + at, 0, N, M,
+                                                                   w->rows[s], K, nt);
+        if (rc != 0) return rc;
+    }
+    if (w->bias)
+        for (int m = 0; m < M; m++)
+            for (int j = 0; j < N; j++) y[(size_t)m * N + j] += w->bias[j];
+    return 0;
+}
+
+/* residual float32 [M, hidden], updated in place; x_in [M, hidden] (the previous layer's MLP output, or NULL);
+ * x_out [M, hidden] (this layer's MLP output, not yet added); cos_t, sin_t float32 [M, head_dim / 2]; the cache
+ * and metadata as paged_attention_float takes them. Returns 0, or the failing kernel's status (nothing is
+ * half-written then but this layer's own K/V slots and residual). */
+int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, float *x_out, int M,
+                        const float *cos_t, const float *sin_t, float *k_cache, float *v_cache,
+                        const int64_t *slot_mapping, const int32_t *block_tables, const int32_t *seq_lens,
+                        const int32_t *query_start_loc, int num_seqs, int max_blocks, int isa, int nt) {
+    const int H = L->hidden, D = L->head_dim, nq = L->num_heads * D, nkv = L->num_kv_heads * D;
+    const int qkv_n = nq + 2 * nkv;
+    float *ws = malloc(sizeof(float) * (size_t)M * (H + qkv_n + nq + H + 2 * L->inter + L->inter));
+    float *h = ws, *qkv = h + (size_t)M * H, *attn = qkv + (size_t)M * qkv_n, *o = attn + (size_t)M * nq;
+    float *gu = o + (size_t)M * H, *act = gu + (size_t)M * 2 * L->inter;
+    int rc;
+    add_rms_norm_float(residual, x_in, L->input_norm, h, M, H, L->eps, nt);
+    if ((rc = layer_linear(&L->qkv, h, H, qkv, M, nt))) goto done;
+    if (L->use_rope) rotary_float(qkv, M, L->num_heads + L->num_kv_heads, qkv_n, D, cos_t, sin_t, nt);
+    if ((rc = paged_attention_float(qkv, qkv_n, qkv + nq, qkv_n, qkv + nq + nkv, qkv_n, k_cache, v_cache,
+                                    slot_mapping, M, block_tables, seq_lens, query_start_loc, attn, num_seqs,
+                                    L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
+                                    L->window, 0.f, nt, isa, 0)))
+        goto done;
+    if ((rc = layer_linear(&L->o, attn, nq, o, M, nt))) goto done;
+    add_rms_norm_float(residual, o, L->post_norm, h, M, H, L->eps, nt);
+    if ((rc = layer_linear(&L->gate_up, h, H, gu, M, nt))) goto done;
+    silu_and_mul_float(gu, act, M, L->inter, nt);
+    rc = layer_linear(&L->down, act, L->inter, x_out, M, nt);
+done:
+    free(ws);
+    return rc;
+}

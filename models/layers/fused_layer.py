@@ -1,0 +1,175 @@
+"""One C call per decoder layer for the few rows of a CPU decode step (models/kernels/csrc/decoder_layer.c).
+
+At batch 1 a layer's arithmetic takes less time than the ~10 Python-level ops around it (module calls, ctypes
+argument packing, new tensors, OpenMP threads waking for each kernel). `FusedDecoderLayer` describes a Llama-family
+layer's tensors to the C entry point once and then runs the whole layer (both norms, the four GGUF linears,
+rotary, paged attention, SiLU-and-mul) per call, with the same kernels the op-by-op path calls, so the output is
+the same. It is a hook with a null default: `build` returns None for a layer it cannot run (another device or
+dtype, a float checkpoint's weights, Qwen3's q/k norms, Granite's multipliers, soft caps, a quantized KV cache,
+experts, tensor parallelism), and a call returns None for a step of more than `MAX_ROWS` tokens; the layer then
+runs op by op.
+"""
+
+import ctypes
+
+import torch
+
+from models.attention.base import AttentionMetadata
+from models.attention.cpu import CPUBackend
+from models.kernels import cpu_kernels, ops
+from models.layers.mlp import SwiGLUMLP
+from models.quantization.gguf import PORTABLE_MAX_ROWS, Q8_TYPES, GGUFLinearMethod, GGUFTensor, int8_activations
+
+MAX_ROWS = PORTABLE_MAX_ROWS  # tokens per step up to which the GGUF kernels run without dequantizing
+MAX_SEGMENTS = 3
+
+
+class LayerLinear(ctypes.Structure):
+    """decoder_layer.c's LayerLinear: a linear's stacked GGUF segments and optional float32 bias."""
+
+    _fields_ = [
+        ("n", ctypes.c_int),
+        ("data", ctypes.c_void_p * MAX_SEGMENTS),
+        ("type", ctypes.c_int * MAX_SEGMENTS),
+        ("rows", ctypes.c_int * MAX_SEGMENTS),
+        ("int8", ctypes.c_int * MAX_SEGMENTS),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+class LayerDesc(ctypes.Structure):
+    """decoder_layer.c's LayerDesc: a layer's shape, norms, attention settings and linears."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int),
+        ("num_heads", ctypes.c_int),
+        ("num_kv_heads", ctypes.c_int),
+        ("head_dim", ctypes.c_int),
+        ("inter", ctypes.c_int),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("use_rope", ctypes.c_int),
+        ("window", ctypes.c_int),
+        ("block_size", ctypes.c_int),
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", LayerLinear),
+        ("o", LayerLinear),
+        ("gate_up", LayerLinear),
+        ("down", LayerLinear),
+    ]
+
+
+def _linear(module) -> LayerLinear | None:
+    """The LayerLinear of a ColumnParallelLinear / RowParallelLinear whose weights are all GGUF blocks the CPU
+    kernels take (float32 bias allowed), else None."""
+    method = module.quant_method
+    if not isinstance(method, GGUFLinearMethod) or getattr(module, "tp", None) is not None:
+        return None
+    segments = [w for _, w in method.segments]
+    if not 1 <= len(segments) <= MAX_SEGMENTS or any(not isinstance(w, GGUFTensor) or w.r16 for w in segments):
+        return None
+    bias = getattr(module, "bias", None)
+    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
+        return None
+    desc = LayerLinear(n=len(segments), bias=None if bias is None else bias.data_ptr())
+    for i, w in enumerate(segments):
+        desc.data[i], desc.type[i], desc.rows[i] = w.data.data_ptr(), int(w.qtype), w.rows
+        desc.int8[i] = int(w.qtype in Q8_TYPES and int8_activations())
+    return desc
+
+
+class FusedDecoderLayer:
+    """A LlamaDecoderLayer (models/llama.py) run by one `decoder_layer_float` call per step.
+
+    __call__(residual, x, rope, kv_cache, meta) takes and returns what the layer's forward does: residual float32
+    [T, hidden] updated in place, x the previous layer's MLP output [T, hidden] or None, rope float32 (cos, sin)
+    [T, head_dim // 2], kv_cache this layer's float32 (k_cache, v_cache), meta the step's AttentionMetadata;
+    returns this layer's MLP output [T, hidden], or None (nothing done) when T > MAX_ROWS or the kernels are
+    off (ops.torch_ops()). Raises ValueError when a kernel refuses a shape.
+    """
+
+    def __init__(self, lib, desc: LayerDesc, backend: CPUBackend, keep: list[torch.Tensor]):
+        self.lib, self.desc, self.backend = lib, desc, backend
+        self._keep = keep  # the tensors whose addresses `desc` holds
+        self._desc_ref = ctypes.byref(desc)
+
+    @classmethod
+    def build(cls, layer) -> "FusedDecoderLayer | None":
+        """The fused form of `layer`, or None when it has something decoder_layer.c does not compute."""
+        lib = cpu_kernels.load()
+        attn, mlp = layer.self_attn, layer.mlp
+        backend = attn.backend
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if (
+            lib is None
+            or not isinstance(backend, CPUBackend)
+            or backend.kv_quant
+            or backend.logits_soft_cap
+            or backend.dtype not in (None, torch.float32)
+            or attn.q_norm is not None
+            or layer.residual_multiplier != 1.0
+            or not isinstance(mlp, SwiGLUMLP)
+            or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms)
+        ):
+            return None
+        linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(x is None for x in linears):
+            return None
+        desc = LayerDesc(
+            hidden=norms[0].shape[0],
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            inter=mlp.down_proj.quant_method.input_size,
+            eps=layer.input_layernorm.eps,
+            scale=backend.scale,
+            use_rope=int(attn.use_rope),
+            window=backend.sliding_window or 0,
+            block_size=backend.block_size,
+            input_norm=norms[0].data_ptr(),
+            post_norm=norms[1].data_ptr(),
+            qkv=linears[0],
+            o=linears[1],
+            gate_up=linears[2],
+            down=linears[3],
+        )
+        if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+            return None
+        return cls(lib, desc, backend, list(norms))
+
+    def __call__(self, residual, x, rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
+        rows = residual.shape[0]
+        k_cache, v_cache = kv_cache
+        cos, sin = rope
+        tensors = (residual, cos, sin) if x is None else (residual, x, cos, sin)
+        if (
+            rows > MAX_ROWS
+            or not ops.kernels_enabled()
+            or k_cache.dtype != torch.float32
+            or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)
+        ):
+            return None
+        out = torch.empty_like(residual)
+        rc = self.lib.decoder_layer_float(
+            self._desc_ref,
+            residual.data_ptr(),
+            None if x is None else x.data_ptr(),
+            out.data_ptr(),
+            rows,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            meta.block_tables.data_ptr(),
+            meta.seq_lens.data_ptr(),
+            meta.query_start_loc.data_ptr(),
+            meta.num_seqs,
+            meta.block_tables.shape[1],
+            self.backend.isa,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"decoder_layer_float: a kernel refused the layer's shapes (status {rc})")
+        return out

@@ -1,0 +1,69 @@
+"""The decoder layer in one C call (models/layers/fused_layer.py) against the same layer op by op."""
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from models.layers.fused_layer import FusedDecoderLayer
+from tests.engines import make_llm
+
+
+def _generate(llm, prompts, fused: bool, params):
+    """Generates with every layer fused where it can be (the default), or every layer op by op."""
+    if fused:
+        return llm.generate(prompts, params, use_tqdm=False)
+    layers = llm.engine.engine_core.executor.runner.model.layers
+    saved = [layer.fused for layer in layers]
+    for layer in layers:
+        layer.fused = False
+    try:
+        return llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        for layer, f in zip(layers, saved):
+            layer.fused = f
+
+
+def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, monkeypatch):
+    """Greedy tokens and their logprobs, bit for bit, over decode steps of 1 to 8 rows and a prompt of 6 tokens
+    (a fused prefill step), while the fused path really ran: it calls the same kernels in the same order."""
+    calls = []
+    real = FusedDecoderLayer.__call__
+
+    def counted(self, *args):
+        out = real(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(FusedDecoderLayer, "__call__", counted)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    batches = [prompts[:1], prompts[:3], prompts]  # 8 prompts: 8-row decode steps
+    for batch in batches:
+        calls.clear()
+        fused = _generate(llm, batch, True, params)
+        assert any(calls), "the fused layer never ran"
+        plain = _generate(llm, batch, False, params)
+        for a, b in zip(fused, plain):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+    layers = llm.engine.engine_core.executor.runner.model.layers
+    assert all(isinstance(layer.fused, FusedDecoderLayer) for layer in layers)
+
+
+def test_a_bfloat16_model_runs_op_by_op(prompts):
+    """A bfloat16 model has no fused form: build says None, and the layer keeps False after a step."""
+    bf16 = make_llm(dtype="bfloat16")
+    bf16.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert all(layer.fused is False for layer in bf16.engine.engine_core.executor.runner.model.layers)
+    layer = next(iter(bf16.engine.engine_core.executor.runner.model.layers))
+    assert FusedDecoderLayer.build(layer) is None
+
+
+@pytest.mark.parametrize("rows", [9, 40])
+def test_long_steps_are_declined(llm, rows):
+    """A step of more than MAX_ROWS tokens is declined (None, nothing computed): the layer runs op by op."""
+    layer = llm.engine.engine_core.executor.runner.model.layers[0]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)  # builds the fused form
+    assert isinstance(layer.fused, FusedDecoderLayer)
+    residual = torch.zeros(rows, layer.input_layernorm.weight.shape[0])
+    rope = (torch.zeros(rows, 32), torch.zeros(rows, 32))
+    assert layer.fused(residual, None, rope, (torch.zeros(1),) * 2, None) is None
