@@ -782,8 +782,16 @@ AVX2 static inline float half_to_f32(const uint8_t *p) {
 
 /* the 32 codes of a Q4_0 / Q4_1 block's 16 bytes: low nibbles (weights 0..15), then high (16..31) */
 AVX2 static inline __m256i nibbles32(const uint8_t *qs) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+/* the two float16 at p (a block's d and m) as floats */
+AVX2 static inline void half_pair(const uint8_t *p, float *d, float *m) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(v));
+    *d = _mm_cvtss_f32(f), *m = _mm_cvtss_f32(_mm_movehdup_ps(f));
 }
 
 /* byte i = 0x10 where bit i of the 4 bytes at p is set, else 0 (Q5_0 / Q5_1's fifth bits) */
@@ -822,12 +830,12 @@ typedef struct {
     int M, K;
 } Q8Acts;
 
-/* acc[j] += s dx_j dot(q, xq_j) over the 32 activations of row j < M from column k, and bias[j] += m sx_j;
- * `is_signed`: q holds signed codes; s: the scale of int32 lanes 0..7. Inlined into q8_range with M and the
+/* acc[j] += s dx_j dot(q, xq_j) over the 32 activations of row j < M from column k, and bias[j] += m sx_j when
+ * `has_min`; `is_signed`: q holds signed codes; s: the scale of int32 lanes 0..7. Inlined into q8_range with M and the
  * type known at compile time, so acc and bias stay in registers and the type's branches fold away. */
 #define Q8_INLINE AVX2 static inline __attribute__((always_inline))
-Q8_INLINE void q8_chunk(const Q8Acts *a, const int M, int k, __m256i q, int is_signed, __m256 s, float m,
-                        __m256 *acc, float *bias) {
+Q8_INLINE void q8_chunk(const Q8Acts *a, const int M, int k, __m256i q, int is_signed, __m256 s, int has_min,
+                        float m, __m256 *acc, float *bias) {
     const int nb = a->K / 32, c = k / 32;
     const __m256i qa = is_signed ? _mm256_sign_epi8(q, q) : q;
     for (int j = 0; j < M; j++) {
@@ -835,7 +843,7 @@ Q8_INLINE void q8_chunk(const Q8Acts *a, const int M, int k, __m256i q, int is_s
         if (is_signed) xv = _mm256_sign_epi8(xv, q);
         const __m256 dot = _mm256_cvtepi32_ps(dot_u8_i8(qa, xv));
         acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a->xd[j * nb + c])), dot, acc[j]);
-        if (m != 0.f) bias[j] += m * a->xs[j * nb + c];
+        if (has_min) bias[j] += m * a->xs[j * nb + c];
     }
 }
 
@@ -845,22 +853,23 @@ Q8_INLINE void q8_block(const Q8Acts *a, const int M, const int type, const uint
     switch (type) {
     case Q4_0:
         q8_chunk(a, M, k, _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8)), 1,
-                 _mm256_set1_ps(half_to_f32(blk)), 0.f, acc, bias);
+                 _mm256_set1_ps(half_to_f32(blk)), 0, 0.f, acc, bias);
         break;
     case Q4_1:
-        q8_chunk(a, M, k, nibbles32(blk + 4), 0, _mm256_set1_ps(half_to_f32(blk)), half_to_f32(blk + 2), acc, bias);
+    case Q5_1: {
+        float d, m;
+        half_pair(blk, &d, &m);
+        const __m256i q = type == Q4_1 ? nibbles32(blk + 4) : _mm256_or_si256(nibbles32(blk + 8), fifth_bits32(blk + 4));
+        q8_chunk(a, M, k, q, 0, _mm256_set1_ps(d), 1, m, acc, bias);
         break;
+    }
     case Q5_0:
         q8_chunk(a, M, k,
                  _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 6), fifth_bits32(blk + 2)), _mm256_set1_epi8(16)), 1,
-                 _mm256_set1_ps(half_to_f32(blk)), 0.f, acc, bias);
-        break;
-    case Q5_1:
-        q8_chunk(a, M, k, _mm256_or_si256(nibbles32(blk + 8), fifth_bits32(blk + 4)), 0,
-                 _mm256_set1_ps(half_to_f32(blk)), half_to_f32(blk + 2), acc, bias);
+                 _mm256_set1_ps(half_to_f32(blk)), 0, 0.f, acc, bias);
         break;
     case Q8_0:
-        q8_chunk(a, M, k, _mm256_loadu_si256((const __m256i *)(blk + 2)), 1, _mm256_set1_ps(half_to_f32(blk)), 0.f,
+        q8_chunk(a, M, k, _mm256_loadu_si256((const __m256i *)(blk + 2)), 1, _mm256_set1_ps(half_to_f32(blk)), 0, 0.f,
                  acc, bias);
         break;
     case Q4_K:
@@ -878,7 +887,7 @@ Q8_INLINE void q8_block(const Q8Acts *a, const int M, const int type, const uint
                     q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, sb), one), 4));
                 int sc, m;
                 k_scale_min(blk + 4, sb, &sc, &m);
-                q8_chunk(a, M, k + 32 * sb, q, 0, _mm256_set1_ps(d * (float)sc), -(dmin * (float)m), acc, bias);
+                q8_chunk(a, M, k + 32 * sb, q, 0, _mm256_set1_ps(d * (float)sc), 1, -(dmin * (float)m), acc, bias);
             }
         }
         break;
@@ -897,8 +906,8 @@ Q8_INLINE void q8_block(const Q8Acts *a, const int M, const int type, const uint
                 const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two), 4);
                 const float s0 = d * sc[8 * h + 2 * t], s1 = d * sc[8 * h + 2 * t + 1]; /* weights 0-15, 16-31 */
                 const __m256 s = _mm256_set_ps(s1, s1, s1, s1, s0, s0, s0, s0);
-                q8_chunk(a, M, k + 128 * h + 32 * t, _mm256_sub_epi8(_mm256_or_si256(lo, hi), off), 1, s, 0.f, acc,
-                         bias);
+                q8_chunk(a, M, k + 128 * h + 32 * t, _mm256_sub_epi8(_mm256_or_si256(lo, hi), off), 1, s, 0, 0.f,
+                         acc, bias);
             }
         }
         break;

@@ -571,6 +571,20 @@ static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query
     return t;
 }
 
+/* A buffer of at least `bytes` owned by the calling thread and kept between calls, one per `slot`: the workspaces
+ * (~170 KiB at batch 1) were above malloc's mmap threshold, so every call mapped fresh pages and faulted them in,
+ * ~10 us a layer. */
+static void *scratch(int slot, size_t bytes) {
+    static __thread void *buf[2];
+    static __thread size_t cap[2];
+    if (cap[slot] < bytes) {
+        free(buf[slot]);
+        buf[slot] = malloc(bytes);
+        cap[slot] = bytes;
+    }
+    return buf[slot];
+}
+
 /* Writing one new K or V row of a head into the cache: as it is, or quantized (kvq). */
 static inline void store_row_float(float *dst, const float *src, int D, int kvq) { memcpy(dst, src, D * sizeof(float)); }
 static inline void store_row_bf16(bf16 *dst, const bf16 *src, int D, int kvq) { memcpy(dst, src, D * sizeof(bf16)); }
@@ -625,8 +639,9 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
         }                                                                                              \
         const size_t row_floats = (size_t)MAX_ROWS * D;                                                \
         /* per thread: acc, qf, key/value chunk; per unit when split: acc, m, l */                     \
-        float *thread_ws = malloc(sizeof(float) * (size_t)num_threads * (2 * row_floats + CHUNK * D));  \
-        float *part_ws = parts > 1 ? malloc(sizeof(float) * (size_t)num_tasks * parts * (row_floats + 2 * MAX_ROWS)) : NULL; \
+        float *thread_ws = scratch(0, sizeof(float) * (size_t)num_threads * (2 * row_floats + CHUNK * D)); \
+        float *part_ws = parts > 1 ? scratch(1, sizeof(float) * (size_t)num_tasks * parts * (row_floats + 2 * MAX_ROWS)) \
+                                   : NULL;                                                             \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
         for (int unit = num_tasks * parts - 1; unit >= 0; unit--) { /* late tiles (long) first */      \
             const int task = unit / parts, part = unit % parts;                                        \
@@ -695,8 +710,6 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
                 }                                                                                      \
             }                                                                                          \
         }                                                                                              \
-        free(part_ws);                                                                                 \
-        free(thread_ws);                                                                               \
         free(tile_start);                                                                              \
         return 0;                                                                                      \
     }
