@@ -6,7 +6,8 @@ layer's tensors to the C entry point once and then runs the whole layer (both no
 rotary, paged attention, SiLU-and-mul) per call, with the same kernels the op-by-op path calls, so the output is
 the same. It is a hook with a null default: `build` returns None for a layer it cannot run (another device or
 dtype, a float checkpoint's weights, Qwen3's q/k norms, Granite's multipliers, soft caps, a quantized KV cache,
-experts, tensor parallelism), and a call returns None for a step of more than `MAX_ROWS` tokens; the layer then
+experts, tensor parallelism), and a call returns None for a step of more tokens than the layer's GGUF kernels take
+without dequantizing (`max_rows`: Q8_GEMM_MAX_ROWS with int8 activations, else PORTABLE_MAX_ROWS); the layer then
 runs op by op.
 """
 
@@ -18,9 +19,15 @@ from models.attention.base import AttentionMetadata
 from models.attention.cpu import CPUBackend
 from models.kernels import cpu_kernels, ops
 from models.layers.mlp import SwiGLUMLP
-from models.quantization.gguf import PORTABLE_MAX_ROWS, Q8_TYPES, GGUFLinearMethod, GGUFTensor, int8_activations
+from models.quantization.gguf import (
+    PORTABLE_MAX_ROWS,
+    Q8_GEMM_MAX_ROWS,
+    Q8_TYPES,
+    GGUFLinearMethod,
+    GGUFTensor,
+    int8_activations,
+)
 
-MAX_ROWS = PORTABLE_MAX_ROWS  # tokens per step up to which the GGUF kernels run without dequantizing
 MAX_SEGMENTS = 3
 
 
@@ -85,12 +92,12 @@ class FusedDecoderLayer:
     __call__(residual, x, rope, kv_cache, meta) takes and returns what the layer's forward does: residual float32
     [T, hidden] updated in place, x the previous layer's MLP output [T, hidden] or None, rope float32 (cos, sin)
     [T, head_dim // 2], kv_cache this layer's float32 (k_cache, v_cache), meta the step's AttentionMetadata;
-    returns this layer's MLP output [T, hidden], or None (nothing done) when T > MAX_ROWS or the kernels are
+    returns this layer's MLP output [T, hidden], or None (nothing done) when T > max_rows or the kernels are
     off (ops.torch_ops()). Raises ValueError when a kernel refuses a shape.
     """
 
-    def __init__(self, lib, desc: LayerDesc, backend: CPUBackend, keep: list[torch.Tensor]):
-        self.lib, self.desc, self.backend = lib, desc, backend
+    def __init__(self, lib, desc: LayerDesc, backend: CPUBackend, keep: list[torch.Tensor], max_rows: int):
+        self.lib, self.desc, self.backend, self.max_rows = lib, desc, backend, max_rows
         self._keep = keep  # the tensors whose addresses `desc` holds
         self._desc_ref = ctypes.byref(desc)
 
@@ -136,7 +143,8 @@ class FusedDecoderLayer:
         )
         if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
             return None
-        return cls(lib, desc, backend, list(norms))
+        int8 = all(w.int8[i] for w in linears for i in range(w.n))
+        return cls(lib, desc, backend, list(norms), Q8_GEMM_MAX_ROWS if int8 else PORTABLE_MAX_ROWS)
 
     def __call__(self, residual, x, rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
         rows = residual.shape[0]
@@ -144,7 +152,7 @@ class FusedDecoderLayer:
         cos, sin = rope
         tensors = (residual, cos, sin) if x is None else (residual, x, cos, sin)
         if (
-            rows > MAX_ROWS
+            rows > self.max_rows
             or not ops.kernels_enabled()
             or k_cache.dtype != torch.float32
             or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)

@@ -46,6 +46,10 @@ R16_TYPES = (
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 # rows of x up to which the portable kernel beats dequantize-then-GEMM on weights kept as blocks
 PORTABLE_MAX_ROWS = 8
+# rows up to which the AVX2 int8 kernel (8 rows at a time over L1-sized weight tiles) beats dequantizing the weight
+# for torch's float32 GEMM: 1.2-5x at 16-64 rows on the default model's Q4_1 shapes, even at 128, behind past 256
+# (AVX2 EPYC, 2 threads)
+Q8_GEMM_MAX_ROWS = 64
 # the types whose blocks the AVX2 kernel multiplies with int8 activations (llama.cpp's arithmetic) by default;
 # with MINIVLLM_GGUF_ACTIVATIONS=float they take the exact float32 portable kernel
 Q8_TYPES = (
@@ -118,9 +122,10 @@ class GGUFTensor:
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, cols] @ W^T -> [M, rows] in x's dtype (into `out` if given). Blocks (float32 activations, or
         a CPU without VNNI) take the portable kernel for few rows (Q8_TYPES the AVX2 int8 one where
-        int8_activations()); for more, dequantizing the weight once and torch's GEMM is faster."""
-        if self.r16 or x.shape[0] <= PORTABLE_MAX_ROWS:
-            int8 = not self.r16 and self.qtype in Q8_TYPES and int8_activations()
+        int8_activations(), up to Q8_GEMM_MAX_ROWS); for more, dequantizing the weight once and torch's GEMM
+        is faster."""
+        int8 = not self.r16 and self.qtype in Q8_TYPES and int8_activations()
+        if self.r16 or x.shape[0] <= (Q8_GEMM_MAX_ROWS if int8 else PORTABLE_MAX_ROWS):
             return ops.gguf_linear(x, self.data, self.qtype, self.rows, self.cols, self.r16, out, int8)
         y = ops.linear(x, ops.gguf_dequantize(self.data, self.qtype, self.cols, x.dtype))
         return y if out is None else out.copy_(y)

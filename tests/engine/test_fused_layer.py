@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from models.kernels import cpu_kernels
 from models.layers.fused_layer import FusedDecoderLayer
+from models.quantization.gguf import int8_activations
 from tests.engines import make_llm
 
 
@@ -23,9 +25,18 @@ def _generate(llm, prompts, fused: bool, params):
             layer.fused = f
 
 
-def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, monkeypatch):
-    """Greedy tokens and their logprobs, bit for bit, over decode steps of 1 to 8 rows and a prompt of 6 tokens
-    (a fused prefill step), while the fused path really ran: it calls the same kernels in the same order."""
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, monkeypatch):
+    """Greedy tokens and their logprobs, bit for bit, over decode steps of 1 to 8 rows and prompts of 6 to 400
+    tokens (fused prefill steps up to the layer's max_rows), while the fused path really ran: it calls the same
+    kernels in the same order. With the exact float kernels (the suite's setting) and with int8 activations (the
+    default: the int8 kernel takes up to 64 rows)."""
+    if activations == "int8":
+        if not cpu_kernels.load().gguf_q8_isa():
+            pytest.skip("the CPU has no AVX2")
+        monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
+        int8_activations.cache_clear()
+        llm = make_llm()
     calls = []
     real = FusedDecoderLayer.__call__
 
@@ -36,17 +47,20 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, monkeypatch):
 
     monkeypatch.setattr(FusedDecoderLayer, "__call__", counted)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
-    batches = [prompts[:1], prompts[:3], prompts]  # 8 prompts: 8-row decode steps
-    for batch in batches:
-        calls.clear()
-        fused = _generate(llm, batch, True, params)
-        assert any(calls), "the fused layer never ran"
-        plain = _generate(llm, batch, False, params)
-        for a, b in zip(fused, plain):
-            assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
-    layers = llm.engine.engine_core.executor.runner.model.layers
-    assert all(isinstance(layer.fused, FusedDecoderLayer) for layer in layers)
+    try:
+        for batch in [prompts[:1], prompts[:3], prompts]:  # 8 prompts: 8-row decode steps
+            calls.clear()
+            fused = _generate(llm, batch, True, params)
+            assert any(calls), "the fused layer never ran"
+            plain = _generate(llm, batch, False, params)
+            for a, b in zip(fused, plain):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+                assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+        layers = llm.engine.engine_core.executor.runner.model.layers
+        assert all(isinstance(layer.fused, FusedDecoderLayer) for layer in layers)
+        assert {layer.fused.max_rows for layer in layers} == {64 if activations == "int8" else 8}
+    finally:
+        int8_activations.cache_clear()  # the suite's setting again once the variable is restored
 
 
 def test_a_bfloat16_model_runs_op_by_op(prompts):
@@ -58,12 +72,13 @@ def test_a_bfloat16_model_runs_op_by_op(prompts):
     assert FusedDecoderLayer.build(layer) is None
 
 
-@pytest.mark.parametrize("rows", [9, 40])
-def test_long_steps_are_declined(llm, rows):
-    """A step of more than MAX_ROWS tokens is declined (None, nothing computed): the layer runs op by op."""
+def test_long_steps_are_declined(llm):
+    """A step of more rows than the layer's kernels take without dequantizing (max_rows) is declined: None,
+    nothing computed, and the layer runs op by op."""
     layer = llm.engine.engine_core.executor.runner.model.layers[0]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)  # builds the fused form
     assert isinstance(layer.fused, FusedDecoderLayer)
-    residual = torch.zeros(rows, layer.input_layernorm.weight.shape[0])
-    rope = (torch.zeros(rows, 32), torch.zeros(rows, 32))
-    assert layer.fused(residual, None, rope, (torch.zeros(1),) * 2, None) is None
+    for rows in (layer.fused.max_rows + 1, layer.fused.max_rows + 40):
+        residual = torch.zeros(rows, layer.input_layernorm.weight.shape[0])
+        rope = (torch.zeros(rows, 32), torch.zeros(rows, 32))
+        assert layer.fused(residual, None, rope, (torch.zeros(1),) * 2, None) is None

@@ -48,6 +48,8 @@ int paged_attention_float(const float *q, int q_stride, const float *k, int k_st
                           float *out, int num_seqs, int num_heads, int num_kv_heads, int D, int bs, int max_blocks,
                           float scale, int window, float softcap, int num_threads, int isa, int kvq);
 
+void *kernel_scratch(int slot, size_t bytes);
+
 static int out_rows(const LayerLinear *w) {
     int n = 0;
     for (int s = 0; s < w->n; s++) n += w->rows[s];
@@ -78,24 +80,21 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
                         const int32_t *query_start_loc, int num_seqs, int max_blocks, int isa, int nt) {
     const int H = L->hidden, D = L->head_dim, nq = L->num_heads * D, nkv = L->num_kv_heads * D;
     const int qkv_n = nq + 2 * nkv;
-    float *ws = malloc(sizeof(float) * (size_t)M * (H + qkv_n + nq + H + 2 * L->inter + L->inter));
+    float *ws = kernel_scratch(2, sizeof(float) * (size_t)M * (H + qkv_n + nq + H + 2 * L->inter + L->inter));
     float *h = ws, *qkv = h + (size_t)M * H, *attn = qkv + (size_t)M * qkv_n, *o = attn + (size_t)M * nq;
     float *gu = o + (size_t)M * H, *act = gu + (size_t)M * 2 * L->inter;
     int rc;
     add_rms_norm_float(residual, x_in, L->input_norm, h, M, H, L->eps, nt);
-    if ((rc = layer_linear(&L->qkv, h, H, qkv, M, nt))) goto done;
+    if ((rc = layer_linear(&L->qkv, h, H, qkv, M, nt))) return rc;
     if (L->use_rope) rotary_float(qkv, M, L->num_heads + L->num_kv_heads, qkv_n, D, cos_t, sin_t, nt);
     if ((rc = paged_attention_float(qkv, qkv_n, qkv + nq, qkv_n, qkv + nq + nkv, qkv_n, k_cache, v_cache,
                                     slot_mapping, M, block_tables, seq_lens, query_start_loc, attn, num_seqs,
                                     L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
                                     L->window, 0.f, nt, isa, 0)))
-        goto done;
-    if ((rc = layer_linear(&L->o, attn, nq, o, M, nt))) goto done;
+        return rc;
+    if ((rc = layer_linear(&L->o, attn, nq, o, M, nt))) return rc;
     add_rms_norm_float(residual, o, L->post_norm, h, M, H, L->eps, nt);
-    if ((rc = layer_linear(&L->gate_up, h, H, gu, M, nt))) goto done;
+    if ((rc = layer_linear(&L->gate_up, h, H, gu, M, nt))) return rc;
     silu_and_mul_float(gu, act, M, L->inter, nt);
-    rc = layer_linear(&L->down, act, L->inter, x_out, M, nt);
-done:
-    free(ws);
-    return rc;
+    return layer_linear(&L->down, act, L->inter, x_out, M, nt);
 }

@@ -821,7 +821,8 @@ AVX2 static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-#define Q8_MAX_ROWS 8
+#define Q8_MAX_ROWS 8 /* activation rows per kernel call; more are taken 8 at a time */
+#define Q8_TILE 16    /* weight rows per tile when there are more */
 
 /* the activations: xq int8 [M, K], xd and xs float [M, K / 32] */
 typedef struct {
@@ -975,11 +976,22 @@ static q8_range_fn q8_kernel(int type, int M) {
 /* the N weight rows split evenly over the threads, one specialised call each */
 static void q8_rows(const Q8Acts *a, int type, const uint8_t *w, void *y, int y_bf16, int y_stride, int N,
                     int num_threads) {
-    const q8_range_fn fn = q8_kernel(type, a->M);
+    const int nb = a->K / 32;
+    const size_t y_elem = y_bf16 ? sizeof(bf16) : sizeof(float);
     _Pragma("omp parallel num_threads(num_threads)") {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int n0 = (int)((long)N * t / nt), n1 = (int)((long)N * (t + 1) / nt);
-        fn(a, w, n0, n1, y, y_bf16, y_stride);
+        /* more than Q8_MAX_ROWS rows: a tile of weight rows meets every group of 8 rows while it is in L1 */
+        const int tile = a->M <= Q8_MAX_ROWS ? n1 - n0 : Q8_TILE;
+        for (int r0 = n0; r0 < n1; r0 += tile) {
+            const int r1 = r0 + tile < n1 ? r0 + tile : n1;
+            for (int m0 = 0; m0 < a->M; m0 += Q8_MAX_ROWS) {
+                const int mm = a->M - m0 < Q8_MAX_ROWS ? a->M - m0 : Q8_MAX_ROWS;
+                const Q8Acts group = {a->xq + (size_t)m0 * a->K, a->xd + (size_t)m0 * nb, a->xs + (size_t)m0 * nb, mm,
+                                      a->K};
+                q8_kernel(type, mm)(&group, w, r0, r1, (char *)y + (size_t)m0 * y_stride * y_elem, y_bf16, y_stride);
+            }
+        }
     }
 }
 #endif
@@ -998,15 +1010,17 @@ int gguf_q8_isa(void) {
 #endif
 }
 
-/* y = x W^T for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks and at most 8 rows of x, with x quantized
- * to int8 per 32. Returns -1 (nothing written) for another type or shape, or without AVX2. */
+/* y = x W^T for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks and M rows of x, with x quantized to int8
+ * per 32 (the kernels take 8 rows at a time, past 8 over tiles of Q8_TILE weight rows). Returns -1 (nothing
+ * written) for another type or shape, or without AVX2. */
 int gguf_q8_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
                    int y_stride, int M, int N, int K, int num_threads) {
 #if defined(__x86_64__)
-    if (!has_avx2() || !q8_type(type) || K % block_weights(type) || M < 1 || M > Q8_MAX_ROWS) return -1;
+    if (!has_avx2() || !q8_type(type) || K % block_weights(type) || M < 1) return -1;
     const int nb = K / 32;
     int8_t *xq = malloc((size_t)M * K);
     float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
+    _Pragma("omp parallel for num_threads(num_threads) if (M > Q8_MAX_ROWS)")
     for (int m = 0; m < M; m++)
         for (int b = 0; b < nb; b++) {
             float v[32], amax = 0.f;

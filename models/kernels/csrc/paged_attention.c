@@ -571,12 +571,12 @@ static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query
     return t;
 }
 
-/* A buffer of at least `bytes` owned by the calling thread and kept between calls, one per `slot`: the workspaces
- * (~170 KiB at batch 1) were above malloc's mmap threshold, so every call mapped fresh pages and faulted them in,
- * ~10 us a layer. */
-static void *scratch(int slot, size_t bytes) {
-    static __thread void *buf[2];
-    static __thread size_t cap[2];
+/* A buffer of at least `bytes` owned by the calling thread and kept between calls, one per `slot` (0 and 1 this
+ * file's workspaces, 2 decoder_layer.c's): workspaces above malloc's mmap threshold (~170 KiB at batch 1 here)
+ * mapped fresh pages and faulted them in on every call, ~10 us a layer. */
+void *kernel_scratch(int slot, size_t bytes) {
+    static __thread void *buf[3];
+    static __thread size_t cap[3];
     if (cap[slot] < bytes) {
         free(buf[slot]);
         buf[slot] = malloc(bytes);
@@ -639,8 +639,8 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
         }                                                                                              \
         const size_t row_floats = (size_t)MAX_ROWS * D;                                                \
         /* per thread: acc, qf, key/value chunk; per unit when split: acc, m, l */                     \
-        float *thread_ws = scratch(0, sizeof(float) * (size_t)num_threads * (2 * row_floats + CHUNK * D)); \
-        float *part_ws = parts > 1 ? scratch(1, sizeof(float) * (size_t)num_tasks * parts * (row_floats + 2 * MAX_ROWS)) \
+        float *thread_ws = kernel_scratch(0, sizeof(float) * (size_t)num_threads * (2 * row_floats + CHUNK * D)); \
+        float *part_ws = parts > 1 ? kernel_scratch(1, sizeof(float) * (size_t)num_tasks * parts * (row_floats + 2 * MAX_ROWS)) \
                                    : NULL;                                                             \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
         for (int unit = num_tasks * parts - 1; unit >= 0; unit--) { /* late tiles (long) first */      \
