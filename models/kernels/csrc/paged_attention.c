@@ -22,7 +22,7 @@
  * ISA. bfloat16 with head_dim 64 or 128 takes an AVX-512 path when the CPU has AVX512-BF16 (checked at
  * run time; `isa` 0 forces the portable path): scores from _mm512_dpbf16_ps over keys transposed into
  * bfloat16 pairs (16 scores per register, no horizontal sums), a vector exp, and accumulators kept in
- * registers for blocks of up to RB query rows. float32 with head_dim 64 or 128 takes an AVX2 path (keys read in
+ * registers for blocks of up to RB query rows. float32 with head_dim 64, 128 or 256 takes an AVX2 path (keys read in
  * place, eight scores per register, a vector exp). The portable path is plain C that the compiler vectorizes,
  * for other head sizes, soft caps, quantized caches and CPUs without those extensions.
  * Accumulation is float32 throughout.
@@ -383,7 +383,7 @@ static int cpu_has_avx512bf16(void) { return 0; }
 #endif
 
 #if defined(__x86_64__)
-/* ---- float32 caches on AVX2 (head_dim 64 or 128, no soft cap): the cache's rows are read in place (no copy
+/* ---- float32 caches on AVX2 (head_dim 64, 128 or 256, no soft cap): the cache's rows are read in place (no copy
  * into a float buffer), eight keys' dot products reduced into one register, a vector exp, and each row's
  * accumulator held in registers across the chunk's values. ---- */
 #define AVX2F __attribute__((target("avx2,fma")))
@@ -486,10 +486,12 @@ AVX2F static inline float hadd8(__m256 v) {
     }
 CHUNK_AVX2(64)
 CHUNK_AVX2(128)
+CHUNK_AVX2(256)
 
 AVX2F static void chunk_avx2(Task *tk, const float *kp, const float *vp, int pos0, int n) {
     if (tk->D == 64) chunk_avx2_64(tk, kp, vp, pos0, n);
-    else chunk_avx2_128(tk, kp, vp, pos0, n);
+    else if (tk->D == 128) chunk_avx2_128(tk, kp, vp, pos0, n);
+    else chunk_avx2_256(tk, kp, vp, pos0, n);
 }
 #else
 static int cpu_has_avx2f(void) { return 0; }
@@ -607,8 +609,10 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
         if (D > MAX_HEAD_DIM || G * QT > MAX_ROWS || (kvq == 1 && D % 32)) return -1;                  \
         const int row = kvq ? kvq_row_bytes(D, kvq) : D; /* cache elements per row of a head */       \
         /* the SIMD chunk step: AVX512-BF16 for bfloat16, AVX2 for float32 (not for quantized caches) */       \
-        const int avx = isa && (D == 64 || D == 128) && softcap == 0.f &&                              \
-                        (sizeof(TC) == 2 ? cpu_has_avx512bf16() : sizeof(TC) == 4 ? cpu_has_avx2f() : 0); \
+        const int avx = isa && softcap == 0.f &&                                                       \
+                        (sizeof(TC) == 2   ? (D == 64 || D == 128) && cpu_has_avx512bf16()             \
+                         : sizeof(TC) == 4 ? (D == 64 || D == 128 || D == 256) && cpu_has_avx2f()      \
+                                           : 0);                                                       \
         /* 1. the new tokens' K/V into their slots (every read below may need them) */                 \
         _Pragma("omp parallel for num_threads(num_threads)")                                           \
         for (int i = 0; i < num_tokens; i++) {                                                         \
