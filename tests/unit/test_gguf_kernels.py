@@ -127,7 +127,8 @@ def q8() -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_int8_activations(qtype, M, dtype):
     """The AVX2 kernel computes llama.cpp's arithmetic: the dequantized weights against the activations rounded
-    to int8 per 32 (scale max|x| / 127, round to nearest), to float rounding; an offset type's (Q4_1, Q5_1, Q4_K,
+    to int8 per 32 (scale max|x| / 127, round to nearest; per 256 for Q4_K and Q5_K, llama.cpp's Q8_K), to float
+    rounding; an offset type's (Q4_1, Q5_1, Q4_K,
     Q5_K) min meets the rounded activations' sum, not the exact one (that left m sum(x - xq) in every output).
     21 rows run as groups of 8, 8 and 5 over tiles of weight rows. Another type is refused."""
     rows, cols = shape(qtype)
@@ -135,7 +136,8 @@ def test_linear_int8_activations(qtype, M, dtype):
     w = reference(raw, qtype, cols).astype(np.float64)
     x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M)).to(dtype)
     x += torch.linspace(-1, 3, cols).to(dtype)  # a nonzero mean per block, so an exact-sum offset term shows
-    xb = x.float().numpy().reshape(M, -1, 32)  # rounded as the kernel does, in float32 (ties matter)
+    group = 256 if qtype in (T.Q4_K, T.Q5_K) else 32  # K-quants meet llama.cpp's Q8_K: one scale per 256
+    xb = x.float().numpy().reshape(M, -1, group)  # rounded as the kernel does, in float32 (ties matter)
     amax = np.abs(xb).max(-1, keepdims=True)
     codes = np.rint(xb * (np.float32(127) / amax)).astype(np.float64)
     xq = (codes * (amax / np.float32(127)).astype(np.float64)).reshape(M, cols)

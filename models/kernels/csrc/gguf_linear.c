@@ -874,11 +874,24 @@ Q8_INLINE void q8_block(const Q8Acts *a, const int M, const int type, const uint
                  acc, bias);
         break;
     case Q4_K:
-    case Q5_K: {
-        const float d = half_to_f32(blk), dmin = half_to_f32(blk + 2);
+    case Q5_K: { /* Q8_K activations: sum_sb sc_sb (q . xq)_sb in int32, one float step per super-block */
+        float d, dmin;
+        half_pair(blk, &d, &dmin);
+        /* the 12 bytes of 6-bit scales and mins into bytes 0-7 (scales) and 8-15 (mins), as k_scale_min reads them */
+        uint32_t u[4];
+        memcpy(u, blk + 4, 12);
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+        const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
+        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+        u[2] = mins_lo;
+        u[0] &= 0x3f3f3f3f;
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)u)));
+        const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 2))));
         const uint8_t *qs = blk + (type == Q4_K ? 16 : 48);
         const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
         const __m256i qh = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        __m256i sumi[Q8_MAX_ROWS];
+        for (int j = 0; j < M; j++) sumi[j] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) { /* 32 bytes: sub-block 2p in the low nibbles, 2p + 1 in the high */
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
             for (int h = 0; h < 2; h++) {
@@ -886,10 +899,20 @@ Q8_INLINE void q8_block(const Q8Acts *a, const int M, const int type, const uint
                 __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, low);
                 if (type == Q5_K)
                     q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, sb), one), 4));
-                int sc, m;
-                k_scale_min(blk + 4, sb, &sc, &m);
-                q8_chunk(a, M, k + 32 * sb, q, 0, _mm256_set1_ps(d * (float)sc), 1, -(dmin * (float)m), acc, bias);
+                /* scale sb (int16 lane sb) in every lane */
+                const __m256i scale = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(2 * sb | (2 * sb + 1) << 8)));
+                for (int j = 0; j < M; j++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->xq + (size_t)j * a->K + k + 32 * sb));
+                    sumi[j] = _mm256_add_epi32(sumi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
+                }
             }
+        }
+        const int nb = a->K / 32, c = k / 32;
+        for (int j = 0; j < M; j++) { /* d dy sumi - dmin dy sum_sb m_sb xs_sb, into acc's 8 lanes */
+            const float dy = a->xd[j * nb + c];
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * dy), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-dmin * dy), mins), _mm256_loadu_ps(a->xs + j * nb + c),
+                                     acc[j]);
         }
         break;
     }
@@ -1020,23 +1043,29 @@ int gguf_q8_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, in
     const int nb = K / 32;
     int8_t *xq = malloc((size_t)M * K);
     float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
+    /* Q4_K and Q5_K meet llama.cpp's Q8_K: one scale per 256 values, so a super-block's 8 sub-blocks sum in int32;
+     * xd then holds that scale in each of its 8 slots and xs each 32's integer sum */
+    const int group = type == Q4_K || type == Q5_K ? 256 : 32;
     _Pragma("omp parallel for num_threads(num_threads) if (M > Q8_MAX_ROWS)")
     for (int m = 0; m < M; m++)
-        for (int b = 0; b < nb; b++) {
-            float v[32], amax = 0.f;
-            int sum = 0;
-            for (int i = 0; i < 32; i++) {
-                v[i] = load_x(x, x_bf16, (size_t)m * x_stride + 32 * b + i);
+        for (int g = 0; g < K / group; g++) {
+            float v[256], amax = 0.f;
+            for (int i = 0; i < group; i++) {
+                v[i] = load_x(x, x_bf16, (size_t)m * x_stride + (size_t)group * g + i);
                 amax = v[i] > amax ? v[i] : -v[i] > amax ? -v[i] : amax;
             }
             const float inv = amax > 0.f ? 127.f / amax : 0.f;
-            for (int i = 0; i < 32; i++) {
-                const int8_t q = (int8_t)__builtin_nearbyintf(v[i] * inv);
-                xq[(size_t)m * K + 32 * b + i] = q;
-                sum += q;
+            for (int c = 0; c < group / 32; c++) {
+                const int b = group / 32 * g + c;
+                int sum = 0;
+                for (int i = 0; i < 32; i++) {
+                    const int8_t q = (int8_t)__builtin_nearbyintf(v[32 * c + i] * inv);
+                    xq[(size_t)m * K + 32 * b + i] = q;
+                    sum += q;
+                }
+                xd[m * nb + b] = amax / 127.f;
+                xs[m * nb + b] = group == 32 ? xd[m * nb + b] * (float)sum : (float)sum;
             }
-            xd[m * nb + b] = amax / 127.f;
-            xs[m * nb + b] = xd[m * nb + b] * (float)sum;
         }
     const Q8Acts a = {xq, xd, xs, M, K};
     q8_rows(&a, type, w, y, y_bf16, y_stride, N, num_threads);
