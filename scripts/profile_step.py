@@ -101,6 +101,12 @@ def main():
             v = sum(-t[x[1:]] if x.startswith("-") else t[x] for x in terms) / max(steps[kind], 1)
             cells.append(f"{1000 * v:10.2f} ({100 * v * steps[kind] / max(t['step'], 1e-9):4.1f}%)")
         print(f"{label:<34}" + "".join(f"{c:>22}" for c in cells))
+    fused = sum(bool(getattr(layer, "fused", None)) for layer in getattr(runner.model, "layers", []))
+    if fused:
+        print(
+            f"{fused} layers run as one C call each (models/layers/fused_layer.py) on steps they take: their "
+            "attention is inside 'rest', not in the attention row"
+        )
     for kind, t in kinds.items():
         overhead = t["step"] - t["forward"] - t["lm_head"]
         print(

@@ -27,7 +27,7 @@ def _generate(llm, prompts, fused: bool, params):
 
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, monkeypatch):
-    """Greedy tokens and their logprobs, bit for bit, over decode steps of 1 to 8 rows and prompts of 6 to 400
+    """Greedy tokens and their logprobs, bit for bit, over decode steps of 1 and 8 rows and prompts of 6 to 400
     tokens (fused prefill steps up to the layer's max_rows), while the fused path really ran: it calls the same
     kernels in the same order. With the exact float kernels (the suite's setting) and with int8 activations (the
     default: the int8 kernel takes up to 64 rows)."""
@@ -48,7 +48,7 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, monkey
     monkeypatch.setattr(FusedDecoderLayer, "__call__", counted)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
     try:
-        for batch in [prompts[:1], prompts[:3], prompts]:  # 8 prompts: 8-row decode steps
+        for batch in [prompts[:1], prompts]:  # 1-row and 8-row decode steps
             calls.clear()
             fused = _generate(llm, batch, True, params)
             assert any(calls), "the fused layer never ran"
