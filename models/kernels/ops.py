@@ -3,7 +3,7 @@
 
 Each op takes and returns plain tensors, so the model (`models/llama.py`, `models/layers/linear.py`)
 reads the same on every device. On the CPU (float32 or bfloat16, kernels built) residual-add + RMSNorm,
-rotary and SiLU-and-mul are one C pass each instead of several torch ops, and bfloat16 linears over few
+rotary, SiLU-and-mul and GELU-and-mul are one C pass each instead of several torch ops, and bfloat16 linears over few
 rows (decode steps up to `SMALL_M` sequences) run a weight-streaming kernel (see models/kernels/csrc/linear.c).
 On CUDA with Triton (every CUDA build of torch has it) those three and the K/V cache write are one kernel each.
 A missing compiler or another device takes the torch path, which computes the same thing.
@@ -125,13 +125,24 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up (SwiGLU, Shazeer 2020) of gate_up [T, 2 * inter] = [gate | up]; returns [T, inter]."""
     if gate_up.is_contiguous() and (tri := _cuda(gate_up)) is not None:
         return tri.silu_and_mul(gate_up)
+    return _act_and_mul(gate_up, "silu", F.silu)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate) (tanh approximation, Hendrycks & Gimpel 2016) * up: GeGLU (Shazeer 2020), Gemma's MLP, of
+    gate_up [T, 2 * inter] = [gate | up]; returns [T, inter]. The C kernel on the CPU, torch ops elsewhere."""
+    return _act_and_mul(gate_up, "gelu_tanh", lambda gate: F.gelu(gate, approximate="tanh"))
+
+
+def _act_and_mul(gate_up: torch.Tensor, name: str, act) -> torch.Tensor:
+    """act(gate) * up through the C kernel `{name}_and_mul_*` where it applies, else torch's `act`."""
     lib = _lib(gate_up)
     inter = gate_up.shape[-1] // 2
     if lib is None or not gate_up.is_contiguous():
         gate, up = gate_up.split(inter, dim=-1)
-        return F.silu(gate) * up
+        return act(gate) * up
     out = gate_up.new_empty(gate_up.shape[0], inter)
-    getattr(lib, f"silu_and_mul_{_SUFFIX[gate_up.dtype]}")(
+    getattr(lib, f"{name}_and_mul_{_SUFFIX[gate_up.dtype]}")(
         gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads()
     )
     return out
@@ -148,13 +159,6 @@ def write_kv(
         return tri.write_kv(k, v, k_cache, v_cache, slot_mapping)
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
-
-
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GELU(gate) (tanh approximation, Hendrycks & Gimpel 2016) * up: GeGLU (Shazeer 2020), Gemma's MLP, of
-    gate_up [T, 2 * inter] = [gate | up]; returns [T, inter]. Torch ops on every device."""
-    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

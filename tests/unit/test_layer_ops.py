@@ -56,6 +56,19 @@ def test_silu_and_mul(dtype):
     torch.testing.assert_close(ops.silu_and_mul(gate_up).float(), expect, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul(dtype):
+    """Gemma's GeGLU in C against torch's gelu(approximate="tanh"), over gates from 1e-2 to ~300 of both signs."""
+    torch.manual_seed(1)
+    gate_up = torch.randn(5, 2 * 1152, dtype=dtype)
+    gate_up[:, :1152] *= torch.logspace(-2, 2.5, 1152, dtype=dtype)
+    expect = F.gelu(gate_up[:, :1152].float(), approximate="tanh") * gate_up[:, 1152:].float()
+    out = ops.gelu_tanh_and_mul(gate_up)
+    torch.testing.assert_close(out.float(), expect, atol=TOL[dtype], rtol=TOL[dtype])
+    with ops.torch_ops():
+        torch.testing.assert_close(ops.gelu_tanh_and_mul(gate_up).float(), expect, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
 @pytest.mark.parametrize("n,k", [(960, 576), (577, 1536), (7, 100)])
 def test_small_batch_bf16_linear(m, n, k):

@@ -60,19 +60,25 @@ ROTARY(float, f32_id, f32_id)
 ROTARY(bf16, bf16_to_f32, f32_to_bf16)
 
 /* out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:], gate_up [T, 2I]. */
-#define SILU_AND_MUL(T, TO_F32, FROM_F32)                                                              \
-    void silu_and_mul_##T(const T *gate_up, T *out, int num_tokens, int inter, int num_threads) {      \
+/* exp's argument held below float32's overflow: -ffast-math assumes no infinities, and an inf there (a < -88)
+ * came out as NaN; silu(a) is -0 to float precision anyway */
+static inline float silu(float a) { return a / (1.f + expf(fminf(-a, 88.f))); }
+
+/* GELU's tanh approximation (Hendrycks & Gimpel 2016), as torch's gelu(approximate="tanh") */
+static inline float gelu_tanh(float a) { return 0.5f * a * (1.f + tanhf(0.7978845608f * (a + 0.044715f * a * a * a))); }
+
+/* NAME_and_mul_T: ACT(gate) * up over gate_up [num_tokens, 2 * inter] = [gate | up] into out [num_tokens, inter]
+ * (SwiGLU with silu, Gemma's GeGLU with gelu_tanh; Shazeer 2020) */
+#define ACT_AND_MUL(NAME, ACT, T, TO_F32, FROM_F32)                                                    \
+    void NAME##_and_mul_##T(const T *gate_up, T *out, int num_tokens, int inter, int num_threads) {    \
         _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
         for (int t = 0; t < num_tokens; t++) {                                                         \
             const T *g = gate_up + (size_t)t * 2 * inter, *u = g + inter;                              \
             T *o = out + (size_t)t * inter;                                                            \
-            for (int i = 0; i < inter; i++) {                                                          \
-                const float a = TO_F32(g[i]);                                                          \
-                /* exp's argument held below float32's overflow: -ffast-math assumes no infinities, and   \
-                 * an inf there (a < -88) came out as NaN; silu(a) is -0 to float precision anyway */      \
-                o[i] = FROM_F32(a / (1.f + expf(fminf(-a, 88.f))) * TO_F32(u[i]));                     \
-            }                                                                                          \
+            for (int i = 0; i < inter; i++) o[i] = FROM_F32(ACT(TO_F32(g[i])) * TO_F32(u[i]));         \
         }                                                                                              \
     }
-SILU_AND_MUL(float, f32_id, f32_id)
-SILU_AND_MUL(bf16, bf16_to_f32, f32_to_bf16)
+ACT_AND_MUL(silu, silu, float, f32_id, f32_id)
+ACT_AND_MUL(silu, silu, bf16, bf16_to_f32, f32_to_bf16)
+ACT_AND_MUL(gelu_tanh, gelu_tanh, float, f32_id, f32_id)
+ACT_AND_MUL(gelu_tanh, gelu_tanh, bf16, bf16_to_f32, f32_to_bf16)
