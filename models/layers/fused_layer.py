@@ -7,8 +7,8 @@ rotary, paged attention, SiLU-and-mul) per call, with the same kernels the op-by
 the same. It is a hook with a null default: `build` returns None for a layer it cannot run (another device or
 dtype, a float checkpoint's weights, Qwen3's q/k norms, Granite's multipliers, soft caps, a quantized KV cache,
 experts, tensor parallelism), and a call returns None for a step of more tokens than the layer's GGUF kernels take
-without dequantizing (`max_rows`: Q8_GEMM_MAX_ROWS with int8 activations, else PORTABLE_MAX_ROWS); the layer then
-runs op by op.
+without dequantizing (`max_rows`: the least GGUFTensor.kernel_rows of its weights); the layer then runs op by
+op.
 """
 
 import ctypes
@@ -19,14 +19,7 @@ from models.attention.base import AttentionMetadata
 from models.attention.cpu import CPUBackend
 from models.kernels import cpu_kernels, ops
 from models.layers.mlp import SwiGLUMLP
-from models.quantization.gguf import (
-    PORTABLE_MAX_ROWS,
-    Q8_GEMM_MAX_ROWS,
-    Q8_TYPES,
-    GGUFLinearMethod,
-    GGUFTensor,
-    int8_activations,
-)
+from models.quantization.gguf import GGUFLinearMethod, GGUFTensor
 
 MAX_SEGMENTS = 3
 
@@ -67,9 +60,9 @@ class LayerDesc(ctypes.Structure):
     ]
 
 
-def _linear(module) -> LayerLinear | None:
-    """The LayerLinear of a ColumnParallelLinear / RowParallelLinear whose weights are all GGUF blocks the CPU
-    kernels take (float32 bias allowed), else None."""
+def _segments(module) -> list[GGUFTensor] | None:
+    """The stacked GGUF weights of a ColumnParallelLinear / RowParallelLinear that are all blocks the CPU kernels
+    take, unrepacked (float32 bias allowed), else None."""
     method = module.quant_method
     if not isinstance(method, GGUFLinearMethod) or getattr(module, "tp", None) is not None:
         return None
@@ -79,10 +72,15 @@ def _linear(module) -> LayerLinear | None:
     bias = getattr(module, "bias", None)
     if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
         return None
+    return segments
+
+
+def _linear(module, segments: list[GGUFTensor]) -> LayerLinear:
+    """decoder_layer.c's description of `module` with weights `segments` (from _segments)."""
+    bias = getattr(module, "bias", None)
     desc = LayerLinear(n=len(segments), bias=None if bias is None else bias.data_ptr())
     for i, w in enumerate(segments):
-        desc.data[i], desc.type[i], desc.rows[i] = w.data.data_ptr(), int(w.qtype), w.rows
-        desc.int8[i] = int(w.qtype in Q8_TYPES and int8_activations())
+        desc.data[i], desc.type[i], desc.rows[i], desc.int8[i] = w.data.data_ptr(), int(w.qtype), w.rows, w.int8
     return desc
 
 
@@ -118,11 +116,14 @@ class FusedDecoderLayer:
             or layer.residual_multiplier != 1.0
             or not isinstance(mlp, SwiGLUMLP)
             or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms)
+            or layer.input_layernorm.eps != layer.post_attention_layernorm.eps
         ):
             return None
-        linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(x is None for x in linears):
+        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        weights = [_segments(m) for m in modules]
+        if any(w is None for w in weights):
             return None
+        qkv, o, gate_up, down = (_linear(m, w) for m, w in zip(modules, weights))
         desc = LayerDesc(
             hidden=norms[0].shape[0],
             num_heads=attn.num_heads,
@@ -136,15 +137,13 @@ class FusedDecoderLayer:
             block_size=backend.block_size,
             input_norm=norms[0].data_ptr(),
             post_norm=norms[1].data_ptr(),
-            qkv=linears[0],
-            o=linears[1],
-            gate_up=linears[2],
-            down=linears[3],
+            qkv=qkv,
+            o=o,
+            gate_up=gate_up,
+            down=down,
         )
-        if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
-            return None
-        int8 = all(w.int8[i] for w in linears for i in range(w.n))
-        return cls(lib, desc, backend, list(norms), Q8_GEMM_MAX_ROWS if int8 else PORTABLE_MAX_ROWS)
+        max_rows = min(w.kernel_rows for segments in weights for w in segments)
+        return cls(lib, desc, backend, list(norms), max_rows)
 
     def __call__(self, residual, x, rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
         rows = residual.shape[0]

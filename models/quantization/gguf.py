@@ -119,14 +119,23 @@ class GGUFTensor:
         if packed is not None:
             self.data, self.r16 = packed, True
 
+    @property
+    def int8(self) -> bool:
+        """Whether few-row products take the AVX2 int8 kernel (blocks of Q8_TYPES, int8_activations())."""
+        return not self.r16 and self.qtype in Q8_TYPES and int8_activations()
+
+    @property
+    def kernel_rows(self) -> int:
+        """Rows of x up to which blocks take the C kernel rather than dequantizing for torch's GEMM."""
+        return Q8_GEMM_MAX_ROWS if self.int8 else PORTABLE_MAX_ROWS
+
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, cols] @ W^T -> [M, rows] in x's dtype (into `out` if given). Blocks (float32 activations, or
         a CPU without VNNI) take the portable kernel for few rows (Q8_TYPES the AVX2 int8 one where
         int8_activations(), up to Q8_GEMM_MAX_ROWS); for more, dequantizing the weight once and torch's GEMM
         is faster."""
-        int8 = not self.r16 and self.qtype in Q8_TYPES and int8_activations()
-        if self.r16 or x.shape[0] <= (Q8_GEMM_MAX_ROWS if int8 else PORTABLE_MAX_ROWS):
-            return ops.gguf_linear(x, self.data, self.qtype, self.rows, self.cols, self.r16, out, int8)
+        if self.r16 or x.shape[0] <= self.kernel_rows:
+            return ops.gguf_linear(x, self.data, self.qtype, self.rows, self.cols, self.r16, out, self.int8)
         y = ops.linear(x, ops.gguf_dequantize(self.data, self.qtype, self.cols, x.dtype))
         return y if out is None else out.copy_(y)
 
