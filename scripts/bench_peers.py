@@ -28,13 +28,21 @@ and per-request overheads cancel; the table gives each engine's median over prom
 (--with-vllm, scripts/vllm_latency.py in its venv), llama.cpp's llama-bench (--llama-bench: `-p 0 -n N
 -d 434 -r 1`, decode of N tokens at a context depth of 434; ms per token = 1000 / its avg_ts) and
 llama-server (--llama-server, one slot, the same two runs as ours) on the GGUF, all with our thread
-count. scripts/build_llama_server.sh builds llama.cpp and prints its bin directory.
+count (llama.cpp's killed by a signal, as its AMX path on the pool's AMX Xeon, runs again with --repack 0);
+--ik-llama-bench adds ik_llama.cpp's llama-bench (`-gp 434,N`) with run-time repacking off and on (-rtr 0, 1).
+scripts/build_llama_server.sh builds llama.cpp and prints its bin directory; scripts/build_ik_llama.sh
+ik_llama.cpp's llama-bench from a source tree.
+
+With --prompt N it measures prompt processing (llama-bench's ppN): an N-token prompt alone (max_tokens 1,
+prefix cache reset), N / its seconds, against `llama-bench -p N -n 0` of each llama-bench given.
 
 Usage:
   python scripts/bench_peers.py --num-requests 16 --repeats 3         # a few minutes
   B=$(scripts/build_llama_server.sh)  # builds llama.cpp once (~15 min), prints ~/.cache/minivllm/llama.cpp/build/bin
   python scripts/bench_peers.py --repeats 3 --skip static continuous --llama-server $B/llama-server --with-vllm  # W64
   python scripts/bench_peers.py --latency --repeats 3 --llama-bench $B/llama-bench --with-vllm
+  IK=$(scripts/build_ik_llama.sh ~/src/ik_llama.cpp)  # ik_llama.cpp's llama-bench, once
+  python scripts/bench_peers.py --prompt 512 --repeats 2 --llama-bench $B/llama-bench --ik-llama-bench $IK/llama-bench
 """
 
 import argparse
@@ -63,6 +71,7 @@ from bench_common import DEFAULT_WORKLOAD, REPO, Request, load_jsonl, random_req
 
 from api.cli import byte_size  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.worker.host_memory import wait_for_prefault  # noqa: E402
 from models.gguf import is_gguf, read_header  # noqa: E402
 from models.loader import default_model_path, export_hf_directory  # noqa: E402
 
@@ -186,33 +195,44 @@ def vllm_latency(script: Path, model_dir: str, dtype: str, prompts: list[list[in
     return json.loads(lines[-1])["ms_per_token"]
 
 
-def llama_bench(binary: str, gguf: str, n: int, depth: int = LATENCY_PROMPT_LEN) -> list[float]:
-    """llama.cpp's llama-bench: decode ms per token at a context depth of `depth` tokens, our threads
-    (the depth is filled before the timed decode, so it adds no prefill to the time)."""
-    proc = subprocess.run(
-        [
-            binary,
-            "-m",
-            gguf,
-            "-p",
-            "0",
-            "-n",
-            str(n),
-            "-d",
-            str(depth),
-            "-t",
-            str(torch.get_num_threads()),
-            "-r",
-            "1",
-            "-o",
-            "json",
-        ],
-        capture_output=True,
-        text=True,
-    )
+def llama_bench(
+    binary: str, gguf: str, *, gen: int = 0, depth: int = 0, prompt: int = 0, ik: bool = False, extra: tuple = ()
+) -> list[float]:
+    """One llama-bench test on `gguf` with our threads, as [ms per token]: decode of `gen` tokens at a context
+    depth of `depth` (the depth is filled before the timed decode, so it adds no prefill to the time), or the
+    prefill of a `prompt`-token prompt. llama.cpp spells the decode test `-p 0 -n GEN -d DEPTH`; ik_llama.cpp
+    (`ik`), whose llama-bench has no -d, `-p 0 -n 0 -gp DEPTH,GEN`. `extra`: more flags (ik's `-rtr 1`)."""
+    if prompt:
+        test = ["-p", str(prompt), "-n", "0"]
+    elif ik:
+        test = ["-p", "0", "-n", "0", "-gp", f"{depth},{gen}"]
+    else:
+        test = ["-p", "0", "-n", str(gen), "-d", str(depth)]
+    cmd = [binary, "-m", gguf, *test, "-t", str(torch.get_num_threads()), "-r", "1", "-o", "json", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode < 0 and not ik and "--repack" not in extra:
+        # llama.cpp 11434's AMX path faults (SIGILL, SIGSEGV) on the pool's AMX Xeon: it runs there unrepacked
+        print(f"llama-bench died of signal {-proc.returncode}; again with --repack 0", flush=True)
+        return llama_bench(binary, gguf, gen=gen, depth=depth, prompt=prompt, extra=(*extra, "--repack", "0"))
     if proc.returncode != 0:
-        raise RuntimeError(f"{binary} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return [1e3 / json.loads(proc.stdout)[0]["avg_ts"]]
+
+
+def llama_bench_engines(args, gguf: str, **test) -> dict:
+    """The llama-bench peers the flags name, each `() -> [ms per token]` for `llama_bench(**test)`:
+    llama.cpp's (--llama-bench) and ik_llama.cpp's (--ik-llama-bench) with run-time repacking off and on
+    (`-rtr 0`, `-rtr 1`: its R4/R8 interleaved layouts; the issue takes the better of the two)."""
+    label = f"GGUF {gguf_type(gguf)}"
+    engines = {}
+    if args.llama_bench:
+        engines[f"llama.cpp llama-bench ({label})"] = lambda: llama_bench(args.llama_bench, gguf, **test)
+    if args.ik_llama_bench:
+        for rtr in (0, 1):
+            engines[f"ik_llama.cpp -rtr {rtr} ({label})"] = lambda rtr=rtr: llama_bench(
+                args.ik_llama_bench, gguf, ik=True, extra=("-rtr", str(rtr)), **test
+            )
+    return engines
 
 
 def free_port() -> int:
@@ -357,13 +377,12 @@ def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
         engines["vllm-cpu (subprocess, bf16 directory)"] = lambda: vllm_latency(
             args.vllm_script, vllm_model, args.dtype, prompts, n
         )
-    results: dict[str, list[float]] = {}
     with contextlib.ExitStack() as stack:  # stops llama-server at the end, on errors too
-        if args.llama_bench or args.llama_server:
+        if args.llama_bench or args.ik_llama_bench or args.llama_server:
             gguf = gguf_of(args)
             label = f"GGUF {gguf_type(gguf)}"
-        if args.llama_bench:
-            engines[f"llama.cpp llama-bench ({label})"] = lambda: llama_bench(args.llama_bench, gguf, n, depth)
+        if args.llama_bench or args.ik_llama_bench:
+            engines.update(llama_bench_engines(args, gguf, gen=n, depth=depth))
         if args.llama_server:
             server = stack.enter_context(LlamaServer(args.llama_server, gguf))
             server.complete(prompts[0], 4)  # warm-up
@@ -373,26 +392,66 @@ def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
             f"batch 1: {len(prompts)} prompts of {depth} tokens, {n} output tokens, {args.dtype}, "
             f"{torch.get_num_threads()} threads"
         )
-        for rnd in range(args.repeats):
-            for name, fn in engines.items():
-                ms = fn()
-                results.setdefault(name, []).extend(ms)
-                print(f"round {rnd + 1}/{args.repeats}  {name:<40} {statistics.median(ms):7.2f} ms/token", flush=True)
-    medians = {name: statistics.median(v) for name, v in results.items()}
-    print(f"\n{'engine':<40} {'ms per output token':>20} {'it / ours':>10}")
-    for name, m in medians.items():
-        print(f"{name:<40} {m:20.2f} {m / medians['ours']:9.2f}x")
+        medians = alternate(engines, args.repeats, "ms/token")
+    report(args, "latency", medians, "ms per output token", "it / ours", "ms_per_token_median", lambda m: m)
+
+
+def alternate(engines: dict, repeats: int, unit: str) -> dict[str, tuple[float, list[float]]]:
+    """Runs every engine (`() -> [values]`) once per round, alternating, for `repeats` rounds (this machine's
+    speed drifts), once the KV cache's prefault is done; returns each engine's (median, all values)."""
+    wait_for_prefault()
+    results: dict[str, list[float]] = {}
+    for rnd in range(repeats):
+        for name, fn in engines.items():
+            values = fn()
+            results.setdefault(name, []).extend(values)
+            print(f"round {rnd + 1}/{repeats}  {name:<40} {statistics.median(values):9.2f} {unit}", flush=True)
+    return {name: (statistics.median(v), v) for name, v in results.items()}
+
+
+def report(args, mode: str, medians: dict, column: str, ratio: str, key: str, value) -> None:
+    """Prints each engine's `value(median ms per token)` and its ratio to ours (median ms / ours'), and writes
+    them to --output-json under `key`."""
+    print(f"\n{'engine':<40} {column:>20} {ratio:>10}")
+    for name, (m, _) in medians.items():
+        print(f"{name:<40} {value(m):20.2f} {m / medians['ours'][0]:9.2f}x")
+    write_json(args, mode, {name: {key: value(m), "ms_per_token_runs": runs} for name, (m, runs) in medians.items()})
+
+
+def write_json(args, mode: str, engines: dict) -> None:
+    """--output-json: the run's configuration and every engine's measurements."""
     if args.output_json:
-        record = {
-            **run_info(),
-            "mode": "latency",
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "engines": {
-                name: {"ms_per_token_median": medians[name], "ms_per_token_runs": results[name]} for name in engines
-            },
-        }
+        record = {**run_info(), "mode": mode, "args": {k: str(v) for k, v in vars(args).items()}, "engines": engines}
         Path(args.output_json).write_text(json.dumps(record, indent=1))
         print(f"wrote {args.output_json}")
+
+
+def prompt_main(args, llm: LLM, reqs: list[Request]) -> None:
+    """The --prompt N mode (llama-bench's ppN): prefill tokens per second of one N-token prompt run alone, the
+    prefix cache reset before each run. Ours: N / the seconds of `generate(prompt, max_tokens=1)` (the
+    prefill's last position gives the one token, as llama-bench's prompt test computes the last logits);
+    llama.cpp and ik_llama.cpp: llama-bench `-p N -n 0`. Prompts: the workload's, end to end."""
+    n = args.prompt
+    ids = [t for r in reqs for t in r.prompt_token_ids]
+    prompts = [(ids[i * 997 :] + ids)[:n] for i in range(args.latency_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def ours() -> list[float]:
+        out = []
+        for p in prompts:
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            llm.generate([p], params, use_tqdm=False)
+            out.append(1e3 * (time.perf_counter() - start) / n)
+        return out
+
+    engines = {"ours": ours}
+    if args.llama_bench or args.ik_llama_bench:
+        engines.update(llama_bench_engines(args, gguf_of(args), prompt=n))
+    ours()  # warm-up
+    print(f"prompt processing: {len(prompts)} prompts of {n} tokens, {args.dtype}, {torch.get_num_threads()} threads")
+    medians = alternate(engines, args.repeats, "ms/token")
+    report(args, "prompt", medians, "prompt tok/s", "ours / it", "tok_s_median", lambda m: 1e3 / m)
 
 
 def slot_context(reqs: list[Request]) -> int:
@@ -457,7 +516,12 @@ def main():
     )
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary, run on the model's GGUF")
     ap.add_argument("--llama-slots", type=int, default=64, help="llama-server's slots in throughput mode")
-    ap.add_argument("--llama-bench", help="--latency: llama.cpp's llama-bench binary, run on the model's GGUF")
+    ap.add_argument("--llama-bench", help="--latency/--prompt: llama.cpp's llama-bench binary, on the model's GGUF")
+    ap.add_argument(
+        "--ik-llama-bench",
+        help="--latency/--prompt: ik_llama.cpp's llama-bench (scripts/build_ik_llama.sh), -rtr 0 and 1",
+    )
+    ap.add_argument("--prompt", type=int, metavar="N", help="prompt processing of N-token prompts (llama-bench's ppN)")
     ap.add_argument(
         "--gguf", help="the GGUF llama.cpp runs when --model is not one (default without --model: the default model's)"
     )
@@ -469,14 +533,15 @@ def main():
     ap.add_argument("--quantization", choices=["gguf", "none"], help="ours, as the server's flag")
     ap.add_argument("--kv-cache-dtype", default="auto", help="ours, as the server's flag (int8, fp8, ...)")
     args = ap.parse_args()
-    if args.latency:
+    if args.latency or args.prompt:
         dtype_kwargs = dict(
             dtype=args.dtype,
             kv_cache_memory=args.kv_cache_memory,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
         )
-        latency_main(args, LLM(model=args.model, **dtype_kwargs), load_jsonl(args.dataset))
+        main_of_mode = prompt_main if args.prompt else latency_main
+        main_of_mode(args, LLM(model=args.model, **dtype_kwargs), load_jsonl(args.dataset))
         return
 
     reqs = load_jsonl(args.dataset, args.num_requests, args.output_len)
@@ -524,6 +589,7 @@ def main():
             )
     # Warm-up on two short prompts outside the workload: first-call costs (allocations, the CB manager)
     # are not throughput. vLLM warms itself up.
+    wait_for_prefault()
     warm = random_requests(2, 32, 4, llm.tokenizer, seed=1)
     for fn in engines.values():
         fn(warm)

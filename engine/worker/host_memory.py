@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 PREFAULT_CHUNK = 16 << 20  # bytes, a multiple of the page size
+_PREFAULTS: list[threading.Thread] = []  # this process's prefault threads, until wait_for_prefault joins them
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -29,8 +30,17 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     tensor = torch.frombuffer(buffer, dtype=dtype).view(shape)
-    threading.Thread(target=_prefault, args=(tensor.data_ptr(), nbytes), name="kv-prefault", daemon=True).start()
+    thread = threading.Thread(target=_prefault, args=(tensor.data_ptr(), nbytes), name="kv-prefault", daemon=True)
+    _PREFAULTS.append(thread)
+    thread.start()
     return tensor
+
+
+def wait_for_prefault() -> None:
+    """Blocks until every cache's prefault has finished: a benchmark calls it before timing, since until then
+    the prefault takes a core and the memory-map lock (the first requests of a fresh server run slower)."""
+    while _PREFAULTS:
+        _PREFAULTS.pop().join()
 
 
 def _prefault(address: int, nbytes: int) -> None:
