@@ -19,16 +19,16 @@ from models.kernels import cpu_kernels
 
 def kernel_isa(dtype: torch.dtype = torch.bfloat16) -> str:
     """The path the kernel takes on this CPU for a cache in `dtype`: "avx512bf16" (bfloat16), "avx2"
-    (float32), or "portable" (either, on a CPU without the extension; quantized caches always).
-
-    `MINIVLLM_CPU_ISA=portable` forces the portable C path."""
+    (float32, and the quantized caches' storage dtypes: int8 and fp8 rows turned into float32 per chunk), or
+    "portable" (on a CPU without the extension). `MINIVLLM_CPU_ISA=portable` forces the portable C path."""
     lib = cpu_kernels.load()
     if lib is None or os.environ.get("MINIVLLM_CPU_ISA") == "portable":
         return "portable"
     isa = lib.attention_isa()
     if dtype == torch.bfloat16 and isa & 1:
         return "avx512bf16"
-    return "avx2" if dtype == torch.float32 and isa & 2 else "portable"
+    quantized = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+    return "avx2" if (dtype == torch.float32 or dtype in quantized) and isa & 2 else "portable"
 
 
 class CPUBackend(AttentionBackend):

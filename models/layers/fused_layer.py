@@ -4,11 +4,11 @@ At batch 1 a layer's arithmetic takes less time than the ~10 Python-level ops ar
 argument packing, new tensors, OpenMP threads waking for each kernel). `FusedDecoderLayer` describes a Llama-family
 layer's tensors to the C entry point once and then runs the whole layer (both norms, the four GGUF linears,
 rotary, paged attention, SiLU-and-mul) per call, with the same kernels the op-by-op path calls, so the output is
-the same. It is a hook with a null default: `build` returns None for a layer it cannot run (another device or
-dtype, a float checkpoint's weights, Qwen3's q/k norms, Granite's multipliers, soft caps, a quantized KV cache,
-experts, tensor parallelism), and a call returns None for a step of more tokens than the layer's GGUF kernels take
-without dequantizing (`max_rows`: the least GGUFTensor.kernel_rows of its weights); the layer then runs op by
-op.
+the same; a quantized KV cache (--kv-cache-dtype) goes to the same attention kernel's quantized form. It is a
+hook with a null default: `build` returns None for a layer it cannot run (another device or dtype, a float
+checkpoint's weights, Qwen3's q/k norms, Granite's multipliers, soft caps, experts, tensor parallelism), and a
+call returns None for a step of more tokens than the layer's GGUF kernels take without dequantizing
+(`max_rows`: the least GGUFTensor.kernel_rows of its weights); the layer then runs op by op.
 """
 
 import ctypes
@@ -17,6 +17,7 @@ import torch
 
 from models.attention.base import AttentionMetadata
 from models.attention.cpu import CPUBackend
+from models.attention.kv_cache_dtype import STORAGE
 from models.kernels import cpu_kernels, ops
 from models.layers.mlp import SwiGLUMLP
 from models.quantization.gguf import GGUFLinearMethod, GGUFTensor
@@ -51,6 +52,7 @@ class LayerDesc(ctypes.Structure):
         ("use_rope", ctypes.c_int),
         ("window", ctypes.c_int),
         ("block_size", ctypes.c_int),
+        ("kvq", ctypes.c_int),
         ("input_norm", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
         ("qkv", LayerLinear),
@@ -89,9 +91,9 @@ class FusedDecoderLayer:
 
     __call__(residual, x, rope, kv_cache, meta) takes and returns what the layer's forward does: residual float32
     [T, hidden] updated in place, x the previous layer's MLP output [T, hidden] or None, rope float32 (cos, sin)
-    [T, head_dim // 2], kv_cache this layer's float32 (k_cache, v_cache), meta the step's AttentionMetadata;
-    returns this layer's MLP output [T, hidden], or None (nothing done) when T > max_rows or the kernels are
-    off (ops.torch_ops()). Raises ValueError when a kernel refuses a shape.
+    [T, head_dim // 2], kv_cache this layer's (k_cache, v_cache) (float32, or a --kv-cache-dtype's storage), meta
+    the step's AttentionMetadata; returns this layer's MLP output [T, hidden], or None (nothing done) when
+    T > max_rows or the kernels are off (ops.torch_ops()). Raises ValueError when a kernel refuses a shape.
     """
 
     def __init__(self, lib, desc: LayerDesc, backend: CPUBackend, keep: list[torch.Tensor], max_rows: int):
@@ -109,7 +111,6 @@ class FusedDecoderLayer:
         if (
             lib is None
             or not isinstance(backend, CPUBackend)
-            or backend.kv_quant
             or backend.logits_soft_cap
             or backend.dtype not in (None, torch.float32)
             or attn.q_norm is not None
@@ -135,6 +136,7 @@ class FusedDecoderLayer:
             use_rope=int(attn.use_rope),
             window=backend.sliding_window or 0,
             block_size=backend.block_size,
+            kvq=backend.kv_quant,
             input_norm=norms[0].data_ptr(),
             post_norm=norms[1].data_ptr(),
             qkv=qkv,
@@ -153,7 +155,7 @@ class FusedDecoderLayer:
         if (
             rows > self.max_rows
             or not ops.kernels_enabled()
-            or k_cache.dtype != torch.float32
+            or k_cache.dtype != (STORAGE[self.backend.kv_quant] if self.backend.kv_quant else torch.float32)
             or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)
         ):
             return None

@@ -25,18 +25,19 @@ def _generate(llm, prompts, fused: bool, params):
             layer.fused = f
 
 
-@pytest.mark.parametrize("activations", ["float", "int8"])
-def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, monkeypatch):
+@pytest.mark.parametrize("activations, kv_cache_dtype", [("float", "auto"), ("int8", "auto"), ("float", "fp8")])
+def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kv_cache_dtype, monkeypatch):
     """Greedy tokens and their logprobs, bit for bit, over decode steps of 1 and 8 rows and prompts of 6 to 400
     tokens (fused prefill steps up to the layer's max_rows), while the fused path really ran: it calls the same
-    kernels in the same order. With the exact float kernels (the suite's setting) and with int8 activations (the
-    default: the int8 kernel takes up to 64 rows)."""
+    kernels in the same order. With the exact float kernels (the suite's setting), with int8 activations (the
+    default: the int8 kernel takes up to 64 rows), and over an fp8 KV cache."""
     if activations == "int8":
         if not cpu_kernels.load().gguf_q8_isa():
             pytest.skip("the CPU has no AVX2")
         monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
         int8_activations.cache_clear()
-        llm = make_llm()
+    if activations == "int8" or kv_cache_dtype != "auto":
+        llm = make_llm(kv_cache_dtype=kv_cache_dtype)
     calls = []
     real = FusedDecoderLayer.__call__
 

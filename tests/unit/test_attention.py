@@ -238,7 +238,8 @@ def test_quantized_kv_cache(kv_cache_dtype, dtype):
         backend.plan(meta)
         outs.append(backend.forward(q, k, v, cache, meta))
     ref, out = outs
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # the same rows either way: float32 leaves summation order
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     slots = meta.slot_mapping
     written = [nhd[0].reshape(-1, 2, backends[0].row)[slots] for _, nhd in caches]
     same = (written[0].view(torch.uint8) == written[1].view(torch.uint8)).float().mean()

@@ -130,8 +130,11 @@ def test_linear_int8_activations(qtype, M, dtype):
     to int8 per 32 (scale max|x| / 127, round to nearest; per 256 for Q4_K and Q5_K, llama.cpp's Q8_K), to float
     rounding; an offset type's (Q4_1, Q5_1, Q4_K,
     Q5_K) min meets the rounded activations' sum, not the exact one (that left m sum(x - xq) in every output).
-    21 rows run as groups of 8, 8 and 5 over tiles of weight rows. Another type is refused."""
+    21 rows run as groups of 8, 8 and 5 over tiles of weight rows; 7 blocks of 32 per row run as four at a time
+    (q8_quad) and three alone. Another type is refused."""
     rows, cols = shape(qtype)
+    if GGML_QUANT_SIZES[qtype][0] == 32:
+        cols = 7 * 32
     raw = random_blocks(qtype, rows, cols, seed=200 + M)
     w = reference(raw, qtype, cols).astype(np.float64)
     x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M)).to(dtype)

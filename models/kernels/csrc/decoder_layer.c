@@ -1,10 +1,10 @@
 /* One Llama-family decoder layer in one call, for the few rows of a decode step on the CPU (float32 activations,
- * GGUF weights, a float32 paged KV cache): the sequence models/llama.py's LlamaDecoderLayer runs op by op,
+ * GGUF weights, a float32 or quantized (--kv-cache-dtype) paged KV cache): the sequence models/llama.py's LlamaDecoderLayer runs op by op,
  *
  *     h = RMSNorm(residual += x)               add_rms_norm_float
  *     q | k | v = h Wqkv^T (+ b)               gguf_q8_linear / gguf_linear, per stored segment
  *     rotate q and k                           rotary_float
- *     a = attention(q, k, v, paged cache)      paged_attention_float (writes the new K/V first)
+ *     a = attention(q, k, v, paged cache)      paged_attention_float[_q] (writes the new K/V first)
  *     h = RMSNorm(residual += a Wo^T)
  *     x = (SiLU(h Wg^T) * (h Wu^T)) Wd^T       silu_and_mul_float between two linears
  *
@@ -29,6 +29,7 @@ typedef struct {
     int hidden, num_heads, num_kv_heads, head_dim, inter;
     float eps, scale;
     int use_rope, window, block_size;
+    int kvq; /* the cache's quantization code (models/attention/kv_cache_dtype.py), 0 for float32 */
     const float *input_norm, *post_norm; /* float32 [hidden] */
     LayerLinear qkv, o, gate_up, down;
 } LayerDesc;
@@ -47,6 +48,12 @@ int paged_attention_float(const float *q, int q_stride, const float *k, int k_st
                           const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
                           float *out, int num_seqs, int num_heads, int num_kv_heads, int D, int bs, int max_blocks,
                           float scale, int window, float softcap, int num_threads, int isa, int kvq);
+int paged_attention_float_q(const float *q, int q_stride, const float *k, int k_stride, const float *v,
+                            int v_stride, uint8_t *k_cache, uint8_t *v_cache, const int64_t *slot_mapping,
+                            int num_tokens, const int32_t *block_tables, const int32_t *seq_lens,
+                            const int32_t *query_start_loc, float *out, int num_seqs, int num_heads,
+                            int num_kv_heads, int D, int bs, int max_blocks, float scale, int window, float softcap,
+                            int num_threads, int isa, int kvq);
 
 void *kernel_scratch(int slot, size_t bytes);
 
@@ -72,10 +79,10 @@ static int layer_linear(const LayerLinear *w, const float *x, int K, float *y, i
 
 /* residual float32 [M, hidden], updated in place; x_in [M, hidden] (the previous layer's MLP output, or NULL);
  * x_out [M, hidden] (this layer's MLP output, not yet added); cos_t, sin_t float32 [M, head_dim / 2]; the cache
- * and metadata as paged_attention_float takes them. Returns 0, or the failing kernel's status (nothing is
+ * (float32, or the bytes of a quantized one when L->kvq) and metadata as paged_attention_float[_q] take them. Returns 0, or the failing kernel's status (nothing is
  * half-written then but this layer's own K/V slots and residual). */
 int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, float *x_out, int M,
-                        const float *cos_t, const float *sin_t, float *k_cache, float *v_cache,
+                        const float *cos_t, const float *sin_t, void *k_cache, void *v_cache,
                         const int64_t *slot_mapping, const int32_t *block_tables, const int32_t *seq_lens,
                         const int32_t *query_start_loc, int num_seqs, int max_blocks, int isa, int nt) {
     const int H = L->hidden, D = L->head_dim, nq = L->num_heads * D, nkv = L->num_kv_heads * D;
@@ -87,11 +94,15 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
     add_rms_norm_float(residual, x_in, L->input_norm, h, M, H, L->eps, nt);
     if ((rc = layer_linear(&L->qkv, h, H, qkv, M, nt))) return rc;
     if (L->use_rope) rotary_float(qkv, M, L->num_heads + L->num_kv_heads, qkv_n, D, cos_t, sin_t, nt);
-    if ((rc = paged_attention_float(qkv, qkv_n, qkv + nq, qkv_n, qkv + nq + nkv, qkv_n, k_cache, v_cache,
-                                    slot_mapping, M, block_tables, seq_lens, query_start_loc, attn, num_seqs,
-                                    L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
-                                    L->window, 0.f, nt, isa, 0)))
-        return rc;
+    rc = L->kvq ? paged_attention_float_q(qkv, qkv_n, qkv + nq, qkv_n, qkv + nq + nkv, qkv_n, k_cache, v_cache,
+                                          slot_mapping, M, block_tables, seq_lens, query_start_loc, attn, num_seqs,
+                                          L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
+                                          L->window, 0.f, nt, isa, L->kvq)
+                : paged_attention_float(qkv, qkv_n, qkv + nq, qkv_n, qkv + nq + nkv, qkv_n, k_cache, v_cache,
+                                        slot_mapping, M, block_tables, seq_lens, query_start_loc, attn, num_seqs,
+                                        L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
+                                        L->window, 0.f, nt, isa, 0);
+    if (rc) return rc;
     if ((rc = layer_linear(&L->o, attn, nq, o, M, nt))) return rc;
     add_rms_norm_float(residual, o, L->post_norm, h, M, H, L->eps, nt);
     if ((rc = layer_linear(&L->gate_up, h, H, gu, M, nt))) return rc;

@@ -939,6 +939,62 @@ Q8_INLINE void q8_block(const Q8Acts *a, const int M, const int type, const uint
     }
 }
 
+/* The 4 int32 sums of four blocks' dot products p0..p3 (8 partial lanes each) in lanes 0-3, and again in lanes
+ * 4-7 (each half of a block in its own half): ik_llama.cpp's Sum4. `pack`: the lanes fit int16 (4- and 5-bit
+ * codes against int8: |lane| <= 4 * 31 * 128), so they add through two saturating packs and madds; Q8_0's do not. */
+Q8_INLINE __m256i sum4(__m256i p0, __m256i p1, __m256i p2, __m256i p3, int pack) {
+    if (pack) {
+        const __m256i one = _mm256_set1_epi16(1);
+        const __m256i p01 = _mm256_madd_epi16(one, _mm256_packs_epi32(p0, p1)); /* 0,0,1,1 per 128 bits */
+        const __m256i p23 = _mm256_madd_epi16(one, _mm256_packs_epi32(p2, p3)); /* 2,2,3,3 */
+        return _mm256_madd_epi16(one, _mm256_packs_epi32(p01, p23));             /* 0,1,2,3 */
+    }
+    const __m256i p01 = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1)); /* 0,1,0,1 */
+    const __m256i p23 = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3)); /* 2,3,2,3 */
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(p01, p23), _mm256_unpackhi_epi64(p01, p23));
+}
+
+/* Four consecutive 32-weight blocks of a row (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) from column k into acc and bias4:
+ * one int-to-float conversion and one FMA per row for the four (their sums in the lanes of sum4, against the
+ * vector of d_w dx per block), where q8_block takes one each per block. Q4_0 and Q5_0 run as offset types
+ * (codes 0..15 or 0..31 with m = -8 d or -16 d: exact in integers), so every type but Q8_0 skips the sign trick. */
+Q8_INLINE void q8_quad(const Q8Acts *a, const int M, const int type, const uint8_t *blk, int k, __m256 *acc,
+                       __m128 *bias4) {
+    const int bb = block_bytes(type), nb = a->K / 32, c = k / 32;
+    __m256i q[4];
+    float d[4], m[4];
+    for (int i = 0; i < 4; i++) {
+        const uint8_t *b = blk + i * bb;
+        switch (type) {
+        case Q4_0: d[i] = half_to_f32(b), m[i] = -8.f * d[i], q[i] = nibbles32(b + 2); break;
+        case Q4_1: half_pair(b, &d[i], &m[i]), q[i] = nibbles32(b + 4); break;
+        case Q5_0:
+            d[i] = half_to_f32(b), m[i] = -16.f * d[i];
+            q[i] = _mm256_or_si256(nibbles32(b + 6), fifth_bits32(b + 2));
+            break;
+        case Q5_1: half_pair(b, &d[i], &m[i]), q[i] = _mm256_or_si256(nibbles32(b + 8), fifth_bits32(b + 4)); break;
+        case Q8_0: d[i] = half_to_f32(b), m[i] = 0.f, q[i] = _mm256_loadu_si256((const __m256i *)(b + 2)); break;
+        }
+    }
+    const int is_signed = type == Q8_0;
+    const __m128 dw = _mm_loadu_ps(d), mw = _mm_loadu_ps(m);
+    __m256i qa[4];
+    for (int i = 0; i < 4; i++) qa[i] = is_signed ? _mm256_sign_epi8(q[i], q[i]) : q[i];
+    for (int j = 0; j < M; j++) {
+        const int8_t *x = a->xq + (size_t)j * a->K + k;
+        __m256i p[4];
+        for (int i = 0; i < 4; i++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
+            if (is_signed) xv = _mm256_sign_epi8(xv, q[i]);
+            p[i] = dot_u8_i8(qa[i], xv);
+        }
+        const __m128 s = _mm_mul_ps(dw, _mm_loadu_ps(a->xd + j * nb + c));
+        acc[j] = _mm256_fmadd_ps(_mm256_set_m128(s, s), _mm256_cvtepi32_ps(sum4(p[0], p[1], p[2], p[3], !is_signed)),
+                                 acc[j]);
+        if (type != Q8_0) bias4[j] = _mm_fmadd_ps(mw, _mm_loadu_ps(a->xs + j * nb + c), bias4[j]);
+    }
+}
+
 /* y[:, n] for the weight rows n0 <= n < n1: the body of q8_range_<type>_<M> */
 Q8_INLINE void q8_range(const Q8Acts *a, const int M, const int type, const uint8_t *w, int n0, int n1, void *y,
                         int y_bf16, int y_stride) {
@@ -947,15 +1003,25 @@ Q8_INLINE void q8_range(const Q8Acts *a, const int M, const int type, const uint
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + n * row_bytes;
         __m256 acc[Q8_MAX_ROWS];
+        __m128 bias4[Q8_MAX_ROWS];
         float bias[Q8_MAX_ROWS] = {0};
-        for (int j = 0; j < M; j++) acc[j] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
+        for (int j = 0; j < M; j++) acc[j] = _mm256_setzero_ps(), bias4[j] = _mm_setzero_ps();
+        int b = 0;
+        if (bw == 32) /* four blocks at a time, the rest one by one */
+            for (; b + 4 <= nb; b += 4) {
+                const uint8_t *blk = row + (size_t)b * bb;
+                _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
+                _mm_prefetch((const char *)(blk + 4 * bb + 64), _MM_HINT_T0);
+                q8_quad(a, M, type, blk, b * bw, acc, bias4);
+            }
+        for (; b < nb; b++) {
             const uint8_t *blk = row + (size_t)b * bb;
             _mm_prefetch((const char *)(blk + 4 * bb), _MM_HINT_T0);
             q8_block(a, M, type, blk, b * bw, acc, bias);
         }
         for (int j = 0; j < M; j++) {
-            const float v = hsum8(acc[j]) + bias[j];
+            const __m128 b4 = _mm_add_ps(bias4[j], _mm_movehl_ps(bias4[j], bias4[j]));
+            const float v = hsum8(acc[j]) + bias[j] + _mm_cvtss_f32(_mm_add_ss(b4, _mm_movehdup_ps(b4)));
             const size_t at = (size_t)j * y_stride + n;
             if (y_bf16)
                 ((bf16 *)y)[at] = f32_to_bf16(v);

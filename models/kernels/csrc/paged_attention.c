@@ -23,8 +23,9 @@
  * run time; `isa` 0 forces the portable path): scores from _mm512_dpbf16_ps over keys transposed into
  * bfloat16 pairs (16 scores per register, no horizontal sums), a vector exp, and accumulators kept in
  * registers for blocks of up to RB query rows. float32 with head_dim 64, 128 or 256 takes an AVX2 path (keys read in
- * place, eight scores per register, a vector exp). The portable path is plain C that the compiler vectorizes,
- * for other head sizes, soft caps, quantized caches and CPUs without those extensions.
+ * place, eight scores per register, a vector exp); so do quantized caches of those head sizes, each chunk's keys and
+ * values first turned into float rows (int8 times its scale; fp8 through float16 with F16C). The portable path is
+ * plain C that the compiler vectorizes, for other head sizes, soft caps and CPUs without those extensions.
  * Accumulation is float32 throughout.
  *
  * Quantized caches (`paged_attention_{float,bf16}_q`, vLLM's --kv-cache-dtype): the cache holds bytes, each
@@ -390,7 +391,7 @@ static int cpu_has_avx512bf16(void) { return 0; }
 
 static int cpu_has_avx2f(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
 /* exp(x) for x <= 0, |relative error| < 2e-7 (exp512's polynomial; 2^n built in the exponent bits) */
@@ -493,6 +494,43 @@ AVX2F static void chunk_avx2(Task *tk, const float *kp, const float *vp, int pos
     else if (tk->D == 128) chunk_avx2_128(tk, kp, vp, pos0, n);
     else chunk_avx2_256(tk, kp, vp, pos0, n);
 }
+
+/* kvq_load for AVX2 with F16C (D % 8 == 0): int8 times its per-32 scale; fp8 through float16, whose bits it
+ * is moved into: e5m2 is a float16's top byte, e4m3's exponent and mantissa sit 8 exponent steps low (times
+ * 2^8 after the conversion, subnormals included). Exact: every value is representable on the way. */
+__attribute__((target("avx2,fma,f16c"))) static void kvq_load_avx2(const uint8_t *src, int n, int D, int row, int kvq,
+                                                                 float *dst) {
+    for (int t = 0; t < n; t++) {
+        const uint8_t *r = src + (size_t)t * row;
+        float *o = dst + (size_t)t * D;
+        for (int d = 0; d < D; d += 8) {
+            const __m128i b = _mm_loadl_epi64((const __m128i *)(r + d));
+            __m256 v;
+            if (kvq == 1) {
+                float scale;
+                memcpy(&scale, r + D + d / 32 * sizeof(float), sizeof(float));
+                v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(scale));
+            } else if (kvq == 2) {
+                const __m128i w = _mm_cvtepu8_epi16(b);
+                const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                               _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+                v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+            } else {
+                v = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8));
+            }
+            _mm256_storeu_ps(o + d, v);
+        }
+    }
+}
+
+/* A chunk of a quantized cache on AVX2: its keys and values into float rows (kvf holds 2 CHUNK rows of D), then
+ * the float32 step. */
+AVX2F static void chunk_avx2_q(Task *tk, const uint8_t *kp, const uint8_t *vp, int pos0, int n, float *kvf) {
+    float *vf = kvf + (size_t)CHUNK * tk->D;
+    kvq_load_avx2(kp, n, tk->D, tk->row, tk->kvq, kvf);
+    kvq_load_avx2(vp, n, tk->D, tk->row, tk->kvq, vf);
+    chunk_avx2(tk, kvf, vf, pos0, n);
+}
 #else
 static int cpu_has_avx2f(void) { return 0; }
 #endif
@@ -543,7 +581,15 @@ static inline void prefetch_bytes(const void *p, size_t bytes) {
 #define CHUNK_DISPATCH_float(tk, kp, vp, t, n, kvf, avx) chunk_portable_float(tk, kp, vp, t, n, kvf)
 #define CHUNK_DISPATCH_bf16(tk, kp, vp, t, n, kvf, avx) chunk_portable_bf16(tk, kp, vp, t, n, kvf)
 #endif
+#if defined(__x86_64__)
+#define CHUNK_DISPATCH_uint8_t(tk, kp, vp, t, n, kvf, avx)                                             \
+    do {                                                                                               \
+        if (avx) chunk_avx2_q(tk, kp, vp, t, n, kvf);                                                  \
+        else chunk_portable_uint8_t(tk, kp, vp, t, n, kvf);                                            \
+    } while (0)
+#else
 #define CHUNK_DISPATCH_uint8_t(tk, kp, vp, t, n, kvf, avx) chunk_portable_uint8_t(tk, kp, vp, t, n, kvf)
+#endif
 RUN_KEYS(float)
 RUN_KEYS(bf16)
 RUN_KEYS(uint8_t)
@@ -608,11 +654,10 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
         const int G = num_heads / num_kv_heads;                                                        \
         if (D > MAX_HEAD_DIM || G * QT > MAX_ROWS || (kvq == 1 && D % 32)) return -1;                  \
         const int row = kvq ? kvq_row_bytes(D, kvq) : D; /* cache elements per row of a head */       \
-        /* the SIMD chunk step: AVX512-BF16 for bfloat16, AVX2 for float32 (not for quantized caches) */       \
+        /* the SIMD chunk step: AVX512-BF16 for bfloat16, AVX2 for float32 and (through float rows) quantized */ \
         const int avx = isa && softcap == 0.f &&                                                       \
-                        (sizeof(TC) == 2   ? (D == 64 || D == 128) && cpu_has_avx512bf16()             \
-                         : sizeof(TC) == 4 ? (D == 64 || D == 128 || D == 256) && cpu_has_avx2f()      \
-                                           : 0);                                                       \
+                        (sizeof(TC) == 2 ? (D == 64 || D == 128) && cpu_has_avx512bf16()               \
+                                         : (D == 64 || D == 128 || D == 256) && cpu_has_avx2f());      \
         /* 1. the new tokens' K/V into their slots (every read below may need them) */                 \
         _Pragma("omp parallel for num_threads(num_threads)")                                           \
         for (int i = 0; i < num_tokens; i++) {                                                         \
@@ -642,8 +687,8 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
             parts = parts < most ? parts : most;                                                       \
         }                                                                                              \
         const size_t row_floats = (size_t)MAX_ROWS * D;                                                \
-        /* per thread: acc, qf, key/value chunk; per unit when split: acc, m, l */                     \
-        float *thread_ws = kernel_scratch(0, sizeof(float) * (size_t)num_threads * (2 * row_floats + CHUNK * D)); \
+        /* per thread: acc, qf, a key and a value chunk; per unit when split: acc, m, l */             \
+        float *thread_ws = kernel_scratch(0, sizeof(float) * (size_t)num_threads * (2 * row_floats + 2 * CHUNK * D)); \
         float *part_ws = parts > 1 ? kernel_scratch(1, sizeof(float) * (size_t)num_tasks * parts * (row_floats + 2 * MAX_ROWS)) \
                                    : NULL;                                                             \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
@@ -652,7 +697,7 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
             const int h = task % num_kv_heads;                                                         \
             const Tile ti = tile_of(task / num_kv_heads, tile_start, query_start_loc);                 \
             const int s = ti.s, nq = ti.nq;                                                            \
-            float *ws = thread_ws + (size_t)omp_get_thread_num() * (2 * row_floats + CHUNK * D);       \
+            float *ws = thread_ws + (size_t)omp_get_thread_num() * (2 * row_floats + 2 * CHUNK * D);   \
             Task tk = {.R = nq * G, .G = G, .D = D, .row = row, .kvq = kvq,                             \
                        .first_pos = seq_lens[s] - ti.q_len + ti.j_first,                              \
                        .window = window, .scale = scale, .softcap = softcap, .acc = ws,                \
