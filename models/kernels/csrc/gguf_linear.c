@@ -781,9 +781,9 @@ AVX2 static inline float half_to_f32(const uint8_t *p) {
 }
 
 /* the 32 codes of a Q4_0 / Q4_1 block's 16 bytes: low nibbles (weights 0..15), then high (16..31) */
-AVX2 static inline __m256i nibbles32(const uint8_t *qs) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+AVX2 static inline __m256i nibbles32(const uint8_t *qs) { /* the bytes in both halves, the high half shifted */
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
 /* the two float16 at p (a block's d and m) as floats */
@@ -962,22 +962,31 @@ Q8_INLINE void q8_quad(const Q8Acts *a, const int M, const int type, const uint8
                        __m128 *bias4) {
     const int bb = block_bytes(type), nb = a->K / 32, c = k / 32;
     __m256i q[4];
-    float d[4], m[4];
     for (int i = 0; i < 4; i++) {
         const uint8_t *b = blk + i * bb;
         switch (type) {
-        case Q4_0: d[i] = half_to_f32(b), m[i] = -8.f * d[i], q[i] = nibbles32(b + 2); break;
-        case Q4_1: half_pair(b, &d[i], &m[i]), q[i] = nibbles32(b + 4); break;
-        case Q5_0:
-            d[i] = half_to_f32(b), m[i] = -16.f * d[i];
-            q[i] = _mm256_or_si256(nibbles32(b + 6), fifth_bits32(b + 2));
-            break;
-        case Q5_1: half_pair(b, &d[i], &m[i]), q[i] = _mm256_or_si256(nibbles32(b + 8), fifth_bits32(b + 4)); break;
-        case Q8_0: d[i] = half_to_f32(b), m[i] = 0.f, q[i] = _mm256_loadu_si256((const __m256i *)(b + 2)); break;
+        case Q4_0: q[i] = nibbles32(b + 2); break;
+        case Q4_1: q[i] = nibbles32(b + 4); break;
+        case Q5_0: q[i] = _mm256_or_si256(nibbles32(b + 6), fifth_bits32(b + 2)); break;
+        case Q5_1: q[i] = _mm256_or_si256(nibbles32(b + 8), fifth_bits32(b + 4)); break;
+        case Q8_0: q[i] = _mm256_loadu_si256((const __m256i *)(b + 2)); break;
         }
     }
+    /* the four blocks' float16 d (and m) gathered into one vector and converted at once (ik_llama.cpp's
+     * ScaleHelperQ_1): no scalar conversions, no floats stored and read back as a vector */
+    uint32_t u[4];
+    for (int i = 0; i < 4; i++) memcpy(&u[i], blk + i * bb, sizeof(uint32_t)); /* d, then m or the codes */
+    const __m128i raw = _mm_loadu_si128((const __m128i *)u);
+    __m128 dw, mw;
+    if (type == Q4_1 || type == Q5_1) { /* d0 m0 d1 m1 ... -> d0..d3 m0..m3 */
+        const __m256 dm = _mm256_cvtph_ps(_mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10,
+                                                                               11, 14, 15)));
+        dw = _mm256_castps256_ps128(dm), mw = _mm256_extractf128_ps(dm, 1);
+    } else {
+        dw = _mm_cvtph_ps(_mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1)));
+        mw = _mm_mul_ps(dw, _mm_set1_ps(type == Q4_0 ? -8.f : type == Q5_0 ? -16.f : 0.f));
+    }
     const int is_signed = type == Q8_0;
-    const __m128 dw = _mm_loadu_ps(d), mw = _mm_loadu_ps(m);
     __m256i qa[4];
     for (int i = 0; i < 4; i++) qa[i] = is_signed ? _mm256_sign_epi8(q[i], q[i]) : q[i];
     for (int j = 0; j < M; j++) {

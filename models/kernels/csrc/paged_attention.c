@@ -659,7 +659,7 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
                         (sizeof(TC) == 2 ? (D == 64 || D == 128) && cpu_has_avx512bf16()               \
                                          : (D == 64 || D == 128 || D == 256) && cpu_has_avx2f());      \
         /* 1. the new tokens' K/V into their slots (every read below may need them) */                 \
-        _Pragma("omp parallel for num_threads(num_threads)")                                           \
+        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
         for (int i = 0; i < num_tokens; i++) {                                                         \
             const int64_t blk = slot_mapping[i] / bs, off = slot_mapping[i] % bs;                      \
             for (int h = 0; h < num_kv_heads; h++) {                                                   \
@@ -734,7 +734,8 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
             }                                                                                          \
         }                                                                                              \
         if (parts > 1) { /* 3. merge each task's partitions by their log-sum-exp */                    \
-            _Pragma("omp parallel for num_threads(num_threads)")                                       \
+            /* a few tasks' merges (batch 1) cost less than waking the threads */                      \
+            _Pragma("omp parallel for num_threads(num_threads) if (num_tasks > 8)")                    \
             for (int task = 0; task < num_tasks; task++) {                                             \
                 const int h = task % num_kv_heads;                                                     \
                 const Tile ti = tile_of(task / num_kv_heads, tile_start, query_start_loc);             \
