@@ -1,5 +1,6 @@
 /* One Llama-family decoder layer in one call, for the few rows of a decode step on the CPU (float32 activations,
- * GGUF weights, a float32 or quantized (--kv-cache-dtype) paged KV cache): the sequence models/llama.py's LlamaDecoderLayer runs op by op,
+ * GGUF weights, a float32 or quantized (--kv-cache-dtype) paged KV cache): the sequence models/llama.py's
+ * LlamaDecoderLayer runs op by op,
  *
  *     h = RMSNorm(residual += x)               add_rms_norm_float
  *     q | k | v = h Wqkv^T (+ b)               gguf_q8_linear / gguf_linear, per stored segment
@@ -79,8 +80,9 @@ static int layer_linear(const LayerLinear *w, const float *x, int K, float *y, i
 
 /* residual float32 [M, hidden], updated in place; x_in [M, hidden] (the previous layer's MLP output, or NULL);
  * x_out [M, hidden] (this layer's MLP output, not yet added); cos_t, sin_t float32 [M, head_dim / 2]; the cache
- * (float32, or the bytes of a quantized one when L->kvq) and metadata as paged_attention_float[_q] take them. Returns 0, or the failing kernel's status (nothing is
- * half-written then but this layer's own K/V slots and residual). */
+ * (float32, or the bytes of a quantized one when L->kvq) and metadata as paged_attention_float[_q] take them.
+ * Returns 0, or the failing kernel's status (nothing is half-written then but this layer's own K/V slots and
+ * residual). */
 int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, float *x_out, int M,
                         const float *cos_t, const float *sin_t, void *k_cache, void *v_cache,
                         const int64_t *slot_mapping, const int32_t *block_tables, const int32_t *seq_lens,

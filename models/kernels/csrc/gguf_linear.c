@@ -783,7 +783,8 @@ AVX2 static inline float half_to_f32(const uint8_t *p) {
 /* the 32 codes of a Q4_0 / Q4_1 block's 16 bytes: low nibbles (weights 0..15), then high (16..31) */
 AVX2 static inline __m256i nibbles32(const uint8_t *qs) { /* the bytes in both halves, the high half shifted */
     const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
-    return _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
+    const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    return _mm256_and_si256(_mm256_srlv_epi32(raw, shift), _mm256_set1_epi8(0x0F));
 }
 
 /* the two float16 at p (a block's d and m) as floats */
@@ -1092,25 +1093,29 @@ static void q8_rows(const Q8Acts *a, int type, const uint8_t *w, void *y, int y_
         }
     }
 }
-/* One group of a float32 row (`group` = 32 or 256 values) to int8 codes q, its max |v| and each 32's code sum, eight
- * values per instruction: exactly the scalar loop's results (the same float products, rounded to nearest even). */
+
+/* One group of a float32 row (`group` = 32 or 256 values) to int8 codes q = v * (127 / max|v|) rounded to nearest
+ * even, its max |v| and each 32's code sum, eight values per instruction. */
 AVX2 static void q8_quantize_f32(const float *v, int group, int8_t *q, float *amax_out, int *sums) {
     __m256 mx = _mm256_setzero_ps();
-    for (int i = 0; i < group; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(v + i)));
+    for (int i = 0; i < group; i += 8)
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(v + i)));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     for (int c = 0; c < group / 32; c++) {
         __m256i i32[4];
-        for (int k = 0; k < 4; k++) i32[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 32 * c + 8 * k), inv));
+        for (int k = 0; k < 4; k++)
+            i32[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 32 * c + 8 * k), inv));
         const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
         sums[c] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
         /* the packs interleave the 128-bit halves: dwords a0 b0 c0 d0 a1 b1 c1 d1, put back in order */
         const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
-        _mm256_storeu_si256((__m256i *)(q + 32 * c), _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        _mm256_storeu_si256((__m256i *)(q + 32 * c), _mm256_permutevar8x32_epi32(p8, order));
     }
     *amax_out = amax;
 }
@@ -1146,34 +1151,16 @@ int gguf_q8_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, in
     _Pragma("omp parallel for num_threads(num_threads) if (M > Q8_MAX_ROWS)")
     for (int m = 0; m < M; m++)
         for (int g = 0; g < K / group; g++) {
-            if (!x_bf16) { /* float32 rows: eight values at a time */
-                const int b0 = group / 32 * g;
-                int sums[8];
-                float amax;
-                q8_quantize_f32((const float *)x + (size_t)m * x_stride + (size_t)group * g, group,
-                                xq + (size_t)m * K + 32 * b0, &amax, sums);
-                for (int c = 0; c < group / 32; c++) {
-                    xd[m * nb + b0 + c] = amax / 127.f;
-                    xs[m * nb + b0 + c] = group == 32 ? xd[m * nb + b0 + c] * (float)sums[c] : (float)sums[c];
-                }
-                continue;
-            }
-            float v[256], amax = 0.f;
-            for (int i = 0; i < group; i++) {
-                v[i] = load_x(x, x_bf16, (size_t)m * x_stride + (size_t)group * g + i);
-                amax = v[i] > amax ? v[i] : -v[i] > amax ? -v[i] : amax;
-            }
-            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            const int b0 = group / 32 * g;
+            const size_t at = (size_t)m * x_stride + (size_t)group * g;
+            float v[256], amax;
+            int sums[8];
+            if (x_bf16) /* bfloat16 rows widened first (exact) */
+                for (int i = 0; i < group; i++) v[i] = load_x(x, 1, at + i);
+            q8_quantize_f32(x_bf16 ? v : (const float *)x + at, group, xq + (size_t)m * K + 32 * b0, &amax, sums);
             for (int c = 0; c < group / 32; c++) {
-                const int b = group / 32 * g + c;
-                int sum = 0;
-                for (int i = 0; i < 32; i++) {
-                    const int8_t q = (int8_t)__builtin_nearbyintf(v[32 * c + i] * inv);
-                    xq[(size_t)m * K + 32 * b + i] = q;
-                    sum += q;
-                }
-                xd[m * nb + b] = amax / 127.f;
-                xs[m * nb + b] = group == 32 ? xd[m * nb + b] * (float)sum : (float)sum;
+                xd[m * nb + b0 + c] = amax / 127.f;
+                xs[m * nb + b0 + c] = group == 32 ? xd[m * nb + b0 + c] * (float)sums[c] : (float)sums[c];
             }
         }
     const Q8Acts a = {xq, xd, xs, M, K};

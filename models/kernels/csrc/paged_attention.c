@@ -387,7 +387,7 @@ static int cpu_has_avx512bf16(void) { return 0; }
 /* ---- float32 caches on AVX2 (head_dim 64, 128 or 256, no soft cap): the cache's rows are read in place (no copy
  * into a float buffer), eight keys' dot products reduced into one register, a vector exp, and each row's
  * accumulator held in registers across the chunk's values. ---- */
-#define AVX2F __attribute__((target("avx2,fma")))
+#define AVX2F __attribute__((target("avx2,fma,f16c")))
 
 static int cpu_has_avx2f(void) {
     __builtin_cpu_init();
@@ -498,8 +498,7 @@ AVX2F static void chunk_avx2(Task *tk, const float *kp, const float *vp, int pos
 /* kvq_load for AVX2 with F16C (D % 8 == 0): int8 times its per-32 scale; fp8 through float16, whose bits it
  * is moved into: e5m2 is a float16's top byte, e4m3's exponent and mantissa sit 8 exponent steps low (times
  * 2^8 after the conversion, subnormals included). Exact: every value is representable on the way. */
-__attribute__((target("avx2,fma,f16c"))) static void kvq_load_avx2(const uint8_t *src, int n, int D, int row, int kvq,
-                                                                 float *dst) {
+AVX2F static void kvq_load_avx2(const uint8_t *src, int n, int D, int row, int kvq, float *dst) {
     for (int t = 0; t < n; t++) {
         const uint8_t *r = src + (size_t)t * row;
         float *o = dst + (size_t)t * D;
