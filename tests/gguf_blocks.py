@@ -2,10 +2,15 @@
 (every byte pattern is a valid block) with float16 scales in a sane range, so the weights look like a
 model's."""
 
+import contextlib
+
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
+
+from models.kernels import cpu_kernels
+from models.quantization.gguf import AMX_MIN_ROWS, amx_tiles
 
 
 def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -31,3 +36,15 @@ def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> torch.Tensor
     elif qtype == T.Q3_K:
         put(108, -0.002, 0.002)
     return torch.from_numpy(raw.reshape(rows, -1))
+
+
+@contextlib.contextmanager
+def amx_rows(min_rows: int):
+    """R16 products take the AMX tiles from `min_rows` rows of x (0: never) inside the block; the process's own
+    setting (models/quantization/gguf.py amx_tiles) after it."""
+    lib = cpu_kernels.load()
+    assert lib.gguf_amx_enable(min_rows) == 0
+    try:
+        yield
+    finally:
+        lib.gguf_amx_enable(AMX_MIN_ROWS if amx_tiles() else 0)

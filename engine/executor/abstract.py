@@ -62,5 +62,7 @@ def default_device(config: EngineConfig) -> torch.device:
 
 
 def use_cpu_threads(config: EngineConfig, num_ranks: int) -> None:
-    """torch's threads on the CPU: `config.num_threads`, or the cores shared out over the ranks."""
-    torch.set_num_threads(config.num_threads or max(1, os.cpu_count() // num_ranks))
+    """torch's threads on the CPU: `config.num_threads`, or the cores this process may run on (its affinity:
+    `taskset`, a container's cpuset; not every core of the machine) shared out over the ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(config.num_threads or max(1, cores // num_ranks))

@@ -42,6 +42,8 @@ RETURNS_STATUS = {
     "gguf_repack_r16",
     "gguf_r16_dequantize_rows",
     "gguf_r16_linear",
+    "gguf_amx_probe",
+    "gguf_amx_enable",
     "decoder_layer_float",
 }
 RETURNS_LONG = {"gguf_r16_bytes"}
@@ -63,6 +65,8 @@ SIGNATURES = {
     "gguf_r16_bytes": [_i, _i, _i],
     "gguf_r16_dequantize_rows": [_i, _p, _i, _p, _i, _p, _i, _i],
     "gguf_r16_linear": [_p, _i, _i, _p, _i, _p, _i, _i, _i, _i, _i, _i],
+    "gguf_amx_probe": [],
+    "gguf_amx_enable": [_i],
     "decoder_layer_float": [_p, _p, _p, _p, _i] + [_p] * 8 + [_i] * 4,
 }
 for _t in ("float", "bf16"):

@@ -8,6 +8,7 @@ quantization/gguf.py) has the same shape: a config that hands each layer its met
 """
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from models.kernels import cpu_kernels, ops
+
+logger = logging.getLogger(__name__)
 
 # ggml types whose blocks the C kernels (models/kernels/csrc/gguf_linear.c) compute with: every one on the portable
 # path, exactly as gguf-py dequantizes them
@@ -64,16 +67,77 @@ Q8_TYPES = (
 )
 
 
+# MINIVLLM_GGUF_KERNEL: which kernel family quantized linears take. auto: AMX tiles from AMX_MIN_ROWS rows where the
+# probe passes, else the AVX512-VNNI kernel on repacked weights (bfloat16) or the AVX2 int8 / portable kernels on
+# blocks; vnni: never AMX; amx: AMX tiles for every row count of repacked weights (refused at load where AMX cannot
+# run); portable: the exact float32 kernel on blocks, no repacking, no int8 activations (the reference). The AMX
+# kernel (models/kernels/csrc/gguf_amx.c) dequantizes the weights to bfloat16 tiles: W4A16, as vLLM-CPU's AMX
+# kernel for int4 checkpoints computes
+GGUF_KERNELS = ("auto", "portable", "vnni", "amx")
+# rows of x from which repacked weights take the AMX tiles by default: at 8 the tiles and the VNNI kernel were even,
+# at 16 the tiles 1.75-2.6x faster, on every shape of the default model and the 1B shape (an Emerald Rapids Xeon, 2
+# threads: docs/benchmarks.md); fewer rows are memory-bound and keep the VNNI kernel
+AMX_MIN_ROWS = 16
+# why gguf_amx_probe() refused the tiles, by its status
+AMX_REFUSALS = {
+    0: "the CPU has no AMX-BF16 (or no AVX512-BF16)",
+    -1: "the OS does not enable the AMX tile state (XCR0)",
+    -2: "Linux refused the AMX tile-data permission (arch_prctl ARCH_REQ_XCOMP_PERM)",
+    -3: "the first AMX tile instruction raised SIGILL",
+    -4: "the first AMX tile instruction gave a wrong result",
+}
+
+
+@functools.cache
+def gguf_kernel() -> str:
+    """MINIVLLM_GGUF_KERNEL (read once per process): one of GGUF_KERNELS. Raises ValueError for another value."""
+    mode = os.environ.get("MINIVLLM_GGUF_KERNEL", "auto")
+    if mode not in GGUF_KERNELS:
+        raise ValueError(f"MINIVLLM_GGUF_KERNEL={mode!r}: expected one of {', '.join(GGUF_KERNELS)}")
+    return mode
+
+
+@functools.cache
+def amx_tiles() -> bool:
+    """Whether repacked (R16) weights take the AMX kernel (models/kernels/csrc/gguf_amx.c) in this process:
+    probes the CPU once (CPUID, the OS's tile state, Linux's tile-data permission requested for the process, one
+    tile op checked under a SIGILL guard) and turns the tiles on from AMX_MIN_ROWS rows (every row count with
+    MINIVLLM_GGUF_KERNEL=amx; never with MINIVLLM_GGUF_ACTIVATIONS=float unless forced so: the tiles round the
+    weights to bfloat16). Where the probe fails on a CPU that has AMX, logs one line naming why and keeps the
+    VNNI kernel. Raises ValueError when MINIVLLM_GGUF_KERNEL=amx and AMX cannot run, naming why."""
+    mode, lib = gguf_kernel(), cpu_kernels.load()
+    if lib is None or mode in ("portable", "vnni") or (mode == "auto" and activations_mode() == "float"):
+        if lib is not None:
+            lib.gguf_amx_enable(0)
+        return False
+    status = lib.gguf_amx_probe()
+    if status != 1:
+        reason = AMX_REFUSALS.get(status, f"probe status {status}")
+        if mode == "amx":
+            raise ValueError(f"MINIVLLM_GGUF_KERNEL=amx: {reason}")
+        if status != 0:
+            logger.warning("AMX tiles not used: %s; quantized linears run on AVX512-VNNI", reason)
+        return False
+    return lib.gguf_amx_enable(1 if mode == "amx" else AMX_MIN_ROWS) == 0
+
+
+@functools.cache
+def activations_mode() -> str:
+    """MINIVLLM_GGUF_ACTIVATIONS (read once per process): "int8" (default) or "float". Raises ValueError for
+    another value."""
+    mode = os.environ.get("MINIVLLM_GGUF_ACTIVATIONS", "int8")
+    if mode not in ("int8", "float"):
+        raise ValueError(f"MINIVLLM_GGUF_ACTIVATIONS={mode!r}: expected 'int8' or 'float'")
+    return mode
+
+
 @functools.cache
 def int8_activations() -> bool:
     """Whether few-row products on Q8_TYPES blocks quantize the activations to int8 per 32 (the AVX2 kernel, as
     llama.cpp computes): on a CPU with AVX2 unless MINIVLLM_GGUF_ACTIVATIONS=float (read once), which keeps the
     exact float32 kernel for comparison. 4.5x faster batch-1 decode on an AVX2-only EPYC at the default model's
     float32 perplexity (docs/benchmarks.md). Raises ValueError for another value of the variable."""
-    mode = os.environ.get("MINIVLLM_GGUF_ACTIVATIONS", "int8")
-    if mode not in ("int8", "float"):
-        raise ValueError(f"MINIVLLM_GGUF_ACTIVATIONS={mode!r}: expected 'int8' or 'float'")
-    if mode == "float":
+    if activations_mode() == "float" or gguf_kernel() == "portable":
         return False
     lib = cpu_kernels.load()
     return lib is not None and bool(lib.gguf_q8_isa())
@@ -114,8 +178,11 @@ class GGUFTensor:
         return GGUFTensor(self.qtype, self.data[start : start + count], self.cols)
 
     def repack(self) -> None:
-        """Repacks to R16 where the CPU and the type allow it (else keeps the blocks)."""
-        packed = None if self.r16 else ops.gguf_repack_r16(self.data, self.qtype, self.cols)
+        """Repacks to R16 where the CPU and the type allow it, unless MINIVLLM_GGUF_KERNEL=portable (else keeps
+        the blocks)."""
+        if self.r16 or gguf_kernel() == "portable":
+            return
+        packed = ops.gguf_repack_r16(self.data, self.qtype, self.cols)
         if packed is not None:
             self.data, self.r16 = packed, True
 
@@ -171,9 +238,11 @@ class GGUFLinearMethod:
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
         """Stacks the loaded projections into segments (float ones in `dtype`) and, for bfloat16
         activations, repacks the quantized ones for the VNNI kernel (float32 activations keep the blocks:
-        int8_activations() or the exact float path). Raises ValueError when a projection is missing, or
-        for a bad MINIVLLM_GGUF_ACTIVATIONS (read here, at load, rather than at a request's first decode)."""
+        int8_activations() or the exact float path); probes AMX (amx_tiles). Raises ValueError when a projection
+        is missing, for a bad MINIVLLM_GGUF_ACTIVATIONS or MINIVLLM_GGUF_KERNEL, or for MINIVLLM_GGUF_KERNEL=amx
+        where AMX cannot run (read here, at load, rather than at a request's first step)."""
         int8_activations()
+        amx_tiles()
         missing = [i for i in range(len(self.output_sizes)) if i not in self.shards]
         if missing:
             raise ValueError(f"projections {missing} of a stacked layer were not in the file")

@@ -40,10 +40,7 @@
 #endif
 
 #include "bf16.h"
-
-/* GGMLQuantizationType values */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-       IQ4_NL = 20, IQ4_XS = 23 };
+#include "gguf_r16.h"
 
 /* the values of IQ4_NL's and IQ4_XS's 4-bit codes (ggml's kvalues_iq4nl) */
 static const float KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -65,32 +62,6 @@ static inline float fp16_to_f32(const uint8_t *p) { /* exact, without F16C */
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
-}
-
-/* weights per block and bytes per block of a type; 0 for an unknown type */
-static int block_bytes(int type) {
-    switch (type) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    case Q8_0: return 34;
-    case IQ4_NL: return 18;
-    case Q2_K: return 84;
-    case Q3_K: return 110;
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    case IQ4_XS: return 136;
-    default: return 0;
-    }
-}
-static int block_weights(int type) {
-    switch (type) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: return 32;
-    case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return 256;
-    default: return 0;
-    }
 }
 
 /* Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes */
@@ -344,7 +315,6 @@ int gguf_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int t
  * g (0..7) holds codes 4g..4g+3 as int8 + 128. A record has exactly the bytes of the 16 blocks it came
  * from (Q4_0 288, Q4_1 320, Q8_0 544), so repacking costs no memory beyond the padding rows; the
  * layout is that of llama.cpp's repacked CPU weights (ggml-cpu repack.cpp), re-derived for VNNI. */
-static int r16_code_bytes(int type) { return type == Q8_0 ? 512 : 256; }
 
 /* code k (0..31) of lane r in a record */
 static inline uint8_t r16_code(int type, const uint8_t *rec, int r, int k) {
@@ -360,10 +330,6 @@ static inline uint8_t r16_code(int type, const uint8_t *rec, int r, int k) {
  * z of sub-block j: lane r, byte i); then the scales: Q4_K/Q5_K the 16 rows' float16 d and dmin and
  * the 6-bit sub-block scales and mins as bytes [8][16]; Q6_K the float16 d and the int8 scales per 16
  * as [16][16]. Records are 16 x (148, 180, 210) bytes against 16 x (144, 176, 210) in the file. */
-static int r16_codes_end(int type) { return type == Q4_K ? 2048 : type == Q5_K ? 2560 : type == Q6_K ? 3072 : 0; }
-static int r16_record_bytes(int type) {
-    return type == Q4_K ? 2368 : type == Q5_K ? 2880 : type == Q6_K ? 3360 : 16 * block_bytes(type);
-}
 static int r16_type(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q5_K || type == Q6_K; }
 
 /* bytes of a repacked weight of N rows and K columns */
@@ -564,24 +530,14 @@ static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K,
 #define R16_GROUP(TYPE, MM)                                                                                 \
     VNNI_BF16 static void r16_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nb, int m0, void *y, \
                                                   int y_bf16, int y_stride, int n0, int nr) {            \
-        const int Kp = a->Kp, cb = TYPE == Q8_0 ? 512 : 256, rec_bytes = 16 * (TYPE == Q8_0 ? 34 : TYPE == Q4_1 ? 20 : 18); \
-        const __m512i nib = _mm512_set1_epi8(0x0F);                                                      \
+        const int Kp = a->Kp, cb = r16_code_bytes(TYPE), rec_bytes = r16_record_bytes(TYPE);            \
         __m512 acc[MM]; /* the scaled dot products and the offsets' terms, summed together */            \
         for (int j = 0; j < MM; j++) acc[j] = _mm512_setzero_ps();                                       \
         for (int b = 0; b < nb; b++) {                                                                   \
             const uint8_t *rec = grp + (size_t)b * rec_bytes;                                            \
             for (int l = 0; l < rec_bytes; l += 64) _mm_prefetch((const char *)(rec + 4 * rec_bytes + l), _MM_HINT_T0); \
             __m512i wq[8]; /* wq[p]: codes 4p..4p+3, wq[p + 4]: codes 16 + 4p.. */                       \
-            for (int p = 0; p < 4; p++) {                                                                \
-                if (TYPE == Q8_0) {                                                                      \
-                    wq[p] = _mm512_loadu_si512(rec + 64 * p);                                            \
-                    wq[p + 4] = _mm512_loadu_si512(rec + 64 * (p + 4));                                  \
-                } else {                                                                                 \
-                    const __m512i v = _mm512_loadu_si512(rec + 64 * p);                                  \
-                    wq[p] = _mm512_and_si512(v, nib);                                                    \
-                    wq[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);                          \
-                }                                                                                        \
-            }                                                                                            \
+            r16_codes32(TYPE, rec, wq);                                                                  \
             __m512i w02[8], w13[8];                                                                      \
             SPLIT_WORDS(wq, w02, w13)                                                                    \
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb)));           \
@@ -607,19 +563,10 @@ static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K,
     }
 
 /* One group of 16 rows of a super-block TYPE against MM rows of x */
-/* 64 bits of a K-quant's high-bit plane as a byte mask (memcpy: the plane need not be aligned) */
-static inline __mmask64 bits64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, sizeof v);
-    return (__mmask64)v;
-}
-
 #define R16K_GROUP(TYPE, MM)                                                                                \
     VNNI_BF16 static void r16_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y, \
                                                   int y_bf16, int y_stride, int n0, int nr) {            \
-        const int Kp = a->Kp, cb = TYPE == Q4_K ? 2048 : TYPE == Q5_K ? 2560 : 3072;                     \
-        const int rec_bytes = TYPE == Q4_K ? 2368 : TYPE == Q5_K ? 2880 : 3360;                          \
-        const __m512i nib = _mm512_set1_epi8(0x0F);                                                      \
+        const int Kp = a->Kp, cb = r16_codes_end(TYPE), rec_bytes = r16_record_bytes(TYPE);             \
         __m512 acc[MM];                                                                                  \
         for (int j = 0; j < MM; j++) acc[j] = _mm512_setzero_ps();                                       \
         for (int sb = 0; sb < nsb; sb++) {                                                               \
@@ -630,19 +577,7 @@ static inline __mmask64 bits64(const uint8_t *p) {
                 const uint8_t *codes = rec + 256 * jb;                                                   \
                 for (int l = 0; l < 256; l += 64) _mm_prefetch((const char *)(codes + 2 * rec_bytes + l), _MM_HINT_T0); \
                 __m512i wq[8];                                                                           \
-                for (int p = 0; p < 4; p++) {                                                            \
-                    const __m512i v = _mm512_loadu_si512(codes + 64 * p);                                \
-                    wq[p] = _mm512_and_si512(v, nib);                                                    \
-                    wq[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);                          \
-                }                                                                                        \
-                for (int z = 0; z < 8 && TYPE != Q4_K; z++) { /* the fifth (and sixth) bits */           \
-                    const uint8_t *bits = rec + 2048 + (TYPE == Q5_K ? 64 : 128) * jb + 8 * z;           \
-                    wq[z] = _mm512_or_si512(wq[z], _mm512_maskz_mov_epi8(                                \
-                        bits64(bits), _mm512_set1_epi8(0x10)));                                          \
-                    if (TYPE == Q6_K)                                                                    \
-                        wq[z] = _mm512_or_si512(wq[z], _mm512_maskz_mov_epi8(                            \
-                            bits64(bits + 64), _mm512_set1_epi8(0x20)));                                 \
-                }                                                                                        \
+                r16k_codes(TYPE, rec, jb, wq);                                                           \
                 __m512i w02[8], w13[8];                                                                  \
                 SPLIT_WORDS(wq, w02, w13)                                                                \
                 __m512 s0, s1, mn;                                                                       \
@@ -727,6 +662,8 @@ int gguf_r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, i
                     int y_stride, int M, int N, int K, int num_threads) {
 #if defined(__x86_64__)
     if (gguf_r16_bytes(type, 1, K) < 0 || !has_vnni_bf16()) return -1;
+    const int amx = gguf_amx_r16_linear(x, x_bf16, x_stride, w, type, y, y_bf16, y_stride, M, N, K, num_threads);
+    if (amx <= 0) return amx; /* done on AMX tiles */
     const int nb = K / block_weights(type), groups = (N + 15) / 16;
     const size_t group_bytes = (size_t)nb * r16_record_bytes(type);
     Acts a = {.Kp = (K + 63) / 64 * 64};

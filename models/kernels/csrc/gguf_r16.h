@@ -1,0 +1,91 @@
+/* GGML type ids, block sizes and the R16 layout of repacked weights (gguf_linear.c describes it), shared by the
+ * AVX512-VNNI kernels (gguf_linear.c) and the AMX kernel (gguf_amx.c). */
+#ifndef MINIVLLM_GGUF_R16_H
+#define MINIVLLM_GGUF_R16_H
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+/* GGMLQuantizationType values */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+       IQ4_NL = 20, IQ4_XS = 23 };
+
+/* weights per block and bytes per block of a type; 0 for an unknown type */
+static inline int block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case IQ4_NL: return 18;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    case IQ4_XS: return 136;
+    default: return 0;
+    }
+}
+static inline int block_weights(int type) {
+    switch (type) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: return 32;
+    case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return 256;
+    default: return 0;
+    }
+}
+
+/* R16: bytes of a 32-weight record's codes (its scales follow), where a super-block record's scales start, and
+ * the bytes of one record (16 rows x one block) */
+static inline int r16_code_bytes(int type) { return type == Q8_0 ? 512 : 256; }
+static inline int r16_codes_end(int type) { return type == Q4_K ? 2048 : type == Q5_K ? 2560 : type == Q6_K ? 3072 : 0; }
+static inline int r16_record_bytes(int type) {
+    return type == Q4_K ? 2368 : type == Q5_K ? 2880 : type == Q6_K ? 3360 : 16 * block_bytes(type);
+}
+long gguf_r16_bytes(int type, int N, int K);
+
+#if defined(__x86_64__)
+#define R16_INLINE static inline __attribute__((target("avx512f,avx512bw"), always_inline))
+
+/* 64 bits of a K-quant's high-bit plane as a byte mask (memcpy: the plane need not be aligned) */
+static inline __mmask64 bits64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return (__mmask64)v;
+}
+
+/* The unsigned codes of a 32-weight record (Q4_0, Q4_1, Q8_0 as code + 128) as 8 registers: wq[z] holds codes
+ * 4z..4z+3 of each of the 16 rows, one int32 lane per row (the B operand of VNNI and of an AMX tile). */
+R16_INLINE void r16_codes32(int type, const uint8_t *rec, __m512i *wq) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int p = 0; p < 4; p++) {
+        if (type == Q8_0) {
+            wq[p] = _mm512_loadu_si512(rec + 64 * p);
+            wq[p + 4] = _mm512_loadu_si512(rec + 64 * (p + 4));
+        } else {
+            const __m512i v = _mm512_loadu_si512(rec + 64 * p);
+            wq[p] = _mm512_and_si512(v, nib);
+            wq[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        }
+    }
+}
+
+/* The same for sub-block jb (32 weights) of a Q4_K, Q5_K or Q6_K record: unsigned codes 0..15, 0..31, 0..63 */
+R16_INLINE void r16k_codes(int type, const uint8_t *rec, int jb, __m512i *wq) {
+    r16_codes32(Q4_0, rec + 256 * jb, wq);
+    for (int z = 0; z < 8 && type != Q4_K; z++) { /* the fifth (and sixth) bits */
+        const uint8_t *bits = rec + 2048 + (type == Q5_K ? 64 : 128) * jb + 8 * z;
+        wq[z] = _mm512_or_si512(wq[z], _mm512_maskz_mov_epi8(bits64(bits), _mm512_set1_epi8(0x10)));
+        if (type == Q6_K)
+            wq[z] = _mm512_or_si512(wq[z], _mm512_maskz_mov_epi8(bits64(bits + 64), _mm512_set1_epi8(0x20)));
+    }
+}
+#endif
+
+/* in gguf_amx.c: y = x W^T on AMX tiles for R16 weights; 1 where AMX is off or M is below its threshold */
+int gguf_amx_r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                        int y_stride, int M, int N, int K, int num_threads);
+#endif
