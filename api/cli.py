@@ -14,7 +14,7 @@ import typing
 import uvicorn
 from sse_starlette.sse import AppStatus
 
-from api import data_parallel
+from api import data_parallel, model_router
 from api.app import build_app
 from api.drain import Drain
 from api.memory_report import memory_report
@@ -171,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if settings.data_parallel_size > 1:
         return data_parallel.serve(args, sys.argv[1:] if argv is None else argv)
+    if settings.models_dir is not None:
+        try:
+            budget = _settings(EngineConfig, args).kv_cache_memory
+        except ValueError as e:
+            parser.error(str(e))
+        return model_router.serve(settings, sys.argv[1:] if argv is None else argv, args.model, budget)
     # a data-parallel replica runs as many threads as the cores it was bound to
     threads = args.num_threads or (
         len(os.sched_getaffinity(0))

@@ -100,6 +100,17 @@ class ServerSettings:
     router_policy: str = setting(
         "cache_aware", "vllm-router policy with --data-parallel-size > 1", choices=ROUTER_POLICIES
     )
+    models_dir: str | None = setting(
+        None,
+        "serve every model in DIR (.gguf files by stem, model directories by name), each loaded on the first request "
+        "that names it (llama-server's router mode); --model picks the default among them",
+        metavar="DIR",
+    )
+    models_max: int = setting(
+        4,
+        "with --models-dir: models loaded at once (the least recently used idle one is unloaded past it)",
+        metavar="N",
+    )
 
     def __post_init__(self):
         if isinstance(self.served_model_name, str):  # one name given as a string (the Python API)
@@ -114,6 +125,10 @@ class ServerSettings:
             raise ValueError("--max-queue-len must be >= 0")
         if self.shutdown_timeout < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
+        if self.models_max < 1:
+            raise ValueError("--models-max must be >= 1")
+        if self.models_dir is not None and self.data_parallel_size > 1:
+            raise ValueError("--models-dir and --data-parallel-size > 1 do not go together")
 
     @property
     def model_id(self) -> str | None:

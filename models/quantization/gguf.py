@@ -121,10 +121,9 @@ def amx_tiles() -> bool:
     return lib.gguf_amx_enable(1 if mode == "amx" else AMX_MIN_ROWS) == 0
 
 
-@functools.cache
 def activations_mode() -> str:
-    """MINIVLLM_GGUF_ACTIVATIONS (read once per process): "int8" (default) or "float". Raises ValueError for
-    another value."""
+    """MINIVLLM_GGUF_ACTIVATIONS: "int8" (default) or "float" (read by the cached int8_activations and amx_tiles,
+    so once per process). Raises ValueError for another value."""
     mode = os.environ.get("MINIVLLM_GGUF_ACTIVATIONS", "int8")
     if mode not in ("int8", "float"):
         raise ValueError(f"MINIVLLM_GGUF_ACTIVATIONS={mode!r}: expected 'int8' or 'float'")

@@ -62,7 +62,7 @@ def test_amx_is_the_bfloat16_product(qtype, M, dtype):
     assert (wide[:, :5] == 7).all() and (wide[:, 5 + rows :] == 7).all()
 
 
-CACHED = (gguf_quant.gguf_kernel, gguf_quant.activations_mode, gguf_quant.amx_tiles, gguf_quant.int8_activations)
+CACHED = (gguf_quant.gguf_kernel, gguf_quant.amx_tiles, gguf_quant.int8_activations)
 
 
 def test_forcing_setting_and_fallback(monkeypatch, caplog):
