@@ -15,6 +15,7 @@ through to the model's process, streamed. An unknown model is a 404 in OpenAI's 
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import os
@@ -141,7 +142,7 @@ class ModelPool:
         cmd += ["--host", "127.0.0.1", "--port", str(port)]
         package_root = str(Path(__file__).resolve().parent.parent)
         env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-        model.proc, model.url = subprocess.Popen(cmd, env=env), f"http://127.0.0.1:{port}"
+        model.proc, model.url = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent), f"http://127.0.0.1:{port}"
         logger.info("loading %s (%s): pid %d on %s", model.name, model.path, model.proc.pid, model.url)
         deadline = time.monotonic() + STARTUP_TIMEOUT
         async with httpx.AsyncClient(timeout=2.0) as client:
@@ -176,6 +177,13 @@ class ModelPool:
     def stop_all(self) -> None:
         for model in self.models.values():
             self._stop(model)
+
+
+def _die_with_parent() -> None:
+    """In a model's process before it runs: Linux sends it SIGTERM when the router dies, even by SIGKILL (prctl
+    PR_SET_PDEATHSIG), so no model outlives its router."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
