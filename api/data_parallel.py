@@ -36,6 +36,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Our environment for a child `python -m api.cli` (plus `extra`), with this package's root first on PYTHONPATH
+    so that the child runs this very code."""
+    package_root = str(Path(__file__).resolve().parent.parent)
+    pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    return os.environ | (extra or {}) | {"PYTHONPATH": pythonpath}
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
@@ -142,13 +150,11 @@ def serve(args, argv: list[str]) -> int:
 
 
 def _run(args, argv: list[str], placements: list[dict], fleet: _Fleet, stop: threading.Event) -> int:
-    package_root = str(Path(__file__).resolve().parent.parent)  # replicas run this very code
-    pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     urls = []
     for rank, place in enumerate(placements):
         port = free_port()
         urls.append(f"http://127.0.0.1:{port}")
-        env = os.environ | place["env"] | {"PYTHONPATH": pythonpath}
+        env = child_env(place["env"])
         cores = place["cores"]
         # later flags win in argparse: these override the launcher's own --host/--port/--data-parallel-size
         cmd = [

@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from api.data_parallel import STARTUP_TIMEOUT, free_port
+from api.data_parallel import STARTUP_TIMEOUT, child_env, free_port
 
 logger = logging.getLogger("api")
 
@@ -140,9 +140,8 @@ class ModelPool:
         port = free_port()
         cmd = [sys.executable, "-m", "api.cli", *self.argv, "--model", model.path, "--served-model-name", model.name]
         cmd += ["--host", "127.0.0.1", "--port", str(port)]
-        package_root = str(Path(__file__).resolve().parent.parent)
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-        model.proc, model.url = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent), f"http://127.0.0.1:{port}"
+        model.proc = subprocess.Popen(cmd, env=child_env(), preexec_fn=_die_with_parent)
+        model.url = f"http://127.0.0.1:{port}"
         logger.info("loading %s (%s): pid %d on %s", model.name, model.path, model.proc.pid, model.url)
         deadline = time.monotonic() + STARTUP_TIMEOUT
         async with httpx.AsyncClient(timeout=2.0) as client:
