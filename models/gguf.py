@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from models.layers.fused_moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 from models.quantization.gguf import FLOAT_TYPES, QUANTIZED_TYPES, GGUFTensor
 
 # general.architecture -> transformers architecture (and its config class)
@@ -35,6 +36,7 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # architectures whose q/k rows llama.cpp's converter interleaves (LlamaModel.permute), undone at load
 PERMUTED = ("llama", "smollm3", "granite")
@@ -72,6 +74,8 @@ GEMMA_TENSORS = LAYER_TENSORS | {
 }
 # Phi-3's fused projections: q, k, v rows in one tensor, and the gate rows then the up rows in ffn_up
 PHI3_TENSORS = LAYER_TENSORS | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# gpt-oss's: the norm before the MoE is the converter's post_attention_norm; its sinks (`sinks` in the model)
+GPT_OSS_TENSORS = LAYER_TENSORS | {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
 MODEL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -188,6 +192,8 @@ class GGUFModelConfig:
     norm_topk_prob: bool = True
     mlp_only_layers: list[int] | None = None  # dense layers among MoE ones (their tensors say which)
     shared_expert_intermediate_size: int | None = None  # Qwen2-MoE
+    swiglu_limit: float | None = None  # gpt-oss
+    swiglu_alpha: float | None = None
 
 
 def load_gguf_config(path: str) -> GGUFModelConfig:
@@ -199,12 +205,7 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
     hidden = _key(path, md, "embedding_length")
     names = {info.name for info in header.tensors}
     vocab = md.get(f"{arch}.vocab_size") or next(i.shape[0] for i in header.tensors if i.name == "token_embd.weight")
-    scaling = md.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "", "linear"):
-        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported")
-    rope = {"rope_type": "default", "rope_theta": _key(path, md, "rope.freq_base", 10000.0)}
-    if scaling == "linear":
-        rope |= {"rope_type": "linear", "factor": _key(path, md, "rope.scaling.factor")}
+    rope = _rope_fields(path, md)
     if ROPE_FREQS in names:  # Llama 3.1+: the converter's per-dimension divisors of the frequencies
         rope["freq_factors"] = _float_tensor(header, ROPE_FREQS).tolist()
     layers = _key(path, md, "block_count")
@@ -230,6 +231,14 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         extra = _gemma2_fields(md, layers, hidden, heads, head_dim)
     elif arch == "gemma3":
         extra = _gemma3_fields(path, md, layers, hidden, heads, head_dim, rope)
+    elif arch == "gpt-oss":  # llama.cpp's rules: the window on every other layer from the first, fixed SwiGLU clamp
+        window = md.get("gpt-oss.attention.sliding_window")
+        extra = dict(
+            sliding_window=window or None,
+            layer_types=["sliding_attention" if window and i % 2 == 0 else "full_attention" for i in range(layers)],
+            swiglu_limit=SWIGLU_LIMIT,
+            swiglu_alpha=SWIGLU_ALPHA,
+        )
     if md.get(f"{arch}.expert_count"):  # llama.cpp's MoE layers: softmax routing, top-k renormalised but in qwen2moe
         extra |= dict(
             num_experts=md[f"{arch}.expert_count"],
@@ -241,7 +250,7 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         )
     return GGUFModelConfig(
         architectures=[ARCHITECTURES[arch]],
-        model_type="gemma3_text" if arch == "gemma3" else arch,
+        model_type={"gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}.get(arch, arch),
         hidden_act="gelu_pytorch_tanh" if arch.startswith("gemma") else "silu",
         num_hidden_layers=layers,
         hidden_size=hidden,
@@ -256,9 +265,35 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
         rope_parameters=extra.pop("rope_parameters", rope),
-        attention_bias=arch in ("qwen2", "qwen2moe"),
+        attention_bias=arch in ("qwen2", "qwen2moe", "gpt-oss"),
         **extra,
     )
+
+
+def _rope_fields(path: str, md: dict) -> dict:
+    """The rope parameters (transformers' names) of the file's `rope.*` keys: the base, and linear or YaRN scaling
+    (YaRN's ramp ends rounded outwards, transformers' default, but for gpt-oss, whose config says not to). Raises
+    ValueError naming another scaling type or a YaRN key this server does not apply."""
+    arch = md["general.architecture"]
+    scaling = md.get(f"{arch}.rope.scaling.type", "none")
+    rope = {"rope_type": "default", "rope_theta": _key(path, md, "rope.freq_base", 10000.0)}
+    if scaling == "linear":
+        rope |= {"rope_type": "linear", "factor": _key(path, md, "rope.scaling.factor")}
+    elif scaling == "yarn":
+        if md.get(f"{arch}.rope.scaling.yarn_ext_factor", 1.0) != 1.0:
+            raise ValueError(f"{path}: rope.scaling.yarn_ext_factor other than 1 is not supported")
+        rope |= {
+            "rope_type": "yarn",
+            "factor": _key(path, md, "rope.scaling.factor"),
+            "original_max_position_embeddings": _key(path, md, "rope.scaling.original_context_length"),
+            "beta_fast": md.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0),
+            "attention_factor": md.get(f"{arch}.rope.scaling.yarn_attn_factor"),
+            "truncate": arch != "gpt-oss",
+        }
+    elif scaling not in ("none", ""):
+        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (supported: linear, yarn)")
+    return rope
 
 
 def _gemma2_fields(md: dict, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
@@ -336,7 +371,8 @@ def load_gguf_tokenizer(path: str, cache: Path | None = None):
 def _hf_name(path: str, name: str, arch: str) -> str:
     if name in MODEL_TENSORS:
         return MODEL_TENSORS[name]
-    names = GEMMA_TENSORS if arch.startswith("gemma") else PHI3_TENSORS if arch == "phi3" else LAYER_TENSORS
+    names = {"phi3": PHI3_TENSORS, "gpt-oss": GPT_OSS_TENSORS}.get(arch, LAYER_TENSORS)
+    names = GEMMA_TENSORS if arch.startswith("gemma") else names
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m is None or m[2] not in names:
         raise ValueError(f"{path}: tensor {name} is not one this server knows how to load")

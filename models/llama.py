@@ -1,7 +1,8 @@
 """The Llama family over a paged KV cache: Llama 2/3, Mistral (sliding windows), Qwen2, Qwen3 (q/k norms),
 SmolLM2, SmolLM3 (no rotary on some layers), Granite (embedding, attention, residual and logits multipliers),
-Phi-3 (fused q/k/v and gate/up tensors in its checkpoint), and the mixtures of experts Qwen3-MoE, Qwen2-MoE and
-Mixtral (models/layers/fused_moe.py in place of the MLP).
+Phi-3 (fused q/k/v and gate/up tensors in its checkpoint), and the mixtures of experts Qwen3-MoE, Qwen2-MoE,
+Mixtral and gpt-oss (models/layers/fused_moe.py in place of the MLP; gpt-oss adds attention sinks, an o_proj bias,
+alternating sliding windows and YaRN positions).
 
 Llama: Touvron et al. 2023; RMSNorm (Zhang & Sennrich 2019), rotary embeddings (Su et al. 2021),
 grouped-query attention (Ainslie et al. 2023), SwiGLU (Shazeer 2020). Tokens of all sequences in a
@@ -21,7 +22,7 @@ from models.distributed.pipeline import PPMissingLayer, PPStage
 from models.layers.attention import SelfAttention
 from models.layers.checkpoint import keep_norms_float32, load_checkpoint
 from models.layers.fused_layer import FusedDecoderLayer
-from models.layers.fused_moe import SparseMoeBlock, is_sparse_layer
+from models.layers.fused_moe import SparseMoeBlock, gpt_oss_tensors, is_sparse_layer
 from models.layers.layernorm import RMSNorm
 from models.layers.mlp import SwiGLUMLP
 from models.layers.rotary_embedding import RotaryEmbedding
@@ -30,7 +31,9 @@ from models.quantization.gguf import GGUFConfig
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, shape: ModelShape, backend, bias, tp, qk_norm: bool, quant_config, layer: int):
+    def __init__(
+        self, config, shape: ModelShape, backend, bias, tp, qk_norm: bool, quant_config, layer: int, qkv_bias: bool
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         no_rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 = rotary, 0 = none
@@ -42,6 +45,9 @@ class LlamaDecoderLayer(nn.Module):
             config.rms_norm_eps if qk_norm else None,
             quant_config,
             use_rope=bool(no_rope[layer]) if no_rope else True,
+            # Llama's attention_bias covers o_proj too (gpt-oss); Qwen2's q/k/v biases (qkv_bias) do not
+            o_bias=bool(getattr(config, "attention_bias", False)) and not qkv_bias,
+            sinks=getattr(config, "model_type", None) == "gpt_oss",
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Qwen3-MoE and Mixtral: experts in place of the MLP (in every layer, or as the config spaces them)
@@ -113,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         )
         backends = backend if isinstance(backend, list) else [backend] * config.num_hidden_layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, shape, backends[i], bias, tp, qk_norm, quant_config, i)
+            LlamaDecoderLayer(config, shape, backends[i], bias, tp, qk_norm, quant_config, i, qkv_bias)
             if pp.holds(i)
             else PPMissingLayer()
             for i in range(config.num_hidden_layers)
@@ -173,6 +179,8 @@ class LlamaForCausalLM(nn.Module):
         if self.quantized:
             keep_norms_float32(self)
         skip = "lm_head.weight" if self.tie_word_embeddings else None
+        if getattr(self.config, "model_type", None) == "gpt_oss":
+            weights = gpt_oss_tensors(weights)
         load_checkpoint(self, self.config, weights, dtype, skip=skip)
         self.rotary.compute_table(self.layers[self.pp.start_layer].input_layernorm.weight.device)
 

@@ -57,12 +57,22 @@ def resolve_model(model: str | None) -> str:
 
 
 def load_config(model_path: str):
-    """The transformers config of a resolved model (a .gguf file's from its metadata)."""
+    """The transformers config of a resolved model (a .gguf file's from its metadata). Raises ValueError for a
+    directory quantized by a method this server does not load (AWQ, GPTQ, fp8, ...: its GGUF file is served);
+    gpt-oss's MXFP4 experts are dequantized at load."""
     if is_gguf(model_path):
         return load_gguf_config(model_path)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_path)
+    config = AutoConfig.from_pretrained(model_path)
+    quant = getattr(config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if method is not None and not (method == "mxfp4" and config.model_type == "gpt_oss"):
+        raise ValueError(
+            f"{model_path}: quantization_config quant_method {str(method)!r} is not supported "
+            "(serve the model's GGUF file, or its unquantized directory)"
+        )
+    return config
 
 
 def load_tokenizer(model_path: str, tokenizer: str | None = None):

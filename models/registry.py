@@ -12,6 +12,7 @@ _REGISTRY = {
     "Qwen2MoeForCausalLM": (LlamaForCausalLM, {"qkv_bias": True}),
     "Qwen3MoeForCausalLM": (LlamaForCausalLM, {"qk_norm": True}),
     "MixtralForCausalLM": (LlamaForCausalLM, {}),
+    "GptOssForCausalLM": (LlamaForCausalLM, {}),
     "Phi3ForCausalLM": (LlamaForCausalLM, {}),
     "SmolLM3ForCausalLM": (LlamaForCausalLM, {}),
     "GraniteForCausalLM": (LlamaForCausalLM, {}),

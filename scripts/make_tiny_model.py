@@ -18,6 +18,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    GptOssConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -102,15 +103,35 @@ CONFIGS = {
     ),
     # 4 experts of 32, 2 per token, in every layer
     "mixtral": lambda: MixtralConfig(**COMMON | dict(intermediate_size=32), num_local_experts=4, num_experts_per_tok=2),
+    # gpt-oss: 4 experts of 32 (top 2) with biases and a SwiGLU clamp that binds, attention sinks, alternating
+    # sliding / full layers, YaRN positions past an original context of 64
+    "gpt_oss": lambda: GptOssConfig(
+        **COMMON | dict(intermediate_size=32),
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=24,
+        swiglu_limit=1.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 16.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "granite": lambda: GraniteConfig(  # multipliers far from 1, so that each one changes the output
         **COMMON, embedding_multiplier=12.0, attention_multiplier=1.0, residual_multiplier=0.5, logits_scaling=6.0
     ),
 }
 
 
-def save_tiny_model(arch: str, path, tokenizer, **overrides):
+def save_tiny_model(arch: str, path, tokenizer, mxfp4: bool = False, **overrides):
     """Saves a random tiny `arch` model (CONFIGS, with `overrides` of config fields; seed 0) with
-    `tokenizer` (a transformers tokenizer) at `path`; returns the transformers model (float32, eval mode)."""
+    `tokenizer` (a transformers tokenizer) at `path`; returns the transformers model (float32, eval mode).
+    `mxfp4` (gpt_oss): expert weights rounded to MXFP4's values, so that save_mxfp4_copy loses nothing."""
     torch.manual_seed(0)
     config = CONFIGS[arch]()
     for key, value in overrides.items():
@@ -125,9 +146,62 @@ def save_tiny_model(arch: str, path, tokenizer, **overrides):
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.self_attn.q_norm.weight, mean=1.0, std=0.5)
             torch.nn.init.normal_(layer.self_attn.k_norm.weight, mean=1.0, std=0.5)
+    if arch == "gpt_oss":  # sinks large enough to take much of each softmax; biases and norms that matter
+        for name, p in model.named_parameters():
+            with torch.no_grad():
+                if name.endswith("sinks"):
+                    torch.nn.init.normal_(p, mean=2.0, std=1.0)
+                elif name.endswith("bias"):
+                    torch.nn.init.normal_(p, std=0.5)
+                elif name.endswith("norm.weight"):
+                    torch.nn.init.normal_(p, mean=1.0, std=0.3)
+        if mxfp4:  # expert weights the 4-bit format holds exactly: the same model as the MXFP4 copy
+            from models.layers.fused_moe import dequantize_mxfp4
+
+            for layer in model.model.layers:
+                for w in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                    blocks, scales = mxfp4_quantize(w.data.transpose(-1, -2))
+                    w.data.copy_(dequantize_mxfp4(blocks, scales).transpose(-1, -2))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks uint8 [..., rows, K / 32, 16], scales uint8 [..., rows, K / 32]) of float weights [..., rows, K] in
+    OpenAI's MXFP4 checkpoint layout (two E2M1 codes a byte, the even element low; a power-of-two scale per 32
+    values), rounded as gguf-py's MXFP4.quantize_blocks rounds: the scale 2^(floor(log2 max|w|) - 2), each value to
+    the nearest representable one."""
+    from models.layers.fused_moe import FP4_VALUES
+
+    groups = w.float().reshape(*w.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, torch.zeros_like(amax)).clamp(0, 254)
+    values = torch.tensor(FP4_VALUES)
+    codes = ((groups / torch.exp2(e - 127)[..., None])[..., None] - values).abs().argmin(-1).to(torch.uint8)
+    return (codes[..., 0::2] | codes[..., 1::2] << 4), e.to(torch.uint8)
+
+
+def save_mxfp4_copy(src, dst) -> None:
+    """Writes the gpt_oss model at `src` (saved with mxfp4=True) again at `dst` as OpenAI ships gpt-oss: the
+    experts' gate_up_proj and down_proj as MXFP4 `*_blocks` and `*_scales` tensors, quantization_config mxfp4.
+    llama.cpp's converter keeps those blocks as its MXFP4 type."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4_quantize(tensors.pop(name).transpose(-1, -2))
+        tensors[name + "_blocks"] = blocks.reshape(*scales.shape, 16).contiguous()
+        tensors[name + "_scales"] = scales.contiguous()
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads(open(os.path.join(dst, "config.json")).read())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
 
 
 def sentencepiece_tokenizer(path, tokenizer_class: str = "LlamaTokenizer", vocab_size: int = 1024):

@@ -35,6 +35,9 @@ def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> torch.Tensor
         put(80, 0, 0.002), put(82, 0, 0.002)
     elif qtype == T.Q3_K:
         put(108, -0.002, 0.002)
+    elif qtype == T.MXFP4:  # E8M0 scales 2^-13 .. 2^-4 (and 0 and 1, ggml's subnormal scales, in a few blocks)
+        raw[:, 0] = rng.integers(115, 124, size=nb)
+        raw[:2, 0] = (0, 1)
     return torch.from_numpy(raw.reshape(rows, -1))
 
 

@@ -58,6 +58,8 @@ class AttentionBackend(ABC):
     # backends: the others (torch_native) can be captured only by gathering every row at full
     # max_model_len, which costs memory and time in proportion to it.
     supports_cuda_graphs: bool = False
+    # True when `forward` takes attention sinks (gpt-oss); a model that has them refuses a backend without
+    supports_sinks: bool = False
 
     def __init__(
         self,
@@ -108,10 +110,13 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache at `meta.slot_mapping`, then attend.
 
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; all in the model dtype.
         Each query attends causally to its sequence's cached prefix and to the new tokens up to itself (the
-        last `sliding_window` of them with a window). Returns [T, num_heads, head_dim].
+        last `sliding_window` of them with a window). `sinks`: float32 [num_heads], the layer's attention sinks
+        (gpt-oss: one logit per query head joining each softmax's denominator, with no value; OpenAI 2025, after
+        Xiao et al. 2023), only where `supports_sinks`. Returns [T, num_heads, head_dim].
         """

@@ -48,12 +48,16 @@ class CPUBackend(AttentionBackend):
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.num_kv_heads, self.block_size, self.row)
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+    supports_sinks = True
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sinks=None):
         k_cache, v_cache = kv_cache
         for x in (q, k, v):
             if x.stride(-1) != 1 or x.stride(-2) != self.head_dim:
                 raise ValueError("CPU attention needs each token's heads contiguous")
         out = q.new_empty(q.shape)
+        if sinks is not None:
+            sinks = sinks.float().contiguous()  # kept referenced through the call
         name = "bf16" if q.dtype == torch.bfloat16 else "float"
         fn = getattr(self.lib, f"paged_attention_{name}_q" if self.kv_quant else f"paged_attention_{name}")
         rc = fn(
@@ -83,6 +87,7 @@ class CPUBackend(AttentionBackend):
             torch.get_num_threads(),
             self.isa,
             self.kv_quant,
+            None if sinks is None else sinks.data_ptr(),
         )
         if rc != 0:
             raise ValueError(

@@ -209,7 +209,7 @@ class FlashInferBackend(AttentionBackend):
             qo_indptr, indptr, indices, last = paged_kv_indices(*args, nd, b)
             self._prefill.plan(qo_indptr, indptr, indices, last, *dims, causal=True, **dtypes)
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sinks=None):
         k_cache, v_cache = kv_cache
         # Write all new K/V before any read, as torch_native does: sequences sharing a block filled in
         # this same step must see it.

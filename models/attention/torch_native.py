@@ -38,7 +38,9 @@ class TorchNativeBackend(AttentionBackend):
         rows = cache[block_table].flatten(-4, -3)[..., :ctx_len, :, :]
         return dequantize_rows(rows, self.head_dim, self.kv_quant).to(dtype) if self.kv_quant else rows
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+    supports_sinks = True
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sinks=None):
         k_cache, v_cache = kv_cache
         # Write every new token's K/V before any read, so that sequences sharing prefix blocks being
         # filled in this same step (n > 1 siblings, same-step prefix hits) see them.
@@ -55,7 +57,7 @@ class TorchNativeBackend(AttentionBackend):
             # SDPA takes the gathered [nd, L, kvh, d] transposed as a strided view: no copy
             kd = self._gather(k_cache, self.decode_blocks, self.decode_len, q.dtype).transpose(1, 2)
             vd = self._gather(v_cache, self.decode_blocks, self.decode_len, q.dtype).transpose(1, 2)
-            o = self._attend(qd, kd, vd, self.decode_mask)
+            o = self._attend(qd, kd, vd, self.decode_mask, None if sinks is None else sinks.view(-1, qd.shape[2], 1))
             out[:nd] = o.reshape(nd, self.num_heads, self.head_dim)
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in range(nd, meta.num_seqs):
@@ -77,25 +79,36 @@ class TorchNativeBackend(AttentionBackend):
             # 4-D [1, heads, len, d] views: SDPA's fused CPU kernel (with GQA) only takes 4-D inputs,
             # 3-D ones fall back to the slow math path.
             o = self._attend(
-                q[None, start:end].transpose(1, 2), kc[None].transpose(1, 2), vc[None].transpose(1, 2), mask
+                q[None, start:end].transpose(1, 2),
+                kc[None].transpose(1, 2),
+                vc[None].transpose(1, 2),
+                mask,
+                None if sinks is None else sinks.view(-1, 1, 1),
             )
             out[start:end] = o[0].transpose(0, 1)
         return out
 
-    def _attend(self, q, k, v, mask):
+    def _attend(self, q, k, v, mask, sinks=None):
         """Attention of q [B, H, m, d] over k, v [B, KVH, n, d] (or q [B, KVH, G, d] for decodes) with a
         boolean `mask` broadcastable to the scores (None: causal, aligned to the end). SDPA, except with a
-        soft cap, which SDPA does not take: then the scores are computed, capped and masked here."""
+        soft cap or attention sinks (float32, broadcastable to the scores without their last dimension, plus a
+        trailing 1), which SDPA does not take: then the scores are computed, capped and masked here, and each
+        row's sink joins its softmax as one more logit whose probability is dropped (transformers' gpt-oss)."""
         cap = self.logits_soft_cap
-        if cap is None:
+        if cap is None and sinks is None:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
             )
         if q.shape[-3] != k.shape[-3]:  # GQA: each KV head serves a group of query heads
             k, v = (x.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for x in (k, v))
         s = (q.float() @ k.float().transpose(-1, -2)) * self.scale
-        s = cap * torch.tanh(s / cap)
+        if cap is not None:
+            s = cap * torch.tanh(s / cap)
         if mask is None:
             m, n = s.shape[-2:]
             mask = torch.arange(n, device=s.device)[None, :] <= torch.arange(n - m, n, device=s.device)[:, None]
-        return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v.float()).to(q.dtype)
+        s = s.masked_fill(~mask, float("-inf"))
+        if sinks is None:
+            return (s.softmax(-1) @ v.float()).to(q.dtype)
+        p = torch.cat((s, sinks.float().expand(*s.shape[:-1], 1)), dim=-1).softmax(-1)[..., :-1]
+        return (p @ v.float()).to(q.dtype)

@@ -51,7 +51,7 @@ SIGNATURES = {
     **{
         f"paged_attention_{name}": [_p, _i, _p, _i, _p, _i, _p, _p, _p, _i, _p, _p, _p, _p]
         + [_i] * 6
-        + [_f, _i, _f, _i, _i, _i]
+        + [_f, _i, _f, _i, _i, _i, _p]
         for name in ("float", "bf16", "float_q", "bf16_q")
     },
     "attention_isa": [],

@@ -8,14 +8,17 @@ from models.config import ModelShape
 from models.distributed.group import TPGroup
 from models.kernels import ops
 from models.layers.layernorm import HeadRMSNorm
-from models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from models.layers.linear import ColumnParallelLinear, RowParallelLinear, _rank_size
 from models.quantization.gguf import GGUFConfig
 
 
 class SelfAttention(nn.Module):
     """A decoder's self-attention: fused q/k/v projection (column-parallel), optional per-head q/k RMSNorm
     (Qwen3, Gemma 3), rotary positions (unless `use_rope` is False: SmolLM3's NoPE layers), the paged
-    attention backend (which holds the layer's scale, sliding window and soft cap), o_proj (row-parallel)."""
+    attention backend (which holds the layer's scale, sliding window and soft cap), o_proj (row-parallel; with a
+    bias where `o_bias`: gpt-oss). With `sinks` the layer learns a logit per query head (`self.sinks`, float32
+    [num_heads] of this rank) that joins each softmax (gpt-oss's attention sinks); raises ValueError when the
+    backend does not take them."""
 
     def __init__(
         self,
@@ -26,6 +29,8 @@ class SelfAttention(nn.Module):
         qk_norm_eps: float | None = None,
         quant_config: GGUFConfig | None = None,
         use_rope: bool = True,
+        o_bias: bool = False,
+        sinks: bool = False,
     ):
         super().__init__()
         self.use_rope = use_rope  # SmolLM3 leaves every fourth layer without positions (NoPE)
@@ -34,8 +39,17 @@ class SelfAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         # q, k and v projections fused into one matmul; the loader stacks the checkpoint's three.
         self.qkv_proj = ColumnParallelLinear.qkv(shape, bias, tp, quant_config)
-        self.o_proj = RowParallelLinear(shape.total_num_heads * self.head_dim, shape.hidden_size, tp, quant_config)
+        self.o_proj = RowParallelLinear(
+            shape.total_num_heads * self.head_dim, shape.hidden_size, tp, quant_config, bias=o_bias
+        )
         self.backend = backend
+        if sinks and not backend.supports_sinks:
+            raise ValueError(
+                f"attention sinks (gpt-oss) are not built for the {type(backend).__name__}; "
+                "use attention_backend cpu or torch_native"
+            )
+        self.head_start = _rank_size(tp)[0] * self.num_heads  # this rank's first query head
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if sinks else None
         # Qwen3 normalises each query and key head before the rotation
         self.q_norm = HeadRMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = HeadRMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
@@ -66,5 +80,9 @@ class SelfAttention(nn.Module):
             k.copy_(self.k_norm(k))
         if self.use_rope:
             ops.rotary_(qkv[:, : self.num_heads + self.num_kv_heads], *rope)  # q and k in place, in one go
-        o = self.backend.forward(q, k, v, kv_cache, meta)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.sinks)
         return self.o_proj(o.view(-1, self.q_size), out_dtype=x.dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        """Copies this rank's heads of the checkpoint's sinks (float32 [total heads]) into `param`."""
+        param.data.copy_(loaded.reshape(-1)[self.head_start : self.head_start + self.num_heads])

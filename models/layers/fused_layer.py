@@ -114,6 +114,8 @@ class FusedDecoderLayer:
             or backend.logits_soft_cap
             or backend.dtype not in (None, torch.float32)
             or attn.q_norm is not None
+            or attn.sinks is not None
+            or attn.o_proj.bias is not None
             or layer.residual_multiplier != 1.0
             or not isinstance(mlp, SwiGLUMLP)
             or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms)

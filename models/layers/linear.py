@@ -111,14 +111,21 @@ class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T: this rank's slice of the input features, one all-reduce.
 
     x: [T, input_size / N] (a column-parallel layer's output) -> y: [T, output_size], the same on every
-    rank. weight: [output_size, input_size / N]; no bias (none in the supported models).
+    rank. weight: [output_size, input_size / N]; bias [output_size] (gpt-oss's o_proj), added once, after the sum.
     """
 
-    def __init__(self, input_size: int, output_size: int, tp: TPGroup | None, quant_config: GGUFConfig | None = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp: TPGroup | None,
+        quant_config: GGUFConfig | None = None,
+        bias: bool = False,
+    ):
         super().__init__()
         self.tp = tp
         rank, size = _rank_size(tp)
-        self.weight, _ = _linear_parameters(output_size, input_size // size, False, input_size)
+        self.weight, self.bias = _linear_parameters(output_size, input_size // size, bias, input_size)
         self.start = rank * (input_size // size)
         self.quant_method = quant_config.linear_method([output_size], input_size) if quant_config else None
         if self.quant_method is not None:
@@ -131,9 +138,12 @@ class RowParallelLinear(nn.Module):
             y = y if out_dtype is None else y.to(out_dtype)
         else:
             y = self.quant_method.apply(x, out_dtype)
-        return y if self.tp is None else self.tp.all_reduce(y)
+        y = y if self.tp is None else self.tp.all_reduce(y)
+        return y if self.bias is None else y.add_(self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        if param is self.bias:
+            return param.data.copy_(loaded)
         if self.quant_method is not None:
             return self.quant_method.load(0, loaded)
         param.data.copy_(loaded.narrow(1, self.start, param.shape[1]))

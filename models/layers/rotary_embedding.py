@@ -1,5 +1,5 @@
-"""Rotary position embeddings (RoPE, Su et al. 2021): inverse frequencies with Llama 3's or linear scaling,
-and the float32 cos/sin table gathered once per step."""
+"""Rotary position embeddings (RoPE, Su et al. 2021): inverse frequencies with Llama 3's, YaRN's or linear
+scaling, and the float32 cos/sin table gathered once per step."""
 
 import math
 
@@ -7,15 +7,58 @@ import torch
 from torch import nn
 
 
+def rope_params(config, layer_type: str | None = None) -> dict:
+    """The config's rope parameters (`rope_parameters`, or the older `rope_scaling`): Gemma 3 keeps one set per
+    layer type, picked by `layer_type`."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    return params
+
+
+def yarn_attention_factor(params: dict) -> float:
+    """YaRN's scale of cos and sin (so of every attention score by its square): `attention_factor` where given,
+    else 0.1 ln(factor) + 1 (Peng et al. 2023; with DeepSeek's mscale / mscale_all_dim where both are set),
+    as transformers computes it."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = params["factor"]
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+    return mscale(factor)
+
+
+def _yarn(inv_freq: torch.Tensor, params: dict, head_dim: int, theta: float) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al. 2023): divided by `factor` (interpolated) below the wavelengths that turn
+    fewer than `beta_slow` times over the original context, kept (extrapolated) above `beta_fast` turns, a linear
+    ramp between; the ramp's ends rounded outwards unless `truncate` is false (gpt-oss), as transformers does."""
+    factor, old_len = params["factor"], params["original_max_position_embeddings"]
+    fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def dim_of(turns: float) -> float:  # the dimension whose frequency turns `turns` times over old_len
+        return head_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
 def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> torch.Tensor:
-    """Rotary inverse frequencies [head_dim // 2] (float32), with Llama 3's frequency scaling or linear
+    """Rotary inverse frequencies [head_dim // 2] (float32), with Llama 3's frequency scaling, YaRN or linear
     position interpolation (Chen et al. 2023) if set: from the config's parameters (a Hugging Face directory;
     Gemma 3 keeps one set per layer type, picked by `layer_type`), or as the per-dimension divisors llama.cpp's
     converter writes into a GGUF file as `rope_freqs` (`freq_factors`). Raises ValueError for another rope
     type."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    if layer_type is not None and isinstance(params.get(layer_type), dict):
-        params = dict(params[layer_type])
+    params = rope_params(config, layer_type)
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -30,8 +73,10 @@ def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> torch
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
     elif rope_type == "linear":
         inv_freq = inv_freq / params["factor"]
+    elif rope_type == "yarn":
+        inv_freq = _yarn(inv_freq, params, head_dim, theta)
     elif rope_type not in ("default", None):
-        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3, linear)")
+        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3, linear, yarn)")
     if "freq_factors" in params:
         inv_freq = inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float32)
     return inv_freq
@@ -55,6 +100,9 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(self.max_len, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, rope_inv_freq(self.config, self.head_dim, self.layer_type).to(device))
         self.cos, self.sin = freqs.cos(), freqs.sin()
+        params = rope_params(self.config, self.layer_type)
+        if params.get("rope_type", params.get("type")) == "yarn":  # YaRN scales cos and sin (transformers' way)
+            self.cos, self.sin = self.cos * yarn_attention_factor(params), self.sin * yarn_attention_factor(params)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of positions (int64 [T]): float32 [T, head_dim // 2] each, gathered once per step."""

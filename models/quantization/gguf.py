@@ -34,6 +34,7 @@ QUANTIZED_TYPES = (
     GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
     GGMLQuantizationType.IQ4_XS,
+    GGMLQuantizationType.MXFP4,
 )
 # of those, the ones the AVX512-VNNI kernel has a repacked (R16) layout for; the others keep their blocks (the
 # portable kernel for a few rows, dequantize + GEMM for more) on every CPU

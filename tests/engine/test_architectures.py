@@ -4,8 +4,9 @@ Llama 3 (llama3 RoPE scaling, untied LM head), Qwen2 (q/k/v biases; and with sli
 Mistral (a sliding window shorter than the prompt), Qwen3 (per-head q/k RMSNorm, head_dim apart from
 hidden_size / heads), Phi-3 (fused q/k/v and gate/up tensors, a sliding window), SmolLM3 (a layer without
 rotary), Granite (multipliers), Gemma 2 (soft caps, pre/post norms, GeGLU, alternating windows) and Gemma 3
-(q/k norms, a rope base per layer kind, linear scaling); each feature shown to matter. The GGUF files
-llama.cpp's converter makes of them (where it needs no sentencepiece tokenizer); and the registry error."""
+(q/k norms, a rope base per layer kind, linear scaling), the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral
+and gpt-oss (attention sinks, biases, a clamped SwiGLU, YaRN; MXFP4 experts); each feature shown to matter. The
+GGUF files llama.cpp's converter makes of them; and the registry's and the loader's errors."""
 
 import dataclasses
 import json
@@ -19,7 +20,7 @@ from models.gguf import load_gguf_config
 from models.layers.rotary_embedding import rope_inv_freq
 from models.registry import get_model_class
 from scripts import llama_cpp
-from scripts.make_tiny_model import CONFIGS, save_tiny_model, sentencepiece_tokenizer
+from scripts.make_tiny_model import CONFIGS, save_mxfp4_copy, save_tiny_model, sentencepiece_tokenizer
 from tests.conftest import assert_greedy_matches, make_llm
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # > 64 positions, longer than the windows
@@ -56,6 +57,12 @@ FEATURES = {
     "qwen3_moe": [{"norm_topk_prob": False}, {"num_experts_per_tok": 1}],
     "qwen2_moe": [{"norm_topk_prob": True}],
     "mixtral": [{"num_experts_per_tok": 1}],
+    "gpt_oss": [
+        FULL,
+        {"swiglu_limit": 100.0},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
+        {"num_experts_per_tok": 1},
+    ],
     "granite": [
         {"embedding_multiplier": 1.0},
         {"attention_multiplier": 0.25},
@@ -67,8 +74,10 @@ FEATURES = {
 # llama.cpp's converter maps no dense layer in a Qwen3-MoE: its files have experts in every layer
 # llama.cpp reads no query_pre_attn_scalar and writes no LM head for Gemma 2 (real ones have the scalar at head_dim
 # and the head tied, as here)
+# llama.cpp fixes gpt-oss's SwiGLU clamp at 7 (no metadata key)
 GGUF_EDITS = {
     "qwen3_moe": {"mlp_only_layers": []},
+    "gpt_oss": {"swiglu_limit": 7.0},
     "gemma2": {"query_pre_attn_scalar": 16, "tie_word_embeddings": True},
 }
 # checkpoints whose converter takes the vocabulary from a SentencePiece tokenizer.model, with its tokenizer class
@@ -118,7 +127,20 @@ def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", ["llama3", "qwen3", "smollm3", "granite", "phi3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"]
+    "name",
+    [
+        "llama3",
+        "qwen3",
+        "smollm3",
+        "granite",
+        "phi3",
+        "gemma2",
+        "gemma3",
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "gpt_oss",
+    ],
 )
 def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
     """The GGUF llama.cpp's own convert_hf_to_gguf.py makes of the tiny model (float32), as users' files are
@@ -128,7 +150,7 @@ def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
     metadata, Gemma's norms stored as 1 + w; Phi-3's fused q/k/v and gate/up tensors stay fused. Phi-3 and
     Gemma 2 come with a SentencePiece vocabulary, which the converter reads from `tokenizer.model`. The mixtures
     of experts arrive with every expert of a projection stacked in one tensor (Mixtral as a "llama" file with
-    experts)."""
+    experts; gpt-oss's YaRN parameters from the metadata, its sinks, router and expert biases as tensors)."""
     if llama_cpp.converter() is None:
         pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
     tokenizer, edits = llm.tokenizer, GGUF_EDITS.get(name, {})
@@ -226,3 +248,49 @@ def test_quantized_moe_gguf_matches_its_dequantized_weights(llm, tmp_path):
     assert "Q8_0" in ours.engine.engine_core.executor.runner.weight_bytes
     out = ours.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert_greedy_matches(out.outputs[0].token_ids, hf_greedy(ref_model, prompt))
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_experts(llm, tmp_path):
+    """gpt-oss as OpenAI ships it, its experts in MXFP4 blocks (`*_blocks` / `*_scales`, dequantized at load), and
+    the GGUF llama.cpp's converter makes of that (MXFP4 tensors, served on their blocks): the tokens of transformers
+    on the same weights (the tiny model's experts rounded to MXFP4's values, so both hold them exactly); and gpt-oss's
+    attention sinks matter: zeroed, the first token's logprob moves."""
+    ref_model = save_tiny_model("gpt_oss", tmp_path / "hf", llm.tokenizer, mxfp4=True, swiglu_limit=7.0)
+    save_mxfp4_copy(tmp_path / "hf", tmp_path / "mxfp4")
+    prompt = llm.tokenizer.encode(PROMPT)
+    ref = hf_greedy(ref_model, prompt)
+    scored = dataclasses.replace(GREEDY, logprobs=0)
+    first = make_llm(model=str(tmp_path / "mxfp4")).generate([prompt], scored, use_tqdm=False)[0].outputs[0]
+    assert_greedy_matches(first.token_ids, ref)
+    if llama_cpp.converter() is not None:
+        gguf = llama_cpp.convert(tmp_path / "mxfp4", tmp_path / "model.gguf")
+        ours = make_llm(model=str(gguf))
+        assert "MXFP4" in ours.engine.engine_core.executor.runner.weight_bytes
+        assert_greedy_matches(ours.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids, ref)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tmp_path / "mxfp4" / "model.safetensors")
+    save_file(
+        {n: t.zero_() if n.endswith("sinks") else t for n, t in weights.items()},
+        tmp_path / "mxfp4" / "model.safetensors",
+    )
+    other = make_llm(model=str(tmp_path / "mxfp4")).generate([prompt], scored, use_tqdm=False)[0].outputs[0]
+    assert abs(other.logprobs[0].logprob - first.logprobs[0].logprob) > 1e-3
+
+
+def test_quantized_directory_of_another_method_is_refused(tmp_path):
+    """A Hugging Face directory quantized by a method the loader does not read (AWQ here) is a start-up error
+    naming it, not a missing-tensor error later; gpt-oss's MXFP4 is let through (dequantized at load)."""
+    from transformers import LlamaConfig
+
+    from models.loader import load_config
+
+    config = LlamaConfig(**CONFIGS["llama3"]().to_dict()).to_dict()
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
+        load_config(str(tmp_path))
+    config = CONFIGS["gpt_oss"]().to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_config(str(tmp_path)).model_type == "gpt_oss"

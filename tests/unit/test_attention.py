@@ -22,9 +22,10 @@ def new_cache(backend, num_blocks, dtype, randn=False):
     return cache, nhd
 
 
-def dense(q, keys, values, scale, window=None, cap=None):
+def dense(q, keys, values, scale, window=None, cap=None, sinks=None):
     """q [m, H, D] are the last m positions of a sequence with keys/values [n, KVH, D] (any group size H / KVH);
-    with `window` W a query at position p sees keys p - W + 1 .. p (transformers' sliding-window mask)."""
+    with `window` W a query at position p sees keys p - W + 1 .. p (transformers' sliding-window mask); `sinks`
+    [H] join each head's softmax as one more logit whose probability is dropped (transformers' gpt-oss)."""
     m, n, g = q.shape[0], keys.shape[0], q.shape[1] // keys.shape[1]
     k, v = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
     s = torch.einsum("mhd,nhd->hmn", q, k) * scale
@@ -34,18 +35,24 @@ def dense(q, keys, values, scale, window=None, cap=None):
     s.masked_fill_(kpos > qpos, float("-inf"))
     if window is not None:
         s.masked_fill_(kpos <= qpos - window, float("-inf"))
+    if sinks is not None:
+        return torch.einsum(
+            "hmn,nhd->mhd", torch.cat((s, sinks[:, None, None].expand(-1, m, 1)), -1).softmax(-1)[..., :-1], v
+        )
     return torch.einsum("hmn,nhd->mhd", s.softmax(-1), v)
 
 
 BACKENDS = [TorchNativeBackend, CPUBackend]
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("window, cap", [(None, None), (3, None), (7, None), (None, 0.5), (5, 0.5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend_cls", BACKENDS)
-def test_mixed_batch_matches_dense_attention(backend_cls, dtype, window, cap):
+def test_mixed_batch_matches_dense_attention(backend_cls, dtype, window, cap, sinks):
     """Decodes, a prefill chunk after a cached prefix, and a fresh prompt in one step; with a sliding
-    window shorter than most of them, and a soft cap on the scores that binds (Gemma 2's)."""
+    window shorter than most of them, a soft cap on the scores that binds (Gemma 2's), and attention sinks
+    (gpt-oss's) large enough to take much of each softmax."""
     rng = random.Random(0)
     torch.manual_seed(0)
     num_blocks = 64
@@ -85,9 +92,10 @@ def test_mixed_batch_matches_dense_attention(backend_cls, dtype, window, cap):
     k_new = torch.cat([keys[ctx:] for ctx, _, keys, _ in seqs])
     v_new = torch.cat([values[ctx:] for ctx, _, _, values in seqs])
     backend.plan(meta)
-    out = backend.forward(q, k_new, v_new, (k_cache, v_cache), meta)
+    sink = torch.randn(H) + 1.5 if sinks else None
+    out = backend.forward(q, k_new, v_new, (k_cache, v_cache), meta, sink)
     for i, (ctx, new, keys, values) in enumerate(seqs):
-        ref = dense(q[qsl[i] : qsl[i + 1]].float(), keys.float(), values.float(), D**-0.5, window, cap)
+        ref = dense(q[qsl[i] : qsl[i + 1]].float(), keys.float(), values.float(), D**-0.5, window, cap, sink)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[qsl[i] : qsl[i + 1]].float(), ref, atol=tol, rtol=tol)
     # and the new tokens' K/V landed in their slots
@@ -129,8 +137,9 @@ def random_step(rng, group, kvh, d, bs, shapes, dtype):
     return meta, qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :], num_blocks
 
 
-def run_against_torch_native(meta, q, k, v, block_size, num_blocks, window=None, cap=None):
-    """Both backends on the same step and the same (random) cache contents: (torch_native, cpu) outputs."""
+def run_against_torch_native(meta, q, k, v, block_size, num_blocks, window=None, cap=None, sinks=None):
+    """Both backends on the same step and the same (random) cache contents (and attention `sinks`):
+    (torch_native, cpu) outputs."""
     h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
     kinds = dict(sliding_window=window, logits_soft_cap=cap)
     backends = [cls(h, kvh, d, block_size, d**-0.5, **kinds) for cls in (TorchNativeBackend, CPUBackend)]
@@ -141,7 +150,7 @@ def run_against_torch_native(meta, q, k, v, block_size, num_blocks, window=None,
     outs = []
     for backend, cache in zip(backends, (ref_cache, cpu_cache)):
         backend.plan(meta)
-        outs.append(backend.forward(q, k, v, cache, meta))
+        outs.append(backend.forward(q, k, v, cache, meta, sinks))
     return outs
 
 
@@ -169,12 +178,13 @@ def test_cpu_kernel_matches_torch_native_on_random_batches(case):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("isa", ["native", "portable"])
 @pytest.mark.parametrize("num_seqs", [1, 6])
-def test_cpu_kernel_long_contexts(isa, num_seqs, monkeypatch):
+def test_cpu_kernel_long_contexts(isa, num_seqs, sinks, monkeypatch):
     """Contexts over hundreds of blocks, as decodes and as chunks: with one sequence the kernel splits
-    each task's keys across threads (flash-decoding) and merges them; `portable` forces the path a CPU
-    without AVX512-BF16 takes."""
+    each task's keys across threads (flash-decoding) and merges them (attention sinks joining the merged
+    denominator); `portable` forces the path a CPU without AVX512-BF16 takes."""
     if isa == "portable":
         monkeypatch.setenv("MINIVLLM_CPU_ISA", "portable")
         assert kernel_isa() == "portable"
@@ -182,7 +192,8 @@ def test_cpu_kernel_long_contexts(isa, num_seqs, monkeypatch):
     torch.manual_seed(num_seqs)
     shapes = [(rng.randint(3000, 5000), 1) for _ in range(num_seqs)] + [(rng.randint(2000, 3000), 37)]
     meta, q, k, v, num_blocks = random_step(rng, 3, 3, 64, 16, shapes, torch.bfloat16)
-    ref, out = run_against_torch_native(meta, q, k, v, 16, num_blocks)
+    sink = torch.randn(9) * 3 + 4 if sinks else None  # some past every score, some below
+    ref, out = run_against_torch_native(meta, q, k, v, 16, num_blocks, sinks=sink)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 

@@ -1,19 +1,20 @@
 """The mixture-of-experts layer (models/layers/fused_moe.py) against transformers' own MoE blocks on the same
-weights, many tokens at once (experts chosen by several tokens, others by none), and its GGUF path on Q8_0 blocks
-made by gguf-py against the same blocks dequantized."""
+weights, many tokens at once (experts chosen by several tokens, others by none), and its GGUF path on Q8_0 and MXFP4
+blocks made by gguf-py against the same blocks dequantized."""
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import GptOssConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from models.layers.checkpoint import load_checkpoint
-from models.layers.fused_moe import SparseMoeBlock, expert_shard, is_sparse_layer
+from models.layers.fused_moe import SparseMoeBlock, dequantize_mxfp4, expert_shard, gpt_oss_tensors, is_sparse_layer
 from models.quantization.gguf import GGUFConfig, GGUFTensor
 
 HIDDEN, INTER, EXPERTS = 64, 32, 8
@@ -107,3 +108,55 @@ def test_expert_names_and_sparse_layers():
     qwen = Qwen3MoeConfig(num_experts=4, decoder_sparse_step=2, mlp_only_layers=[3])
     assert [is_sparse_layer(qwen, i) for i in range(6)] == [False, True, False, False, False, True]
     assert not is_sparse_layer(Qwen3MoeConfig(num_experts=0), 0)
+
+
+def gpt_oss_reference(limit: float):
+    """(config, transformers' gpt-oss MoE block with random weights and biases, its checkpoint tensors)."""
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS, num_experts_per_tok=3,
+        swiglu_limit=limit,
+    )  # fmt: skip
+    block = GptOssMLP(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return config, block.eval(), {f"mlp.{n}": p.data for n, p in block.named_parameters()}
+
+
+@pytest.mark.parametrize("limit", [7.0, 0.3])
+def test_gpt_oss_block_equals_transformers(limit):
+    """Router and expert biases, interleaved gate/up columns in the checkpoint, the clamped SwiGLU (binding at 0.3),
+    softmax over the top-k logits."""
+    config, ref, tensors = gpt_oss_reference(limit)
+    ours = Holder(SparseMoeBlock(config, None))
+    load_checkpoint(ours, config, gpt_oss_tensors(tensors.items()), torch.float32)
+    x = torch.randn(37, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.mlp(x), ref(x[None])[0][0], rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_mxfp4_experts_on_their_blocks():
+    """MXFP4 experts, as llama.cpp's converter writes gpt-oss's (gguf-py's blocks here), computed on their blocks,
+    against the same blocks dequantized by gguf-py; and OpenAI's checkpoint layout of those values (`*_blocks`,
+    `*_scales`) dequantized exactly."""
+    from scripts.make_tiny_model import mxfp4_quantize
+
+    config, _, tensors = gpt_oss_reference(7.0)
+    plain = dict(gpt_oss_tensors(tensors.items()))
+    quant = dict(plain)
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        w = plain[f"mlp.experts.{p}.weight"]  # [E, rows, cols]
+        rows, cols = w.shape[0] * w.shape[1], w.shape[2]
+        blocks = quantize(w.reshape(rows, cols).numpy(), GGMLQuantizationType.MXFP4)
+        quant[f"mlp.experts.{p}.weight"] = GGUFTensor(GGMLQuantizationType.MXFP4, torch.from_numpy(blocks), cols)
+        deq = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.MXFP4).reshape(w.shape).copy())
+        plain[f"mlp.experts.{p}.weight"] = deq
+        hf_blocks, hf_scales = mxfp4_quantize(deq)  # the same values in OpenAI's layout
+        assert torch.equal(dequantize_mxfp4(hf_blocks.reshape(*hf_scales.shape, 16), hf_scales), deq)
+    q = Holder(SparseMoeBlock(config, None, GGUFConfig()))
+    load_checkpoint(q, config, quant.items(), torch.float32)
+    f = Holder(SparseMoeBlock(config, None))
+    load_checkpoint(f, config, plain.items(), torch.float32)
+    x = torch.randn(11, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(q.mlp(x), f.mlp(x), rtol=1e-4, atol=1e-4)

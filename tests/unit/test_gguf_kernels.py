@@ -1,5 +1,5 @@
 """The GGUF kernels (models/kernels/csrc/gguf_linear.c) against gguf-py's numpy dequantize, for every
-supported type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K..Q6_K, IQ4_XS), on random blocks: exact
+supported type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K..Q6_K, IQ4_XS, MXFP4), on random blocks: exact
 dequantization (blocks and R16), the portable path to float rounding, and the R16 VNNI kernel (its six types)
 within the bound its int16 activations allow."""
 

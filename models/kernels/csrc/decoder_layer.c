@@ -48,13 +48,14 @@ int paged_attention_float(const float *q, int q_stride, const float *k, int k_st
                           float *k_cache, float *v_cache, const int64_t *slot_mapping, int num_tokens,
                           const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
                           float *out, int num_seqs, int num_heads, int num_kv_heads, int D, int bs, int max_blocks,
-                          float scale, int window, float softcap, int num_threads, int isa, int kvq);
+                          float scale, int window, float softcap, int num_threads, int isa, int kvq,
+                          const float *sinks);
 int paged_attention_float_q(const float *q, int q_stride, const float *k, int k_stride, const float *v,
                             int v_stride, uint8_t *k_cache, uint8_t *v_cache, const int64_t *slot_mapping,
                             int num_tokens, const int32_t *block_tables, const int32_t *seq_lens,
                             const int32_t *query_start_loc, float *out, int num_seqs, int num_heads,
                             int num_kv_heads, int D, int bs, int max_blocks, float scale, int window, float softcap,
-                            int num_threads, int isa, int kvq);
+                            int num_threads, int isa, int kvq, const float *sinks);
 
 void *kernel_scratch(int slot, size_t bytes);
 
@@ -99,11 +100,11 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
     rc = L->kvq ? paged_attention_float_q(qkv, qkv_n, qkv + nq, qkv_n, qkv + nq + nkv, qkv_n, k_cache, v_cache,
                                           slot_mapping, M, block_tables, seq_lens, query_start_loc, attn, num_seqs,
                                           L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
-                                          L->window, 0.f, nt, isa, L->kvq)
+                                          L->window, 0.f, nt, isa, L->kvq, NULL)
                 : paged_attention_float(qkv, qkv_n, qkv + nq, qkv_n, qkv + nq + nkv, qkv_n, k_cache, v_cache,
                                         slot_mapping, M, block_tables, seq_lens, query_start_loc, attn, num_seqs,
                                         L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
-                                        L->window, 0.f, nt, isa, 0);
+                                        L->window, 0.f, nt, isa, 0, NULL);
     if (rc) return rc;
     if ((rc = layer_linear(&L->o, attn, nq, o, M, nt))) return rc;
     add_rms_norm_float(residual, o, L->post_norm, h, M, H, L->eps, nt);

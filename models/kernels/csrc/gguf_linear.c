@@ -21,7 +21,9 @@
  *   IQ4_NL (32 w, 18 B): fp16 d, nibbles as Q4_0 indexing the non-linear table KVALUES: w = d KVALUES[q]
  *   IQ4_XS (256 w, 136 B): fp16 d, 16 high and 4 B low bits of 8 6-bit sub-block scales, 128 B nibbles
  *                          (16 B per 32 w, low then high): w = d (sc - 32) KVALUES[q]
- * The IQ4 types' codes are table indices: their value is KVALUES[q] (min 0) instead of q.
+ *   MXFP4 (32 w, 17 B; gpt-oss's experts): one byte e (E8M0), nibbles as Q4_0 indexing E2M1 values doubled
+ *                     (FP4_VALUES): w = 2^(e - 128) FP4_VALUES[q] (ggml's e8m0_to_fp32_half)
+ * The IQ4 types' and MXFP4's codes are table indices: their value is table[q] (min 0) instead of q.
  *
  * Two kernels:
  *  - portable C on the file's blocks (float32 activations, CPUs without AVX512-VNNI/BF16, and the
@@ -31,6 +33,7 @@
  * Threads split W's rows. x [M, K] float32 or bfloat16 (rows x_stride apart), y [M, N] float32 or
  * bfloat16 (rows y_stride apart). Functions return -1 for a type they do not know (nothing written).
  */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,7 +47,12 @@
 
 /* the values of IQ4_NL's and IQ4_XS's 4-bit codes (ggml's kvalues_iq4nl) */
 static const float KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-static inline int is_iq4(int type) { return type == IQ4_NL || type == IQ4_XS; }
+/* MXFP4's: the E2M1 values times two (ggml's kvalues_mxfp4) */
+static const float FP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* the table a type's codes index, or NULL where a code is its own value */
+static inline const float *code_table(int type) {
+    return type == IQ4_NL || type == IQ4_XS ? KVALUES : type == MXFP4 ? FP4_VALUES : NULL;
+}
 
 static inline float fp16_to_f32(const uint8_t *p) { /* exact, without F16C */
     const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
@@ -108,13 +116,14 @@ static void unpack_row(int type, const uint8_t *row, int nb, uint8_t *q, float *
         }
         break;
     case IQ4_NL:
+    case MXFP4:
         for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = row + (size_t)b * 18;
+            const uint8_t *blk = row + (size_t)b * block_bytes(type), *qs = blk + (type == MXFP4 ? 1 : 2);
             for (int j = 0; j < 16; j++) {
-                q[32 * b + j] = blk[2 + j] & 0xF;
-                q[32 * b + j + 16] = blk[2 + j] >> 4;
+                q[32 * b + j] = qs[j] & 0xF;
+                q[32 * b + j + 16] = qs[j] >> 4;
             }
-            scale[2 * b] = scale[2 * b + 1] = fp16_to_f32(blk);
+            scale[2 * b] = scale[2 * b + 1] = type == MXFP4 ? ldexpf(1.f, (int)blk[0] - 128) : fp16_to_f32(blk);
             min[2 * b] = min[2 * b + 1] = 0.f;
         }
         break;
@@ -230,8 +239,9 @@ int gguf_dequantize(int type, const uint8_t *src, int rows, int cols, void *dst,
         for (int r = 0; r < rows; r++) {
             unpack_row(type, src + r * row_bytes, nb, q, scale, min);
             float *o = dst_bf16 ? (float *)q_f : (float *)dst + (size_t)r * cols;
-            if (is_iq4(type))
-                for (int k = 0; k < cols; k++) o[k] = scale[k / 16] * KVALUES[q[k]];
+            const float *table = code_table(type);
+            if (table)
+                for (int k = 0; k < cols; k++) o[k] = scale[k / 16] * table[q[k]];
             else
                 for (int k = 0; k < cols; k++) o[k] = scale[k / 16] * (float)q[k] + min[k / 16];
             if (dst_bf16) {
@@ -249,15 +259,15 @@ static inline float load_x(const void *x, int x_bf16, size_t i) {
     return x_bf16 ? bf16_to_f32(((const bf16 *)x)[i]) : ((const float *)x)[i];
 }
 
-/* y[m][n] = sum_g scale_g (sum_{k in g} x q) + min_g (sum_{k in g} x), in float32; the IQ4 types' codes
- * through their table */
+/* y[m][n] = sum_g scale_g (sum_{k in g} x q) + min_g (sum_{k in g} x), in float32; the codes of the types with
+ * a `table` (code_table) through it */
 static float row_dot_portable(const float *x, const float *xsum, const uint8_t *q, const float *scale,
-                              const float *min, int K, int iq4) {
+                              const float *min, int K, const float *table) {
     float acc = 0.f;
     for (int g = 0; g < K / 16; g++) {
         float s = 0.f;
-        if (iq4)
-            for (int i = 0; i < 16; i++) s += x[16 * g + i] * KVALUES[q[16 * g + i]];
+        if (table)
+            for (int i = 0; i < 16; i++) s += x[16 * g + i] * table[q[16 * g + i]];
         else
             for (int i = 0; i < 16; i++) s += x[16 * g + i] * (float)q[16 * g + i];
         acc += scale[g] * s + min[g] * xsum[g];
@@ -291,7 +301,7 @@ int gguf_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int t
             unpack_row(type, w + n * row_bytes, nb, q, scale, min);
             for (int m = 0; m < M; m++) {
                 const float v = row_dot_portable(xf + (size_t)m * K, xsum + (size_t)m * (K / 16), q, scale, min, K,
-                                                 is_iq4(type));
+                                                 code_table(type));
                 const size_t at = (size_t)m * y_stride + n;
                 if (y_bf16)
                     ((bf16 *)y)[at] = f32_to_bf16(v);

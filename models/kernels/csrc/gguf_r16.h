@@ -10,7 +10,7 @@
 
 /* GGMLQuantizationType values */
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-       IQ4_NL = 20, IQ4_XS = 23 };
+       IQ4_NL = 20, IQ4_XS = 23, MXFP4 = 39 };
 
 /* weights per block and bytes per block of a type; 0 for an unknown type */
 static inline int block_bytes(int type) {
@@ -27,12 +27,13 @@ static inline int block_bytes(int type) {
     case Q5_K: return 176;
     case Q6_K: return 210;
     case IQ4_XS: return 136;
+    case MXFP4: return 17;
     default: return 0;
     }
 }
 static inline int block_weights(int type) {
     switch (type) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: return 32;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: case MXFP4: return 32;
     case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: case IQ4_XS: return 256;
     default: return 0;
     }

@@ -10,7 +10,9 @@
  * Query j of a sequence with q new tokens and n in all sits at position p = n - q + j and sees keys
  * 0 .. p (causal), or with a sliding window W > 0 keys p - W + 1 .. p: a task starts at the first key
  * its tile's first query sees, so keys that have left the window are never read. A soft cap c > 0 turns
- * each scaled score s into c * tanh(s / c) (Gemma 2; the portable path computes it).
+ * each scaled score s into c * tanh(s / c) (Gemma 2; the portable path computes it). `sinks` (NULL for none):
+ * float32 [num_heads], gpt-oss's attention sinks, a logit per query head added to each row's softmax denominator
+ * (the probabilities then sum to less than one; applied when a row's output is written, so every ISA path has it).
  *
  * Work. A task is (sequence, kv head, tile of up to QT query positions): it computes all G query heads
  * of the kv head's GQA group for those positions, so each K/V row is read once for G * QT query rows.
@@ -642,6 +644,16 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
     kvq_store(dst, x, D, kvq);
 }
 
+/* The factor that turns a row's accumulator sum_t exp(s_t - m) v_t into its output: 1 / l, l = sum_t exp(s_t - m);
+ * with attention sinks (gpt-oss: a learned logit per query head that joins the softmax's denominator but has no
+ * value), 1 / (l + exp(sink - m)), computed as exp(m - M) / (l exp(m - M) + exp(sink - M)), M = max(m, sink), so
+ * that neither exponential overflows. */
+static inline float sink_inverse(const float *sinks, int head, float m, float l) {
+    if (sinks == NULL) return 1.f / l;
+    const float sink = sinks[head], M = m > sink ? m : sink, e = expf(m - M);
+    return e / (l * e + expf(sink - M));
+}
+
 /* paged_attention_NAME: q, k, v and out in T, the cache in TC (T itself, or the bytes of a quantized one). */
 #define PAGED_ATTENTION(NAME, T, TC, FROM_F32, TO_F32)                                                 \
     int paged_attention_##NAME(const T *q, int q_stride, const T *k, int k_stride, const T *v, int v_stride, \
@@ -649,7 +661,7 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
                             const int32_t *block_tables, const int32_t *seq_lens,                      \
                             const int32_t *query_start_loc, T *out, int num_seqs, int num_heads,       \
                             int num_kv_heads, int D, int bs, int max_blocks, float scale, int window,  \
-                            float softcap, int num_threads, int isa, int kvq) {                        \
+                            float softcap, int num_threads, int isa, int kvq, const float *sinks) {    \
         const int G = num_heads / num_kv_heads;                                                        \
         if (D > MAX_HEAD_DIM || G * QT > MAX_ROWS || (kvq == 1 && D % 32)) return -1;                  \
         const int row = kvq ? kvq_row_bytes(D, kvq) : D; /* cache elements per row of a head */       \
@@ -722,7 +734,7 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
             if (parts == 1) {                                                                          \
                 for (int r = 0; r < tk.R; r++) {                                                       \
                     T *o = out + (tok0 + r / G) * num_heads * D + ((size_t)h * G + r % G) * D;         \
-                    const float inv = 1.f / tk.l[r];                                                   \
+                    const float inv = sink_inverse(sinks, h * G + r % G, tk.m[r], tk.l[r]);            \
                     for (int d = 0; d < D; d++) o[d] = FROM_F32(tk.acc[(size_t)r * D + d] * inv);      \
                 }                                                                                      \
             } else {                                                                                   \
@@ -755,7 +767,8 @@ static inline void store_row_bf16_q(uint8_t *dst, const bf16 *src, int D, int kv
                         for (int d = 0; d < D; d++) o[d] += w * pw[(size_t)r * D + d];                 \
                     }                                                                                  \
                     T *dst = out + (tok0 + r / G) * num_heads * D + ((size_t)h * G + r % G) * D;       \
-                    for (int d = 0; d < D; d++) dst[d] = FROM_F32(o[d] / l);                           \
+                    const float inv = sink_inverse(sinks, h * G + r % G, mx, l);                       \
+                    for (int d = 0; d < D; d++) dst[d] = FROM_F32(o[d] * inv);                         \
                 }                                                                                      \
             }                                                                                          \
         }                                                                                              \
