@@ -8,6 +8,7 @@ from collections import deque
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_spec import MambaSpec
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
@@ -59,7 +60,23 @@ class EngineCore:
         specs = tuple(group.kv_cache_spec for group in runner.kv_cache_groups)
         if config.kv_transfer_config is not None and any(spec.sliding_window for spec in specs):
             raise ValueError("kv_transfer_config is not supported for a model with sliding-window layers")
-        self.kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching, specs)
+        # recurrent (state) layers: a state slot per running request; their states are not split by blocks
+        stateful = any(isinstance(spec, MambaSpec) for spec in specs)
+        caching = config.enable_prefix_caching and not stateful
+        if stateful:
+            unbuilt = [
+                name
+                for name, on in (
+                    ("kv_transfer_config", config.kv_transfer_config),
+                    ("speculative_config", config.speculative_config),
+                )
+                if on
+            ]
+            if unbuilt:
+                raise ValueError(f"{', '.join(unbuilt)} is not supported for a model with recurrent layers")
+            if config.enable_prefix_caching:
+                logger.info("prefix caching off: this model's recurrent layers keep a state, not blocks")
+        self.kv = KVCacheManager(runner.num_blocks, config.block_size, caching, specs, config.max_num_seqs)
         self.kv_connector = (
             NixlConnector(config.kv_transfer_config, runner.kv_cache, config.block_size)
             if config.kv_transfer_config

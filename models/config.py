@@ -3,6 +3,9 @@ attention backend and the KV cache are sized by."""
 
 from dataclasses import dataclass
 
+# layer kinds (`layer_types`) that keep a fixed-size state per request instead of K/V: LFM2's short convolutions
+STATE_LAYER_TYPES = ("conv",)
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -14,7 +17,8 @@ class ModelShape:
     sliding_windows: each layer's attention window in tokens (a query sees the W positions up to its own),
     None for full attention (layer_sliding_windows). attention_scale: what the attention scores are multiplied
     by when it is not 1 / sqrt(head_dim) (Granite's attention_multiplier, Gemma's query_pre_attn_scalar), else
-    None. attn_logit_softcapping: the attention scores' soft cap (Gemma 2), else None.
+    None. attn_logit_softcapping: the attention scores' soft cap (Gemma 2), else None. state_layers: the layers
+    that keep a fixed-size state per request and no K/V (STATE_LAYER_TYPES: LFM2's convolutions).
     """
 
     num_layers: int
@@ -30,6 +34,7 @@ class ModelShape:
     sliding_windows: tuple[int | None, ...] = ()
     attention_scale: float | None = None
     attn_logit_softcapping: float | None = None
+    state_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, config, tp_size: int = 1) -> "ModelShape":
@@ -50,6 +55,9 @@ class ModelShape:
             sliding_windows=layer_sliding_windows(config),
             attention_scale=attention_scale(config),
             attn_logit_softcapping=getattr(config, "attn_logit_softcapping", None),
+            state_layers=tuple(
+                i for i, kind in enumerate(getattr(config, "layer_types", None) or ()) if kind in STATE_LAYER_TYPES
+            ),
         )
 
 
@@ -82,15 +90,18 @@ def layer_sliding_windows(config) -> tuple[int | None, ...]:
     """Each layer's sliding attention window in tokens (a query at position p sees keys p - W + 1 .. p, as
     transformers masks them), None for full attention: from the config's `layer_types` where it has them
     ("sliding_attention" layers take `sliding_window`: Gemma 2/3, Qwen2 with use_sliding_window), else
-    `sliding_window` for every layer (Mistral, Phi-3). Raises ValueError for a layer type that is not
-    attention (hybrid models) or a window that is not a positive number of tokens."""
+    `sliding_window` for every layer (Mistral, Phi-3); None for state layers (STATE_LAYER_TYPES), which keep
+    no K/V. Raises ValueError for another layer type or a window that is not a positive number of tokens."""
     n, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
     if getattr(config, "use_sliding_window", None) is False:  # Qwen2, SmolLM3: the window is off
         return (None,) * n
     types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * n
-    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention", *STATE_LAYER_TYPES})
     if unknown:
-        raise ValueError(f"layer_types {unknown} are not supported (supported: full_attention, sliding_attention)")
+        raise ValueError(
+            f"layer_types {unknown} are not supported (supported: full_attention, sliding_attention, "
+            f"{', '.join(STATE_LAYER_TYPES)})"
+        )
     if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
         raise ValueError(
             f"sliding_window must be a positive number of tokens for sliding_attention layers, got {window!r}"

@@ -37,6 +37,7 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
 }
 # architectures whose q/k rows llama.cpp's converter interleaves (LlamaModel.permute), undone at load
 PERMUTED = ("llama", "smollm3", "granite")
@@ -76,8 +77,20 @@ GEMMA_TENSORS = LAYER_TENSORS | {
 PHI3_TENSORS = LAYER_TENSORS | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # gpt-oss's: the norm before the MoE is the converter's post_attention_norm; its sinks (`sinks` in the model)
 GPT_OSS_TENSORS = LAYER_TENSORS | {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
+# LFM2's: its pre-norms, MLP and short convolutions under their checkpoint names
+LFM2_TENSORS = LAYER_TENSORS | {
+    "attn_norm": "operator_norm",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "feed_forward.gate_proj",
+    "ffn_up": "feed_forward.up_proj",
+    "ffn_down": "feed_forward.down_proj",
+    "shortconv.conv": "conv.conv",
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj",
+}
 MODEL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
+    "token_embd_norm.weight": "model.embedding_norm.weight",  # LFM2's final norm
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
@@ -194,6 +207,9 @@ class GGUFModelConfig:
     shared_expert_intermediate_size: int | None = None  # Qwen2-MoE
     swiglu_limit: float | None = None  # gpt-oss
     swiglu_alpha: float | None = None
+    norm_eps: float | None = None  # LFM2 (its MLP width already adjusted in the file: no block_* fields)
+    conv_L_cache: int | None = None
+    conv_bias: bool = False
 
 
 def load_gguf_config(path: str) -> GGUFModelConfig:
@@ -231,6 +247,12 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         extra = _gemma2_fields(md, layers, hidden, heads, head_dim)
     elif arch == "gemma3":
         extra = _gemma3_fields(path, md, layers, hidden, heads, head_dim, rope)
+    elif arch == "lfm2":  # a layer with no KV heads is a short convolution; the MLP width is the adjusted one
+        extra = dict(
+            layer_types=["conv" if n == 0 else "full_attention" for n in md["lfm2.attention.head_count_kv"]],
+            norm_eps=_key(path, md, "attention.layer_norm_rms_epsilon"),
+            conv_L_cache=_key(path, md, "shortconv.l_cache"),
+        )
     elif arch == "gpt-oss":  # llama.cpp's rules: the window on every other layer from the first, fixed SwiGLU clamp
         window = md.get("gpt-oss.attention.sliding_window")
         extra = dict(
@@ -256,7 +278,7 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         hidden_size=hidden,
         intermediate_size=md.get(f"{arch}.feed_forward_length") or _key(path, md, "expert_feed_forward_length"),
         num_attention_heads=heads,
-        num_key_value_heads=_key(path, md, "attention.head_count_kv", heads),
+        num_key_value_heads=_max(_key(path, md, "attention.head_count_kv", heads)),
         head_dim=head_dim,
         rms_norm_eps=_key(path, md, "attention.layer_norm_rms_epsilon"),
         max_position_embeddings=_key(path, md, "context_length"),
@@ -268,6 +290,11 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         attention_bias=arch in ("qwen2", "qwen2moe", "gpt-oss"),
         **extra,
     )
+
+
+def _max(count: int | list[int]) -> int:
+    """A per-layer count (LFM2's KV heads, 0 on its conv layers) as the model's."""
+    return max(count) if isinstance(count, list) else count
 
 
 def _rope_fields(path: str, md: dict) -> dict:
@@ -371,9 +398,9 @@ def load_gguf_tokenizer(path: str, cache: Path | None = None):
 def _hf_name(path: str, name: str, arch: str) -> str:
     if name in MODEL_TENSORS:
         return MODEL_TENSORS[name]
-    names = {"phi3": PHI3_TENSORS, "gpt-oss": GPT_OSS_TENSORS}.get(arch, LAYER_TENSORS)
+    names = {"phi3": PHI3_TENSORS, "gpt-oss": GPT_OSS_TENSORS, "lfm2": LFM2_TENSORS}.get(arch, LAYER_TENSORS)
     names = GEMMA_TENSORS if arch.startswith("gemma") else names
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)", name)
     if m is None or m[2] not in names:
         raise ValueError(f"{path}: tensor {name} is not one this server knows how to load")
     return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
@@ -400,7 +427,7 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
 
     header, md = read_header(path)
     heads = {"attn_q": _key(path, md, "attention.head_count")}
-    heads["attn_k"] = _key(path, md, "attention.head_count_kv", heads["attn_q"])
+    heads["attn_k"] = _max(_key(path, md, "attention.head_count_kv", heads["attn_q"]))
     arch = md["general.architecture"]
     permute, shifted = arch in PERMUTED, arch in NORM_SHIFTED
     raw = load_gguf_state_dict(header)

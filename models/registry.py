@@ -1,6 +1,7 @@
 """The model registry: Hugging Face `config.architectures` names to our implementations."""
 
 from models.gemma import GemmaForCausalLM
+from models.lfm2 import Lfm2ForCausalLM
 from models.llama import LlamaForCausalLM
 
 # architecture -> (class, extra constructor kwargs)
@@ -18,6 +19,7 @@ _REGISTRY = {
     "GraniteForCausalLM": (LlamaForCausalLM, {}),
     "Gemma2ForCausalLM": (GemmaForCausalLM, {}),
     "Gemma3ForCausalLM": (GemmaForCausalLM, {}),
+    "Lfm2ForCausalLM": (Lfm2ForCausalLM, {}),
 }
 
 

@@ -20,6 +20,7 @@ from transformers import (
     Gemma3TextConfig,
     GptOssConfig,
     GraniteConfig,
+    Lfm2Config,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -121,6 +122,13 @@ CONFIGS = {
             "truncate": False,
             "original_max_position_embeddings": 64,
         },
+    ),
+    # LFM2: short convolutions (a state per request) around two attention layers, the MLP width auto-adjusted
+    "lfm2": lambda: Lfm2Config(
+        **COMMON | dict(num_hidden_layers=6),
+        layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
+        block_multiple_of=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     "granite": lambda: GraniteConfig(  # multipliers far from 1, so that each one changes the output
         **COMMON, embedding_multiplier=12.0, attention_multiplier=1.0, residual_multiplier=0.5, logits_scaling=6.0

@@ -13,12 +13,17 @@ before the window of its next queries are freed as it advances, as vLLM's Slidin
 block table they become the null block (never allocated, never read, as the attention kernels start at the
 window), and they keep their hash, so a later request can still hit them. A request then holds at most
 ceil(W / block_size) + 1 blocks of such a group beyond the tokens of its step.
+
+A model with recurrent layers (MambaSpec: LFM2's short convolutions) has one more group, last, whose table holds
+a single state slot per request, taken from a pool of `num_state_slots` at the request's first allocation and
+given back when it is freed (finished or preempted; a preempted request computes its state again from its first
+token, as prefix caching is off for such models).
 """
 
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from engine.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MambaSpec
 
 
 @dataclass
@@ -104,7 +109,9 @@ class KVCacheManager:
     `specs`: each group's KVCacheSpec (one FullAttentionSpec by default); where one slides, block 0 is the
     null block. Block lists go per group: `req_blocks[request_id][g]`, `block_ids` a tuple of lists, a prefix
     hit a tuple of lists of equal length. A full block is cached under its hash in group 0, and under a hash
-    of (group, its hash) in group g > 0, since each group holds its own K/V of the same tokens.
+    of (group, its hash) in group g > 0, since each group holds its own K/V of the same tokens. A MambaSpec
+    group (the last; `state_group`) lists the request's state slot, from `state_pool` of `num_state_slots`.
+    Raises ValueError for a MambaSpec group with prefix caching on.
     """
 
     def __init__(
@@ -113,9 +120,14 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         specs: tuple[KVCacheSpec, ...] = (FullAttentionSpec(),),
+        num_state_slots: int = 0,
     ):
         self.block_size = block_size
         self.windows = tuple(s.sliding_window for s in specs)
+        self.state_group = next((g for g, s in enumerate(specs) if isinstance(s, MambaSpec)), None)
+        if self.state_group is not None and enable_caching:
+            raise ValueError("prefix caching is not built for models with recurrent (state) layers")
+        self.state_pool = BlockPool(num_state_slots, enable_caching=False)
         self.pool = BlockPool(num_blocks, enable_caching)
         self.null_block: Block | None = None
         if any(w is not None for w in self.windows):  # never handed out: stands for blocks that left the window
@@ -217,6 +229,11 @@ class KVCacheManager:
         total = -(-(num_tokens + num_lookahead_tokens) // self.block_size)
         held = tables or tuple([] for _ in self.windows)
         need = [max(0, total - len(held[g]) - len(computed[g])) for g in range(self.num_groups)]
+        state = self.state_group
+        if state is not None:  # one state slot, from its own pool
+            need[state] = 0
+            if not held[state] and not self.state_pool.num_free_blocks:
+                return False
         hit_blocks = [b for blocks in computed for b in blocks if b is not self.null_block]
         # cached blocks we are about to touch are counted in the free queue but are not available
         reviving = sum(1 for b in hit_blocks if b.ref_cnt == 0)
@@ -228,6 +245,8 @@ class KVCacheManager:
             blocks.extend(computed[g])
             if need[g]:
                 blocks.extend(self.pool.allocate(need[g]))
+        if state is not None and not tables[state]:
+            tables[state].extend(self.state_pool.allocate(1))
         num_verified = min(num_tokens, len(request.all_token_ids))
         self._update_hashes(request, num_verified)
         if not delay_cache:
@@ -257,8 +276,11 @@ class KVCacheManager:
             skipped_so_far[g] = max(skipped_so_far[g], skipped)
 
     def held_blocks(self, request_id: str) -> list[Block]:
-        """The blocks a request holds, group after group (the null block not counted)."""
-        return [b for blocks in self.req_blocks.get(request_id, ()) for b in blocks if b is not self.null_block]
+        """The KV blocks a request holds, group after group (the null block and a state slot not counted)."""
+        tables = self.req_blocks.get(request_id, ())
+        return [
+            b for g, blocks in enumerate(tables) if g != self.state_group for b in blocks if b is not self.null_block
+        ]
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks a request holds in all groups (the null block not counted)."""
@@ -271,6 +293,8 @@ class KVCacheManager:
         first = self.num_cached_blocks.get(request.request_id, 0)  # blocks before it are registered
         last = num_tokens // self.block_size
         for g, blocks in enumerate(tables):
+            if g == self.state_group:
+                continue
             for i in range(first, last):
                 if blocks[i] is not self.null_block:
                     self.pool.cache(blocks[i], self._key(g, request.block_hashes[i]))
@@ -299,7 +323,10 @@ class KVCacheManager:
         tables = self.req_blocks.pop(request.request_id, ())
         self.num_cached_blocks.pop(request.request_id, None)
         self.num_skipped.pop(request.request_id, None)
-        for table in tables:
+        for g, table in enumerate(tables):
+            if g == self.state_group:
+                self.state_pool.free(table)
+                continue
             blocks = [b for b in table if b is not self.null_block]
             if uncache:
                 self.pool.uncache([b for b in blocks if b.ref_cnt == 1])

@@ -28,7 +28,17 @@ class SlidingWindowSpec:
     sliding_window: int
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+@dataclass(frozen=True)
+class MambaSpec:
+    """Layers that keep a fixed-size state per request instead of K/V (vLLM v1's MambaSpec: LFM2's short
+    convolutions): a running request holds one state slot, from a pool of its own, whatever its length; the
+    slot is its block table's one entry. Prefix caching is off for a model with such layers (a state is not
+    split by blocks)."""
+
+    sliding_window: None = None
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MambaSpec
 
 
 def spec_of(sliding_window: int | None) -> KVCacheSpec:
@@ -44,25 +54,30 @@ class KVCacheGroupSpec:
     kv_cache_spec: KVCacheSpec
 
 
-def kv_cache_groups(sliding_windows: Sequence[int | None], num_layers: int) -> list[KVCacheGroupSpec]:
+def kv_cache_groups(
+    sliding_windows: Sequence[int | None], num_layers: int, state_layers: Sequence[int] = ()
+) -> list[KVCacheGroupSpec]:
     """The KV cache groups of a model whose layer i has window `sliding_windows[i]` (None: full attention; an
     empty sequence: every one of `num_layers` layers full). One group when every layer is of one kind. Else
     vLLM's uniform-page-size grouping: the group size is the smallest kind's layer count (the biggest's when
     that is within 1.25x of it, to waste less), and each kind's layers in order fill groups of that size.
-    Full attention comes first, then the windows in order of first appearance."""
+    Full attention comes first, then the windows in order of first appearance; the `state_layers` (MambaSpec,
+    keeping no K/V) last, in one group of their own."""
     windows = tuple(sliding_windows) or (None,) * num_layers
     kinds: dict[int | None, list[int]] = {}
     for i, w in enumerate(windows):
-        kinds.setdefault(w, []).append(i)
+        if i not in state_layers:
+            kinds.setdefault(w, []).append(i)
     if None in kinds:
         kinds = {None: kinds.pop(None), **kinds}
     sizes = [len(layers) for layers in kinds.values()]
     size = max(sizes) if max(sizes) < 1.25 * min(sizes) else min(sizes)
-    return [
+    groups = [
         KVCacheGroupSpec(tuple(layers[i : i + size]), spec_of(w))
         for w, layers in kinds.items()
         for i in range(0, len(layers), size)
     ]
+    return groups + ([KVCacheGroupSpec(tuple(state_layers), MambaSpec())] if state_layers else [])
 
 
 def blocks_per_request(
@@ -74,6 +89,8 @@ def blocks_per_request(
     full = -(-num_tokens // block_size)
     total = 0
     for group in groups:
+        if isinstance(group.kv_cache_spec, MambaSpec):  # a state slot, not a block of the pool
+            continue
         window = group.kv_cache_spec.sliding_window
         total += full if window is None else min(full, -(-(window - 1 + max_num_batched_tokens) // block_size) + 1)
     return total

@@ -12,6 +12,7 @@ from engine.sample.prompt_logprobs import PromptRows, select_rows
 from engine.sampling_params import SamplingParams
 from engine.worker.pooler import PoolingRows
 from models.attention.base import AttentionMetadata
+from models.layers.short_conv import StateMetadata
 
 
 @dataclass(eq=False)
@@ -83,13 +84,14 @@ class ModelInputs:
     """What the forward pass of one step reads.
 
     input_ids, positions: int64 [T]; attn_metadata: where each token reads and writes the paged KV cache, one
-    per KV cache group (they differ in block tables and slot mapping only);
+    per KV cache group (they differ in block tables and slot mapping only; a StateMetadata for the group of
+    recurrent layers);
     logits_indices: int64 [N], the rows whose hidden states become logits.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: tuple[AttentionMetadata, ...]
+    attn_metadata: tuple[AttentionMetadata | StateMetadata, ...]
     logits_indices: torch.Tensor
 
 
@@ -142,10 +144,13 @@ class InputBatch:
                     state.spec_token_probs[: len(state.spec_token_ids)] if state.spec_token_ids else None
                 )
 
-    def prepare(self, scheduler_output: SchedulerOutput, block_size: int, device: torch.device) -> StepBatch:
+    def prepare(
+        self, scheduler_output: SchedulerOutput, block_size: int, device: torch.device, state_group: int | None = None
+    ) -> StepBatch:
         """The step's flat inputs. Rows with one new token (decodes) go first, as the attention backends want.
         A request samples when its new tokens reach its last token (unless it is prompt-only, max_tokens 0);
-        a row that goes on past it into d draft tokens gets logits at its last 1 + d positions."""
+        a row that goes on past it into d draft tokens gets logits at its last 1 + d positions. `state_group`:
+        the KV cache group whose table holds each request's state slot (recurrent layers), if any."""
         counts = scheduler_output.num_scheduled_tokens
         reqs = sorted((self.requests[i] for i in counts), key=lambda r: counts[r.req_id] != 1)
         starts = [r.num_computed_tokens for r in reqs]
@@ -162,6 +167,7 @@ class InputBatch:
             num_logits,
             block_size,
             device,
+            state_group,
         )
         pooling = [
             PoolingRows(r.req_id, int(qsl[i]), e - s, e == r.num_tokens)
@@ -183,12 +189,14 @@ def build_model_inputs(
     num_logits: list[int],
     block_size: int,
     device: torch.device,
+    state_group: int | None = None,
 ) -> tuple[ModelInputs, np.ndarray]:
     """Flat inputs of rows laid end to end: row i computes `token_ids[i]` at positions starts[i].. with the
-    KV blocks `block_tables[i]` (a list per KV cache group: one attention metadata per group), and gives
-    logits at its last `num_logits[i]` positions (0: none). Rows with one token must come first (the
-    attention metadata's decodes). Returns the inputs and the rows' start
-    offsets in the flat batch (query_start_loc, int64 [rows + 1])."""
+    KV blocks `block_tables[i]` (a list per KV cache group: one attention metadata per group; for
+    `state_group`, the recurrent layers', its state slot and a StateMetadata), and gives logits at its last
+    `num_logits[i]` positions (0: none). Rows with one token must come first (the attention metadata's
+    decodes). Returns the inputs and the rows' start offsets in the flat batch (query_start_loc, int64
+    [rows + 1])."""
     counts = np.fromiter(map(len, token_ids), np.int64, len(token_ids))
     starts = np.asarray(starts, dtype=np.int64)
     seq_lens = starts + counts
@@ -203,6 +211,10 @@ def build_model_inputs(
     num_decodes, qsl_cpu, seq_lens_cpu = int((counts == 1).sum()), qsl.tolist(), seq_lens.tolist()
     metas = []
     for g in range(len(block_tables[0])):
+        if g == state_group:
+            slots = torch.tensor([t[g][0] for t in block_tables], dtype=torch.int64, device=device)
+            metas.append(StateMetadata(qsl_cpu, num_decodes, slots, (starts > 0).tolist()))
+            continue
         bt = np.zeros((len(token_ids), max(len(t[g]) for t in block_tables)), dtype=np.int32)
         for i, t in enumerate(block_tables):
             bt[i, : len(t[g])] = t[g]

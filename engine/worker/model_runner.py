@@ -40,7 +40,9 @@ class ModelRunner:
     model dtype (a block's K/V in each layer is contiguous, in the backend's layout): the layers are in KV
     cache groups (`kv_cache_groups`, engine.core.kv_cache_spec; one group, all layers, unless a model mixes
     attention kinds), each with its own block tables, and the i-th layer of each group keeps its K/V in
-    tensor i, at its group's blocks.
+    tensor i, at its group's blocks. Recurrent layers (LFM2's convolutions: the last group, `state_group`) keep
+    instead a float32 state per slot in `state_cache` [layers, max_num_seqs, *model.state_shape], at the slot
+    their group's table lists.
     `max_model_len` is capped by what the cache holds, so a request can always run alone and nothing
     deadlocks. The runner keeps its own copy of every request (`input_batch`, updated from each
     SchedulerOutput), so every rank builds its inputs itself; it never sees a scheduler's Request.
@@ -81,15 +83,24 @@ class ModelRunner:
             config.max_model_len or self.shape.max_position_embeddings, self.shape.max_position_embeddings
         )
         # which layers share block tables, and where each of this stage's layers keeps its K/V
-        self.kv_cache_groups = kv_cache_groups(self.shape.sliding_windows, self.shape.num_layers)
+        self.kv_cache_groups = kv_cache_groups(
+            self.shape.sliding_windows, self.shape.num_layers, self.shape.state_layers
+        )
+        # the group of the recurrent layers, keeping a state per request instead of K/V (MambaSpec), if any
+        self.state_group = len(self.kv_cache_groups) - 1 if self.shape.state_layers else None
+        if self.state_group is not None and device.type != "cpu":
+            raise ValueError("models with recurrent layers (LFM2's convolutions) are built for the CPU only")
         layer_group = {i: g for g, group in enumerate(self.kv_cache_groups) for i in group.layer_indices}
         stage_layers = range(self.pp.start_layer, self.pp.end_layer)
         self.stage_layer_groups = [layer_group[i] for i in stage_layers]
-        # the i-th of a group's layers on this stage is stored in KV cache tensor i (engine.core.kv_cache_spec)
+        # the i-th of a group's layers on this stage is stored in KV cache tensor i (engine.core.kv_cache_spec),
+        # the i-th recurrent layer's state in state tensor i
         self.kv_cache_slots = [
             self.stage_layer_groups[: j + 1].count(g) - 1 for j, g in enumerate(self.stage_layer_groups)
         ]
-        self.num_kv_cache_slots = max(self.kv_cache_slots) + 1
+        self.num_kv_cache_slots = 1 + max(
+            (k for k, g in zip(self.kv_cache_slots, self.stage_layer_groups) if g != self.state_group), default=0
+        )
         # each layer's attention backend, one per group, planned once per step with that group's metadata
         self.layer_backends = make_backends(
             config.attention_backend,
@@ -201,7 +212,16 @@ class ModelRunner:
             if self.device.type == "cpu"
             else torch.zeros(shape, dtype=cache_dtype, device=self.device)
         )
-        self.kv_caches = [(self.kv_cache[i][0], self.kv_cache[i][1]) for i in self.kv_cache_slots]
+        # one float32 state per running request (max_num_seqs slots, as the KV cache manager hands them out) in
+        # each recurrent layer of this stage
+        num_states = self.stage_layer_groups.count(self.state_group) if self.state_group is not None else 0
+        self.state_cache = torch.zeros(
+            num_states, self.config.max_num_seqs, *getattr(self.model, "state_shape", ()), device=self.device
+        )
+        self.kv_caches = [
+            self.state_cache[i] if g == self.state_group else (self.kv_cache[i][0], self.kv_cache[i][1])
+            for i, g in zip(self.kv_cache_slots, self.stage_layer_groups)
+        ]
         if use_graphs:
             self.graphs = CUDAGraphRunner(
                 self.model,
@@ -298,7 +318,7 @@ class ModelRunner:
         self.speculator.update_states(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput() if self.is_driver else None
-        batch = self.input_batch.prepare(scheduler_output, self.block_size, self.device)
+        batch = self.input_batch.prepare(scheduler_output, self.block_size, self.device, self.state_group)
         residual = None
         if not self.pp.is_first:
             residual = self.group.recv_hidden(batch.model_inputs.input_ids.shape[0], self.shape.hidden_size)
@@ -331,7 +351,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(metas[0]):  # one group
             return self.graphs.run(inputs.input_ids, inputs.positions, metas[0])  # plans the padded batch itself
         for backend, meta in zip(self.backends, metas):
-            backend.plan(meta)
+            if backend is not None:  # None: the recurrent layers' group
+                backend.plan(meta)
         layer_metas = [metas[g] for g in self.stage_layer_groups]
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, layer_metas, residual)
 

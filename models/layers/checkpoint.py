@@ -20,15 +20,19 @@ STACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-FUSED = ("qkv_proj", "gate_up_proj")  # checkpoint tensors that hold them stacked already (Phi-3)
+# checkpoint tensors that hold them stacked already (Phi-3), and LFM2's conv in_proj (B | C | x)
+FUSED = ("qkv_proj", "gate_up_proj", "in_proj")
 
 
 def split_fused(config, name: str, tensor) -> list:
-    """(shard index, rows) of a fused checkpoint tensor (the full model's q | k | v, or gate | up), for the
-    layer's weight loader. Raises ValueError when its rows are not the config's sizes."""
-    if name.split(".")[-2] == "qkv_proj":
+    """(shard index, rows) of a fused checkpoint tensor (the full model's q | k | v, gate | up, or B | C | x),
+    for the layer's weight loader. Raises ValueError when its rows are not the config's sizes."""
+    kind = name.split(".")[-2]
+    if kind == "qkv_proj":
         d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         sizes = [config.num_attention_heads * d] + [config.num_key_value_heads * d] * 2
+    elif kind == "in_proj":
+        sizes = [config.hidden_size] * 3
     else:
         sizes = [config.intermediate_size] * 2
     if (tensor.rows if isinstance(tensor, GGUFTensor) else tensor.shape[0]) != sum(sizes):

@@ -5,7 +5,8 @@ Mistral (a sliding window shorter than the prompt), Qwen3 (per-head q/k RMSNorm,
 hidden_size / heads), Phi-3 (fused q/k/v and gate/up tensors, a sliding window), SmolLM3 (a layer without
 rotary), Granite (multipliers), Gemma 2 (soft caps, pre/post norms, GeGLU, alternating windows) and Gemma 3
 (q/k norms, a rope base per layer kind, linear scaling), the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral
-and gpt-oss (attention sinks, biases, a clamped SwiGLU, YaRN; MXFP4 experts); each feature shown to matter. The
+and gpt-oss (attention sinks, biases, a clamped SwiGLU, YaRN; MXFP4 experts), the hybrid LFM2 (conv states beside
+the KV cache); each feature shown to matter. The
 GGUF files llama.cpp's converter makes of them; and the registry's and the loader's errors."""
 
 import dataclasses
@@ -140,6 +141,7 @@ def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
         "qwen2_moe",
         "mixtral",
         "gpt_oss",
+        "lfm2",
     ],
 )
 def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
@@ -150,7 +152,8 @@ def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
     metadata, Gemma's norms stored as 1 + w; Phi-3's fused q/k/v and gate/up tensors stay fused. Phi-3 and
     Gemma 2 come with a SentencePiece vocabulary, which the converter reads from `tokenizer.model`. The mixtures
     of experts arrive with every expert of a projection stacked in one tensor (Mixtral as a "llama" file with
-    experts; gpt-oss's YaRN parameters from the metadata, its sinks, router and expert biases as tensors)."""
+    experts; gpt-oss's YaRN parameters from the metadata, its sinks, router and expert biases as tensors; LFM2's
+    conv layers told by their zero KV heads, its MLP width already adjusted)."""
     if llama_cpp.converter() is None:
         pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
     tokenizer, edits = llm.tokenizer, GGUF_EDITS.get(name, {})
@@ -294,3 +297,26 @@ def test_quantized_directory_of_another_method_is_refused(tmp_path):
     config = CONFIGS["gpt_oss"]().to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert load_config(str(tmp_path)).model_type == "gpt_oss"
+
+
+@pytest.mark.slow
+def test_lfm2_conv_states_across_chunks_batches_and_preemption(llm, tmp_path):
+    """LFM2's conv layers keep a state slot per running request beside the paged KV cache: prompts of 1 to 131
+    tokens run together in chunks of 32 (a state carried from chunk to chunk, decodes batched), with a KV cache
+    too small for all of them at once (requests preempted, their state computed again from the first token);
+    every request gives transformers' tokens, and no state slot or block is left held. Prefix caching is off
+    for such a model; speculative decoding is refused."""
+    ref_model = save_tiny_model("lfm2", tmp_path, llm.tokenizer)
+    full = llm.tokenizer.encode(PROMPT + "Pack my box with five dozen liquor jugs. " * 2)
+    prompts = [full[:n] for n in (1, 5, 40, 131, 77)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ours = make_llm(model=str(tmp_path), max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=14)
+    kv = ours.engine.engine_core.kv
+    assert kv.num_groups == 2 and kv.state_group == 1 and not kv.pool.enable_caching
+    outs = ours.generate(prompts, params, use_tqdm=False)
+    assert ours.engine.engine_core.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_matches(out.outputs[0].token_ids, hf_greedy(ref_model, prompt, 24))
+    assert kv.state_pool.num_free_blocks == 4 and kv.pool.num_free_blocks == kv.num_blocks and not kv.req_blocks
+    with pytest.raises(ValueError, match="speculative_config is not supported for a model with recurrent layers"):
+        make_llm(model=str(tmp_path), speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -2,10 +2,13 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from engine.core.kv_cache_manager import BlockPool, KVCacheManager, hash_block
 from engine.core.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
     blocks_per_request,
     kv_cache_groups,
@@ -207,3 +210,31 @@ def test_longest_request_that_fits_counts_every_groups_blocks():
     assert max_request_tokens(mixed, 71, 16, 64, 4096) == 63 * 16
     assert max_request_tokens([KVCacheGroupSpec((0,), sliding)], 8, 16, 64, 4096) == 4096
     assert max_request_tokens(mixed, 2, 16, 64, 4096) == 0  # the null block and one more: no token fits
+
+
+def test_recurrent_layers_hold_one_state_slot_per_request():
+    """LFM2-like: attention layers 2 and 4 in one group, the conv layers' states last (MambaSpec): a request takes
+    one slot at its first allocation whatever its length and gives it back when freed (finished or preempted);
+    with every slot taken an allocation fails and changes nothing; the slot is no KV block (not in the pool's
+    counts); prefix caching is refused."""
+    groups = kv_cache_groups([None] * 5, 5, (0, 1, 3))
+    assert groups == [KVCacheGroupSpec((2, 4), FullAttentionSpec()), KVCacheGroupSpec((0, 1, 3), MambaSpec())]
+    assert blocks_per_request(groups, 40, 4, 8) == 10  # the attention group's blocks only
+    specs = tuple(g.kv_cache_spec for g in groups)
+    with pytest.raises(ValueError, match="prefix caching"):
+        KVCacheManager(16, 4, True, specs, 2)
+    kv = KVCacheManager(16, 4, False, specs, num_state_slots=2)
+    a, b, c = seq("a", range(10)), seq("b", range(3)), seq("c", range(5))
+    assert kv.allocate_slots(a, 10) and kv.allocate_slots(b, 3)
+    assert [len(t) for t in kv.req_blocks["a"]] == [3, 1] and kv.state_pool.num_free_blocks == 0
+    assert kv.num_held_blocks("a") == 3 and kv.pool.num_free_blocks == 16 - 3 - 1
+    assert not kv.allocate_slots(c, 5) and "c" not in kv.req_blocks and kv.pool.num_free_blocks == 12
+    a.num_computed_tokens = 10
+    before = kv.table_lengths("a")
+    slot = kv.block_ids("a")[1]
+    assert kv.allocate_slots(a, 3)  # a fourth KV block, the same state slot
+    assert kv.block_ids("a", before) == ([kv.req_blocks["a"][0][-1].block_id], []) and kv.block_ids("a")[1] == slot
+    kv.free(b)
+    assert kv.state_pool.num_free_blocks == 1 and kv.allocate_slots(c, 5)
+    kv.free(a), kv.free(c)
+    assert kv.state_pool.num_free_blocks == 2 and kv.pool.num_free_blocks == 16
