@@ -33,7 +33,6 @@
  * Threads split W's rows. x [M, K] float32 or bfloat16 (rows x_stride apart), y [M, N] float32 or
  * bfloat16 (rows y_stride apart). Functions return -1 for a type they do not know (nothing written).
  */
-#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -49,6 +48,13 @@
 static const float KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 /* MXFP4's: the E2M1 values times two (ggml's kvalues_mxfp4) */
 static const float FP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* MXFP4's block scale byte e as ggml reads it (e8m0_to_fp32_half): 2^(e - 128), exact (subnormal for e < 2) */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 /* the table a type's codes index, or NULL where a code is its own value */
 static inline const float *code_table(int type) {
     return type == IQ4_NL || type == IQ4_XS ? KVALUES : type == MXFP4 ? FP4_VALUES : NULL;
@@ -123,7 +129,7 @@ static void unpack_row(int type, const uint8_t *row, int nb, uint8_t *q, float *
                 q[32 * b + j] = qs[j] & 0xF;
                 q[32 * b + j + 16] = qs[j] >> 4;
             }
-            scale[2 * b] = scale[2 * b + 1] = type == MXFP4 ? ldexpf(1.f, (int)blk[0] - 128) : fp16_to_f32(blk);
+            scale[2 * b] = scale[2 * b + 1] = type == MXFP4 ? e8m0_half(blk[0]) : fp16_to_f32(blk);
             min[2 * b] = min[2 * b + 1] = 0.f;
         }
         break;
@@ -707,7 +713,8 @@ int gguf_r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, i
  * computes exactly sum (d q + m) (dx xq), the dot of the dequantized weights with the rounded activations; the
  * float sum instead left m sum(x - dx xq) over, +2.8% perplexity on the default Q4_1 model). A 32-weight chunk's
  * codes q are decoded into one 256-bit register (Q4_0 / Q4_1 nibbles, Q5_0 / Q5_1 plus a fifth bit, Q8_0 bytes,
- * Q4_K / Q5_K sub-blocks, Q6_K's 6-bit codes) and multiplied with _mm256_maddubs_epi16 (unsigned x signed bytes,
+ * Q4_K / Q5_K sub-blocks, Q6_K's 6-bit codes; IQ4_NL's and MXFP4's nibbles through their value tables, one byte
+ * shuffle) and multiplied with _mm256_maddubs_epi16 (unsigned x signed bytes,
  * pairs summed to int16; codes ≤ 63, so no int16 saturates) and _mm256_madd_epi16 (to int32): signed codes (Q4_0
  * q - 8, Q5_0 q - 16, Q6_K q - 32, Q8_0) as |q| against xq with q's sign. A chunk adds s dx dot + m sx, with s
  * its scale (Q6_K: one per 16, the int32 lanes 0-3 and 4-7) and m its offset. Not exact: the activations'
@@ -732,6 +739,13 @@ AVX2 static inline __m256i nibbles32(const uint8_t *qs) { /* the bytes in both h
     const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
     const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
     return _mm256_and_si256(_mm256_srlv_epi32(raw, shift), _mm256_set1_epi8(0x0F));
+}
+
+/* the signed int8 values of 32 codes 0..15 through a 16-entry table (IQ4_NL's KVALUES, MXFP4's FP4_VALUES) */
+AVX2 static inline __m256i table32(__m256i codes, const float *table) {
+    int8_t t[16];
+    for (int i = 0; i < 16; i++) t[i] = (int8_t)table[i];
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t)), codes);
 }
 
 /* the two float16 at p (a block's d and m) as floats */
@@ -820,6 +834,13 @@ Q8_INLINE void q8_block(const Q8Acts *a, const int M, const int type, const uint
     case Q8_0:
         q8_chunk(a, M, k, _mm256_loadu_si256((const __m256i *)(blk + 2)), 1, _mm256_set1_ps(half_to_f32(blk)), 0, 0.f,
                  acc, bias);
+        break;
+    case IQ4_NL:
+        q8_chunk(a, M, k, table32(nibbles32(blk + 2), KVALUES), 1, _mm256_set1_ps(half_to_f32(blk)), 0, 0.f, acc, bias);
+        break;
+    case MXFP4:
+        q8_chunk(a, M, k, table32(nibbles32(blk + 1), FP4_VALUES), 1, _mm256_set1_ps(e8m0_half(blk[0])), 0, 0.f, acc,
+                 bias);
         break;
     case Q4_K:
     case Q5_K: { /* Q8_K activations: sum_sb sc_sb (q . xq)_sb in int32, one float step per super-block */
@@ -918,6 +939,8 @@ Q8_INLINE void q8_quad(const Q8Acts *a, const int M, const int type, const uint8
         case Q5_0: q[i] = _mm256_or_si256(nibbles32(b + 6), fifth_bits32(b + 2)); break;
         case Q5_1: q[i] = _mm256_or_si256(nibbles32(b + 8), fifth_bits32(b + 4)); break;
         case Q8_0: q[i] = _mm256_loadu_si256((const __m256i *)(b + 2)); break;
+        case IQ4_NL: q[i] = table32(nibbles32(b + 2), KVALUES); break;
+        case MXFP4: q[i] = table32(nibbles32(b + 1), FP4_VALUES); break;
         }
     }
     /* the four blocks' float16 d (and m) gathered into one vector and converted at once (ik_llama.cpp's
@@ -926,7 +949,10 @@ Q8_INLINE void q8_quad(const Q8Acts *a, const int M, const int type, const uint8
     for (int i = 0; i < 4; i++) memcpy(&u[i], blk + i * bb, sizeof(uint32_t)); /* d, then m or the codes */
     const __m128i raw = _mm_loadu_si128((const __m128i *)u);
     __m128 dw, mw;
-    if (type == Q4_1 || type == Q5_1) { /* d0 m0 d1 m1 ... -> d0..d3 m0..m3 */
+    if (type == MXFP4) { /* a power-of-two scale byte per block, no offset */
+        dw = _mm_setr_ps(e8m0_half(blk[0]), e8m0_half(blk[bb]), e8m0_half(blk[2 * bb]), e8m0_half(blk[3 * bb]));
+        mw = _mm_setzero_ps();
+    } else if (type == Q4_1 || type == Q5_1) { /* d0 m0 d1 m1 ... -> d0..d3 m0..m3 */
         const __m256 dm = _mm256_cvtph_ps(_mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10,
                                                                                11, 14, 15)));
         dw = _mm256_castps256_ps128(dm), mw = _mm256_extractf128_ps(dm, 1);
@@ -934,7 +960,7 @@ Q8_INLINE void q8_quad(const Q8Acts *a, const int M, const int type, const uint8
         dw = _mm_cvtph_ps(_mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1)));
         mw = _mm_mul_ps(dw, _mm_set1_ps(type == Q4_0 ? -8.f : type == Q5_0 ? -16.f : 0.f));
     }
-    const int is_signed = type == Q8_0;
+    const int is_signed = type == Q8_0 || type == IQ4_NL || type == MXFP4; /* the table types' values are signed */
     __m256i qa[4];
     for (int i = 0; i < 4; i++) qa[i] = is_signed ? _mm256_sign_epi8(q[i], q[i]) : q[i];
     for (int j = 0; j < M; j++) {
@@ -948,7 +974,7 @@ Q8_INLINE void q8_quad(const Q8Acts *a, const int M, const int type, const uint8
         const __m128 s = _mm_mul_ps(dw, _mm_loadu_ps(a->xd + j * nb + c));
         acc[j] = _mm256_fmadd_ps(_mm256_set_m128(s, s), _mm256_cvtepi32_ps(sum4(p[0], p[1], p[2], p[3], !is_signed)),
                                  acc[j]);
-        if (type != Q8_0) bias4[j] = _mm_fmadd_ps(mw, _mm_loadu_ps(a->xs + j * nb + c), bias4[j]);
+        if (!is_signed) bias4[j] = _mm_fmadd_ps(mw, _mm_loadu_ps(a->xs + j * nb + c), bias4[j]);
     }
 }
 
@@ -1008,14 +1034,16 @@ Q8_RANGES(Q8_0)
 Q8_RANGES(Q4_K)
 Q8_RANGES(Q5_K)
 Q8_RANGES(Q6_K)
+Q8_RANGES(IQ4_NL)
+Q8_RANGES(MXFP4)
 
 /* the kernel specialised for `type` and M rows (1 <= M <= Q8_MAX_ROWS, type one of q8_type's) */
 static q8_range_fn q8_kernel(int type, int M) {
-    static const q8_range_fn table[][Q8_MAX_ROWS] = {Q8_TABLE_ROW(Q4_0), Q8_TABLE_ROW(Q4_1), Q8_TABLE_ROW(Q5_0),
-                                                     Q8_TABLE_ROW(Q5_1), Q8_TABLE_ROW(Q8_0), Q8_TABLE_ROW(Q4_K),
-                                                     Q8_TABLE_ROW(Q5_K), Q8_TABLE_ROW(Q6_K)};
+    static const q8_range_fn table[][Q8_MAX_ROWS] = {
+        Q8_TABLE_ROW(Q4_0), Q8_TABLE_ROW(Q4_1), Q8_TABLE_ROW(Q5_0), Q8_TABLE_ROW(Q5_1),   Q8_TABLE_ROW(Q8_0),
+        Q8_TABLE_ROW(Q4_K), Q8_TABLE_ROW(Q5_K), Q8_TABLE_ROW(Q6_K), Q8_TABLE_ROW(IQ4_NL), Q8_TABLE_ROW(MXFP4)};
     const int t = type == Q4_0 ? 0 : type == Q4_1 ? 1 : type == Q5_0 ? 2 : type == Q5_1 ? 3 : type == Q8_0 ? 4
-                : type == Q4_K ? 5 : type == Q5_K ? 6 : 7;
+                : type == Q4_K ? 5 : type == Q5_K ? 6 : type == Q6_K ? 7 : type == IQ4_NL ? 8 : 9;
     return table[t][M - 1];
 }
 
@@ -1070,7 +1098,7 @@ AVX2 static void q8_quantize_f32(const float *v, int group, int8_t *q, float *am
 
 static int q8_type(int type) {
     return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K ||
-           type == Q5_K || type == Q6_K;
+           type == Q5_K || type == Q6_K || type == IQ4_NL || type == MXFP4;
 }
 
 /* 1 when this CPU runs gguf_q8_linear (AVX2, FMA, F16C), else 0 */
