@@ -25,7 +25,7 @@ from models.layers.checkpoint import keep_norms_float32, load_checkpoint
 from models.layers.layernorm import HeadRMSNorm, RMSNorm
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.layers.rotary_embedding import RotaryEmbedding
-from models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from models.layers.vocab_parallel_embedding import embedding_and_head
 from models.quantization.gguf import GGUFConfig
 
 
@@ -116,11 +116,7 @@ class GemmaForCausalLM(nn.Module):
         )
         self.pp = pp = pp or PPStage.whole(n)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, quant_config)
-            if pp.is_first or (pp.is_last and self.tie_word_embeddings)
-            else PPMissingLayer()
-        )
+        self.embed_tokens, self.lm_head = embedding_and_head(config, tp, quant_config, pp, self.tie_word_embeddings)
         backends = backend if isinstance(backend, list) else [backend] * n
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(config, shape, backends[i], tp, quant_config, kinds[i])
@@ -131,13 +127,6 @@ class GemmaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else PPMissingLayer()
         self.quantized = quant_config is not None
         self.normalizer = math.sqrt(config.hidden_size)
-        self.lm_head = (
-            None
-            if self.tie_word_embeddings
-            else ParallelLMHead(config.vocab_size, config.hidden_size, tp, quant_config)
-            if pp.is_last
-            else PPMissingLayer()
-        )
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
 
     def forward(

@@ -24,7 +24,7 @@ from models.layers.layernorm import RMSNorm
 from models.layers.mlp import SwiGLUMLP
 from models.layers.rotary_embedding import RotaryEmbedding
 from models.layers.short_conv import ShortConv, StateMetadata
-from models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from models.layers.vocab_parallel_embedding import embedding_and_head
 from models.quantization.gguf import GGUFConfig
 
 # the checkpoint's names -> the shared layers' (load_checkpoint stacks w1/w3 as gate_up_proj)
@@ -98,24 +98,13 @@ class Lfm2ForCausalLM(nn.Module):
         self.pp = pp = pp or PPStage.whole(n)
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_model_len)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, quant_config)
-            if pp.is_first or (pp.is_last and self.tie_word_embeddings)
-            else PPMissingLayer()
-        )
+        self.embed_tokens, self.lm_head = embedding_and_head(config, tp, quant_config, pp, self.tie_word_embeddings)
         backends = backend if isinstance(backend, list) else [backend] * n
         self.layers = nn.ModuleList(
             Lfm2DecoderLayer(config, shape, backends[i], tp, quant_config, kind) if pp.holds(i) else PPMissingLayer()
             for i, kind in enumerate(kinds)
         )
         self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps) if pp.is_last else PPMissingLayer()
-        self.lm_head = (
-            None
-            if self.tie_word_embeddings
-            else ParallelLMHead(config.vocab_size, config.hidden_size, tp, quant_config)
-            if pp.is_last
-            else PPMissingLayer()
-        )
         self.quantized = quant_config is not None
         self.supports_cuda_graphs = False  # the conv layers loop over the step's sequences on the host
         self.state_shape = (config.conv_L_cache - 1, config.hidden_size // (tp.world_size if tp else 1))

@@ -26,7 +26,7 @@ from models.layers.fused_moe import SparseMoeBlock, gpt_oss_tensors, is_sparse_l
 from models.layers.layernorm import RMSNorm
 from models.layers.mlp import SwiGLUMLP
 from models.layers.rotary_embedding import RotaryEmbedding
-from models.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from models.layers.vocab_parallel_embedding import embedding_and_head
 from models.quantization.gguf import GGUFConfig
 
 
@@ -112,11 +112,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_model_len)
         bias = qkv_bias or bool(getattr(config, "attention_bias", False))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, quant_config)
-            if pp.is_first or (pp.is_last and self.tie_word_embeddings)
-            else PPMissingLayer()
-        )
+        self.embed_tokens, self.lm_head = embedding_and_head(config, tp, quant_config, pp, self.tie_word_embeddings)
         backends = backend if isinstance(backend, list) else [backend] * config.num_hidden_layers
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, shape, backends[i], bias, tp, qk_norm, quant_config, i, qkv_bias)
@@ -131,13 +127,6 @@ class LlamaForCausalLM(nn.Module):
         # Granite's multipliers of the embeddings and divisor of the logits (1 elsewhere)
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
-        self.lm_head = (
-            None
-            if self.tie_word_embeddings
-            else ParallelLMHead(config.vocab_size, config.hidden_size, tp, quant_config)
-            if pp.is_last
-            else PPMissingLayer()
-        )
 
     def forward(
         self,

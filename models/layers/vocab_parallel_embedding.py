@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.distributed.group import TPGroup
+from models.distributed.pipeline import PPMissingLayer, PPStage
 from models.kernels import ops
 from models.layers.linear import _placeholder, _rank_size
 from models.quantization.gguf import GGUFConfig
@@ -76,3 +77,20 @@ class ParallelLMHead(VocabParallelEmbedding):
     def reset_parameters(self) -> None:
         bound = 1 / math.sqrt(self.weight.shape[1])
         nn.init.uniform_(self.weight, -bound, bound)
+
+
+def embedding_and_head(
+    config, tp: TPGroup | None, quant_config: GGUFConfig | None, pp: PPStage, tie: bool
+) -> tuple[nn.Module, nn.Module | None]:
+    """A decoder's token embedding and LM head as one pipeline stage holds them: the embedding on the first stage
+    (and on the last when the head is `tie`d to it), the head (None when tied) on the last; PPMissingLayer on the
+    stages without them."""
+    embed = (
+        VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, quant_config)
+        if pp.is_first or (pp.is_last and tie)
+        else PPMissingLayer()
+    )
+    if tie:
+        return embed, None
+    head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, quant_config) if pp.is_last else PPMissingLayer()
+    return embed, head
