@@ -102,7 +102,8 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = freqs.cos(), freqs.sin()
         params = rope_params(self.config, self.layer_type)
         if params.get("rope_type", params.get("type")) == "yarn":  # YaRN scales cos and sin (transformers' way)
-            self.cos, self.sin = self.cos * yarn_attention_factor(params), self.sin * yarn_attention_factor(params)
+            scale = yarn_attention_factor(params)
+            self.cos, self.sin = self.cos * scale, self.sin * scale
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of positions (int64 [T]): float32 [T, head_dim // 2] each, gathered once per step."""

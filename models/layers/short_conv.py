@@ -55,7 +55,7 @@ class CausalConv1d(nn.Module):
 class ShortConv(nn.Module):
     """LFM2's conv layer: x [T, hidden] -> [T, hidden] in x's dtype. Under tensor parallelism each rank holds a
     slice of the channels (in_proj's three chunks column-parallel, out_proj row-parallel). Its state, per slot:
-    float32 [L - 1, hidden / ranks] (`state_shape`)."""
+    float32 [L - 1, hidden / ranks] (the model's `state_shape`, which the model runner allocates)."""
 
     def __init__(
         self, hidden_size: int, kernel: int, bias: bool, tp: TPGroup | None, quant_config: GGUFConfig | None = None
@@ -68,10 +68,6 @@ class ShortConv(nn.Module):
         self.in_proj = ColumnParallelLinear.merged(hidden_size, [hidden_size] * 3, False, tp, quant_config)
         self.conv = CausalConv1d(hidden_size, kernel, tp)
         self.out_proj = RowParallelLinear(hidden_size, hidden_size, tp, quant_config)
-
-    @property
-    def state_shape(self) -> tuple[int, int]:
-        return (self.kernel - 1, self.channels)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         """x: the step's normed hidden states [T, hidden]; state: this layer's float32 [slots, L - 1, channels],
