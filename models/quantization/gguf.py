@@ -56,8 +56,7 @@ PORTABLE_MAX_ROWS = 8
 Q8_GEMM_MAX_ROWS = 64
 # the types whose blocks the AVX2 kernel multiplies with int8 activations (llama.cpp's arithmetic) by default;
 # with MINIVLLM_GGUF_ACTIVATIONS=float they take the exact float32 portable kernel. IQ4_NL and MXFP4 (gpt-oss's
-# experts) through a byte-shuffle table: 17-20x the portable kernel at one row on a 2880 x 2880 weight (AVX2 EPYC,
-# 2 threads)
+# experts) take their values through a byte-shuffle table
 Q8_TYPES = (
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
