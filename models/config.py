@@ -3,8 +3,9 @@ attention backend and the KV cache are sized by."""
 
 from dataclasses import dataclass
 
-# layer kinds (`layer_types`) that keep a fixed-size state per request instead of K/V: LFM2's short convolutions
-STATE_LAYER_TYPES = ("conv",)
+# layer kinds (`layer_types`) that keep a fixed-size state per request instead of K/V: LFM2's short convolutions,
+# Qwen3.5's Gated DeltaNet (linear attention)
+STATE_LAYER_TYPES = ("conv", "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,8 @@ class ModelShape:
     None for full attention (layer_sliding_windows). attention_scale: what the attention scores are multiplied
     by when it is not 1 / sqrt(head_dim) (Granite's attention_multiplier, Gemma's query_pre_attn_scalar), else
     None. attn_logit_softcapping: the attention scores' soft cap (Gemma 2), else None. state_layers: the layers
-    that keep a fixed-size state per request and no K/V (STATE_LAYER_TYPES: LFM2's convolutions).
+    that keep a fixed-size state per request and no K/V (STATE_LAYER_TYPES: LFM2's convolutions, Qwen3.5's Gated
+    DeltaNet).
     """
 
     num_layers: int

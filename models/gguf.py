@@ -38,11 +38,12 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
 }
 # architectures whose q/k rows llama.cpp's converter interleaves (LlamaModel.permute), undone at load
 PERMUTED = ("llama", "smollm3", "granite")
 # architectures whose norms the converter stores as 1 + w (Gemma's scale); w is given back to the model
-NORM_SHIFTED = ("gemma2", "gemma3")
+NORM_SHIFTED = ("gemma2", "gemma3", "qwen35")
 # GGUF tensor name (after blk.N.) -> Hugging Face name (after model.layers.N.)
 LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -88,6 +89,20 @@ LFM2_TENSORS = LAYER_TENSORS | {
     "shortconv.in_proj": "conv.in_proj",
     "shortconv.out_proj": "conv.out_proj",
 }
+# Qwen3.5's: the norm before its MLP, its gated attention (q_proj: per head the queries then the gates), and the
+# Gated DeltaNet's projections, convolution, decay (ssm_a: A = -exp(A_log)), time-step bias and gated norm
+QWEN35_TENSORS = LAYER_TENSORS | {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+# per-layer parameters whose GGUF names have no .weight / .bias of the Hugging Face kind
+QWEN35_PARAMETERS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
 MODEL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "token_embd_norm.weight": "model.embedding_norm.weight",  # LFM2's final norm
@@ -210,6 +225,12 @@ class GGUFModelConfig:
     norm_eps: float | None = None  # LFM2 (its MLP width already adjusted in the file: no block_* fields)
     conv_L_cache: int | None = None
     conv_bias: bool = False
+    linear_conv_kernel_dim: int | None = None  # Qwen3.5's Gated DeltaNet
+    linear_key_head_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_value_heads_tiled: bool = False  # llama.cpp's order of the value heads (GatedDeltaNet's tiled_heads)
 
 
 def load_gguf_config(path: str) -> GGUFModelConfig:
@@ -227,7 +248,9 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
     layers = _key(path, md, "block_count")
     head_dim = _key(path, md, "attention.key_length", hidden // heads)
     rope_dims = md.get(f"{arch}.rope.dimension_count", head_dim)
-    if rope_dims != head_dim:  # Phi-4-mini, ...: rotary on part of each head
+    if arch == "qwen35":  # rotary on a quarter of each head; its sections all read a text token's one position
+        rope["partial_rotary_factor"] = rope_dims / head_dim
+    elif rope_dims != head_dim:  # Phi-4-mini, ...: rotary on part of each head
         raise ValueError(
             f"{path}: rope.dimension_count {rope_dims} < head_dim {head_dim} (partial rotary) is not supported"
         )
@@ -253,6 +276,19 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
             norm_eps=_key(path, md, "attention.layer_norm_rms_epsilon"),
             conv_L_cache=_key(path, md, "shortconv.l_cache"),
         )
+    elif arch == "qwen35":  # the DeltaNet's sizes under llama.cpp's ssm names; its value heads in tiled order
+        value_heads = _key(path, md, "ssm.time_step_rank")
+        extra = dict(
+            layer_types=[
+                "linear_attention" if r else "full_attention" for r in md["qwen35.attention.recurrent_layers"][:layers]
+            ],
+            linear_conv_kernel_dim=_key(path, md, "ssm.conv_kernel"),
+            linear_key_head_dim=_key(path, md, "ssm.state_size"),
+            linear_num_key_heads=_key(path, md, "ssm.group_count"),
+            linear_num_value_heads=value_heads,
+            linear_value_head_dim=_key(path, md, "ssm.inner_size") // value_heads,
+            linear_value_heads_tiled=True,
+        )
     elif arch == "gpt-oss":  # llama.cpp's rules: the window on every other layer from the first, fixed SwiGLU clamp
         window = md.get("gpt-oss.attention.sliding_window")
         extra = dict(
@@ -272,7 +308,7 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         )
     return GGUFModelConfig(
         architectures=[ARCHITECTURES[arch]],
-        model_type={"gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}.get(arch, arch),
+        model_type={"gemma3": "gemma3_text", "gpt-oss": "gpt_oss", "qwen35": "qwen3_5_text"}.get(arch, arch),
         hidden_act="gelu_pytorch_tanh" if arch.startswith("gemma") else "silu",
         num_hidden_layers=layers,
         hidden_size=hidden,
@@ -398,8 +434,12 @@ def load_gguf_tokenizer(path: str, cache: Path | None = None):
 def _hf_name(path: str, name: str, arch: str) -> str:
     if name in MODEL_TENSORS:
         return MODEL_TENSORS[name]
-    names = {"phi3": PHI3_TENSORS, "gpt-oss": GPT_OSS_TENSORS, "lfm2": LFM2_TENSORS}.get(arch, LAYER_TENSORS)
+    names = {"phi3": PHI3_TENSORS, "gpt-oss": GPT_OSS_TENSORS, "lfm2": LFM2_TENSORS, "qwen35": QWEN35_TENSORS}.get(
+        arch, LAYER_TENSORS
+    )
     names = GEMMA_TENSORS if arch.startswith("gemma") else names
+    if arch == "qwen35" and (m := re.fullmatch(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)", name)):
+        return f"model.layers.{m[1]}.{QWEN35_PARAMETERS[m[2]]}"
     m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)", name)
     if m is None or m[2] not in names:
         raise ValueError(f"{path}: tensor {name} is not one this server knows how to load")
@@ -476,6 +516,8 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
                 if isinstance(w, GGUFTensor)
                 else w[order].contiguous()
             )
-        if shifted and name.endswith("norm.weight"):  # the converter's 1 + w back to w
+        if shifted and name.endswith("norm.weight") and ".linear_attn." not in name:  # the converter's 1 + w back
             w = w - 1
+        if name.endswith(".A_log"):  # the converter's A = -exp(A_log) back to A_log
+            w = torch.log(-w)
         yield name, w

@@ -20,6 +20,7 @@ from models.distributed.group import TPGroup
 from models.distributed.pipeline import PPMissingLayer, PPStage
 from models.layers.attention import SelfAttention
 from models.layers.checkpoint import keep_norms_float32, load_checkpoint
+from models.layers.decoder_stack import run_layers
 from models.layers.layernorm import RMSNorm
 from models.layers.mlp import SwiGLUMLP
 from models.layers.rotary_embedding import RotaryEmbedding
@@ -119,13 +120,7 @@ class Lfm2ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """As LlamaForCausalLM.forward; a conv layer's entries of kv_caches and attn_metadata are its state
         tensor and the step's StateMetadata."""
-        if self.pp.is_first:
-            residual = self.embed_tokens(input_ids).float()
-        x, rope = None, self.rotary(positions)
-        layers = self.layers[self.pp.start_layer : self.pp.end_layer]
-        for layer, cache, meta in zip(layers, kv_caches, attn_metadata):
-            x = layer(residual, x, rope, cache, meta)
-        return self.embedding_norm(residual, x) if self.pp.is_last else residual.add_(x)
+        return run_layers(self, input_ids, positions, kv_caches, attn_metadata, residual, self.embedding_norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)

@@ -72,6 +72,11 @@ def load_config(model_path: str):
             f"{model_path}: quantization_config quant_method {str(method)!r} is not supported "
             "(serve the model's GGUF file, or its unquantized directory)"
         )
+    if config.model_type == "qwen3_5":  # a multimodal checkpoint: its language model is what is served
+        text = config.get_text_config()
+        text.architectures = config.architectures
+        text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
+        config = text
     return config
 
 

@@ -3,6 +3,7 @@
 from models.gemma import GemmaForCausalLM
 from models.lfm2 import Lfm2ForCausalLM
 from models.llama import LlamaForCausalLM
+from models.qwen3_5 import Qwen3_5ForCausalLM
 
 # architecture -> (class, extra constructor kwargs)
 _REGISTRY = {
@@ -20,6 +21,8 @@ _REGISTRY = {
     "Gemma2ForCausalLM": (GemmaForCausalLM, {}),
     "Gemma3ForCausalLM": (GemmaForCausalLM, {}),
     "Lfm2ForCausalLM": (Lfm2ForCausalLM, {}),
+    "Qwen3_5ForCausalLM": (Qwen3_5ForCausalLM, {}),
+    "Qwen3_5ForConditionalGeneration": (Qwen3_5ForCausalLM, {}),
 }
 
 

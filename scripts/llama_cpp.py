@@ -56,12 +56,13 @@ def converter() -> Path | None:
     return path if path.exists() else None
 
 
-def convert(hf_dir: str | Path, out: str | Path, outtype: str = "f32") -> Path:
+def convert(hf_dir: str | Path, out: str | Path, outtype: str = "f32", *args: str) -> Path:
     """Converts a Hugging Face directory to a GGUF file with llama.cpp's own converter, as users' files are
-    made. Raises RuntimeError with the converter's output when it fails."""
+    made (`args`: more of its flags, such as --no-mtp). Raises RuntimeError with the converter's output when it
+    fails."""
     script = converter() or fetch_source() / "convert_hf_to_gguf.py"
     done = subprocess.run(
-        [sys.executable, str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
+        [sys.executable, str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype, *args],
         capture_output=True,
         text=True,
     )

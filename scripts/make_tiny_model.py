@@ -27,6 +27,7 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     SmolLM3Config,
@@ -130,6 +131,15 @@ CONFIGS = {
         block_multiple_of=16,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
+    "qwen3_5": lambda: Qwen3_5TextConfig(  # DeltaNet layers around a gated attention layer, 2 value heads per key head
+        **COMMON | dict(num_hidden_layers=4, head_dim=32),
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    ),
     "granite": lambda: GraniteConfig(  # multipliers far from 1, so that each one changes the output
         **COMMON, embedding_multiplier=12.0, attention_multiplier=1.0, residual_multiplier=0.5, logits_scaling=6.0
     ),
@@ -154,6 +164,11 @@ def save_tiny_model(arch: str, path, tokenizer, mxfp4: bool = False, **overrides
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.self_attn.q_norm.weight, mean=1.0, std=0.5)
             torch.nn.init.normal_(layer.self_attn.k_norm.weight, mean=1.0, std=0.5)
+    if arch == "qwen3_5":  # its norms start at zero (scale 1 + w) or one (the DeltaNet's); make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                with torch.no_grad():
+                    torch.nn.init.normal_(p, mean=1.0 if "linear_attn" in name else 0.0, std=0.3)
     if arch == "gpt_oss":  # sinks large enough to take much of each softmax; biases and norms that matter
         for name, p in model.named_parameters():
             with torch.no_grad():

@@ -3,6 +3,7 @@ SchedulerOutput into tokens."""
 
 import dataclasses
 import logging
+import math
 import os
 
 import torch
@@ -248,11 +249,27 @@ class ModelRunner:
             * self.backend.cache_dtype(self.dtype).itemsize
         )
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of this stage's recurrent-layer states (state_cache): float32, one per slot of max_num_seqs."""
+        if self.state_group is None:
+            return 0
+        layers = self.stage_layer_groups.count(self.state_group)
+        return 4 * layers * self.config.max_num_seqs * math.prod(getattr(self.model, "state_shape", ()))
+
     def available_kv_blocks(self, kv_cache_memory: int) -> int:
-        """KV blocks that fit this rank's budget: `kv_cache_memory` bytes on the CPU; on CUDA what
-        gpu_memory_utilization leaves after the weights and a profiled forward; `num_gpu_blocks_override`
-        when set. Raises ValueError below one block."""
+        """KV blocks that fit this rank's budget: `kv_cache_memory` bytes on the CPU (less the recurrent layers'
+        states: state_bytes); on CUDA what gpu_memory_utilization leaves after the weights and a profiled forward;
+        `num_gpu_blocks_override` when set. Raises ValueError below one block."""
         budget = self._profile_cuda_budget() if self.device.type == "cuda" else kv_cache_memory
+        if self.state_bytes:  # the recurrent layers' states come out of the same budget
+            if budget - self.state_bytes < self.block_bytes:
+                raise ValueError(
+                    f"KV cache budget of {budget} bytes does not hold the recurrent layers' states of "
+                    f"{self.config.max_num_seqs} requests ({self.state_bytes} bytes) and one block; lower "
+                    f"--max-num-seqs or raise --kv-cache-memory"
+                )
+            budget -= self.state_bytes
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:
             raise ValueError(f"KV cache budget of {budget} bytes is below one block ({self.block_bytes} bytes)")

@@ -16,7 +16,9 @@ class SelfAttention(nn.Module):
     """A decoder's self-attention: fused q/k/v projection (column-parallel), optional per-head q/k RMSNorm
     (Qwen3, Gemma 3), rotary positions (unless `use_rope` is False: SmolLM3's NoPE layers), the paged
     attention backend (which holds the layer's scale, sliding window and soft cap), o_proj (row-parallel; with a
-    bias where `o_bias`: gpt-oss). With `sinks` the layer learns a logit per query head (`self.sinks`, float32
+    bias where `o_bias`: gpt-oss). `rotary_dim`: the leading features of each head that rotate (all by default;
+    partial rotary, Qwen3.5); `output_gate`: the output multiplied by sigmoid of a gate that q_proj also projects
+    (Qwen3.5; qkv_proj's fourth part). With `sinks` the layer learns a logit per query head (`self.sinks`, float32
     [num_heads] of this rank) that joins each softmax (gpt-oss's attention sinks); raises ValueError when the
     backend does not take them."""
 
@@ -31,14 +33,18 @@ class SelfAttention(nn.Module):
         use_rope: bool = True,
         o_bias: bool = False,
         sinks: bool = False,
+        rotary_dim: int | None = None,
+        output_gate: bool = False,
     ):
         super().__init__()
         self.use_rope = use_rope  # SmolLM3 leaves every fourth layer without positions (NoPE)
+        self.rotary_dim = rotary_dim or shape.head_dim  # Qwen3.5 rotates the first quarter of each head
+        self.output_gate = output_gate
         # this rank's heads (all of them without tensor parallelism)
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_size = self.num_heads * self.head_dim
         # q, k and v projections fused into one matmul; the loader stacks the checkpoint's three.
-        self.qkv_proj = ColumnParallelLinear.qkv(shape, bias, tp, quant_config)
+        self.qkv_proj = ColumnParallelLinear.qkv(shape, bias, tp, quant_config, gate=output_gate)
         self.o_proj = RowParallelLinear(
             shape.total_num_heads * self.head_dim, shape.hidden_size, tp, quant_config, bias=o_bias
         )
@@ -74,14 +80,17 @@ class SelfAttention(nn.Module):
         # q, k, v in the attention dtype (the model's; a quantized cache's storage is not one to compute in)
         dtype = self.backend.dtype or kv_cache[0].dtype
         qkv = self.qkv_proj(x, out_dtype=dtype).view(x.shape[0], -1, self.head_dim)
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # views of qkv
+        heads = [self.num_heads, self.num_kv_heads, self.num_kv_heads] + [self.num_heads] * self.output_gate
+        q, k, v, *gate = qkv.split(heads, dim=1)  # views of qkv
         if self.q_norm is not None:
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
-        if self.use_rope:
-            ops.rotary_(qkv[:, : self.num_heads + self.num_kv_heads], *rope)  # q and k in place, in one go
+        if self.use_rope:  # q and k in place, in one go
+            ops.rotary_(qkv[:, : self.num_heads + self.num_kv_heads, : self.rotary_dim], *rope)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.sinks)
-        return self.o_proj(o.view(-1, self.q_size), out_dtype=x.dtype)
+        if gate:  # Qwen3.5: each feature of the attention output gated by sigmoid of its own projection
+            o = o.view_as(gate[0]) * torch.sigmoid(gate[0])
+        return self.o_proj(o.reshape(-1, self.q_size), out_dtype=x.dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copies this rank's heads of the checkpoint's sinks (float32 [total heads]) into `param`."""

@@ -19,13 +19,19 @@ STACKED = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+    # Qwen3.5: the attention's output gate (the second half of each head of its q_proj), the DeltaNet's projections
+    "q_gate_proj": ("qkv_proj", 3),
+    "in_proj_z": ("in_proj_qkvz", 3),
+    "in_proj_b": ("in_proj_ba", 0),
+    "in_proj_a": ("in_proj_ba", 1),
 }
-# checkpoint tensors that hold them stacked already (Phi-3), and LFM2's conv in_proj (B | C | x)
-FUSED = ("qkv_proj", "gate_up_proj", "in_proj")
+# checkpoint tensors that hold them stacked already (Phi-3), LFM2's conv in_proj (B | C | x), Qwen3.5's DeltaNet
+# in_proj_qkv (q | k | v, our in_proj_qkvz's first three parts)
+FUSED = ("qkv_proj", "gate_up_proj", "in_proj", "in_proj_qkvz")
 
 
 def split_fused(config, name: str, tensor) -> list:
-    """(shard index, rows) of a fused checkpoint tensor (the full model's q | k | v, gate | up, or B | C | x),
+    """(shard index, rows) of a fused checkpoint tensor (the full model's q | k | v, gate | up, B | C | x),
     for the layer's weight loader. Raises ValueError when its rows are not the config's sizes."""
     kind = name.split(".")[-2]
     if kind == "qkv_proj":
@@ -33,6 +39,9 @@ def split_fused(config, name: str, tensor) -> list:
         sizes = [config.num_attention_heads * d] + [config.num_key_value_heads * d] * 2
     elif kind == "in_proj":
         sizes = [config.hidden_size] * 3
+    elif kind == "in_proj_qkvz":
+        key = config.linear_num_key_heads * config.linear_key_head_dim
+        sizes = [key, key, config.linear_num_value_heads * config.linear_value_head_dim]
     else:
         sizes = [config.intermediate_size] * 2
     if (tensor.rows if isinstance(tensor, GGUFTensor) else tensor.shape[0]) != sum(sizes):

@@ -81,13 +81,14 @@ class ColumnParallelLinear(nn.Module):
         return cls(input_size, [n // size for n in output_sizes], bias, [rank] * len(output_sizes), quant_config)
 
     @classmethod
-    def qkv(cls, shape, bias: bool, tp: TPGroup | None, quant_config: GGUFConfig | None = None):
+    def qkv(cls, shape, bias: bool, tp: TPGroup | None, quant_config: GGUFConfig | None = None, gate: bool = False):
         """q | k | v of one rank (`shape`: models.config.ModelShape): its query heads and its (possibly
-        replicated) KV head group."""
+        replicated) KV head group; with `gate`, then a gate per query feature (Qwen3.5's attention output gate)."""
         rank, size = _rank_size(tp)
         kv_group = rank // max(1, size // shape.total_num_kv_heads)  # ranks sharing a replicated KV head
         q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-        return cls(shape.hidden_size, [q, kv, kv], bias, [rank, kv_group, kv_group], quant_config)
+        sizes, index = [q, kv, kv] + [q] * gate, [rank, kv_group, kv_group] + [rank] * gate
+        return cls(shape.hidden_size, sizes, bias, index, quant_config)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """y in `out_dtype` (default x's): a quantized layer writes it directly (a GGUF model's float32

@@ -40,16 +40,22 @@ class StateMetadata:
 
 
 class CausalConv1d(nn.Module):
-    """The depthwise convolution's weight [channels of this rank, 1, L] (a checkpoint's Conv1d layout)."""
+    """The depthwise convolution's weight [channels of this rank, 1, L] (a checkpoint's Conv1d layout). With
+    `parts`, the channels are groups stacked in the checkpoint (the Gated DeltaNet's q | k | v), each split over
+    the ranks."""
 
-    def __init__(self, channels: int, kernel: int, tp: TPGroup | None):
+    def __init__(self, channels: int, kernel: int, tp: TPGroup | None, parts: list[int] | None = None):
         super().__init__()
-        rank, size = _rank_size(tp)
-        self.start = rank * (channels // size)
-        self.weight = nn.Parameter(torch.empty(channels // size, 1, kernel).uniform_(-1, 1) / kernel)
+        self.rank, self.size = _rank_size(tp)
+        self.parts = parts or [channels]
+        self.weight = nn.Parameter(torch.empty(channels // self.size, 1, kernel).uniform_(-1, 1) / kernel)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
-        param.data.copy_(loaded.reshape(-1, 1, param.shape[-1]).narrow(0, self.start, param.shape[0]))
+        loaded, rows, start = loaded.reshape(-1, 1, param.shape[-1]), [], 0
+        for n in self.parts:
+            rows.append(loaded.narrow(0, start + self.rank * (n // self.size), n // self.size))
+            start += n
+        param.data.copy_(torch.cat(rows))
 
 
 class ShortConv(nn.Module):
@@ -63,8 +69,6 @@ class ShortConv(nn.Module):
         super().__init__()
         if bias:
             raise ValueError("conv_bias true is not supported (LFM2's convolutions have none)")
-        size = _rank_size(tp)[1]
-        self.channels, self.kernel = hidden_size // size, kernel
         self.in_proj = ColumnParallelLinear.merged(hidden_size, [hidden_size] * 3, False, tp, quant_config)
         self.conv = CausalConv1d(hidden_size, kernel, tp)
         self.out_proj = RowParallelLinear(hidden_size, hidden_size, tp, quant_config)
@@ -73,21 +77,29 @@ class ShortConv(nn.Module):
         """x: the step's normed hidden states [T, hidden]; state: this layer's float32 [slots, L - 1, channels],
         read and updated at `meta.state_indices`."""
         b, c, u = self.in_proj(x).float().chunk(3, dim=-1)
-        u = b * u  # [T, channels]
-        w = self.conv.weight.float()[:, 0].T  # [L, channels]
-        y = torch.empty_like(u)
-        qsl, nd = meta.query_start_loc_cpu, meta.num_decodes
-        if nd:  # decodes, batched: [nd, L, channels] = the state then the new input
-            slots = meta.state_indices[:nd]
-            window = torch.cat((state[slots], u[:nd, None]), dim=1)
-            window[~torch.tensor(meta.has_initial_state[:nd]), :-1] = 0
-            y[:nd] = (window * w).sum(1)
-            state[slots] = window[:, 1:]
-        for i in range(nd, len(qsl) - 1):
-            start, end, slot = qsl[i], qsl[i + 1], meta.state_indices[i]
-            past = state[slot] if meta.has_initial_state[i] else u.new_zeros(self.kernel - 1, self.channels)
-            seq = torch.cat((past, u[start:end]))  # [L - 1 + n, channels]
-            n = end - start
-            y[start:end] = sum(w[j] * seq[j : j + n] for j in range(self.kernel))
-            state[slot] = seq[-(self.kernel - 1) :]
+        y = causal_conv1d(b * u, self.conv.weight.float()[:, 0].T, state, meta)
         return self.out_proj((c * y).to(x.dtype))
+
+
+def causal_conv1d(u: torch.Tensor, w: torch.Tensor, state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+    """The depthwise causal convolution of each sequence of a step: u float32 [T, C], w float32 [L, C] (tap j
+    weighs the input L - 1 - j positions back) -> y float32 [T, C]. `state` float32 [slots, L - 1, C] holds each
+    sequence's last L - 1 inputs (read where `meta.has_initial_state`, else zeros; left updated at
+    `meta.state_indices`). LFM2's short convolution and the Gated DeltaNet's convolution over q, k, v."""
+    kernel = w.shape[0]
+    y = torch.empty_like(u)
+    qsl, nd = meta.query_start_loc_cpu, meta.num_decodes
+    if nd:  # decodes, batched: [nd, L, C] = the state then the new input
+        slots = meta.state_indices[:nd]
+        window = torch.cat((state[slots], u[:nd, None]), dim=1)
+        window[~torch.tensor(meta.has_initial_state[:nd]), :-1] = 0
+        y[:nd] = (window * w).sum(1)
+        state[slots] = window[:, 1:]
+    for i in range(nd, len(qsl) - 1):
+        start, end, slot = qsl[i], qsl[i + 1], meta.state_indices[i]
+        past = state[slot] if meta.has_initial_state[i] else u.new_zeros(kernel - 1, u.shape[1])
+        seq = torch.cat((past, u[start:end]))  # [L - 1 + n, C]
+        n = end - start
+        y[start:end] = sum(w[j] * seq[j : j + n] for j in range(kernel))
+        state[slot] = seq[-(kernel - 1) :]
+    return y

@@ -5,8 +5,9 @@ Mistral (a sliding window shorter than the prompt), Qwen3 (per-head q/k RMSNorm,
 hidden_size / heads), Phi-3 (fused q/k/v and gate/up tensors, a sliding window), SmolLM3 (a layer without
 rotary), Granite (multipliers), Gemma 2 (soft caps, pre/post norms, GeGLU, alternating windows) and Gemma 3
 (q/k norms, a rope base per layer kind, linear scaling), the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral
-and gpt-oss (attention sinks, biases, a clamped SwiGLU, YaRN; MXFP4 experts), the hybrid LFM2 (conv states beside
-the KV cache); each feature shown to matter. The
+and gpt-oss (attention sinks, biases, a clamped SwiGLU, YaRN; MXFP4 experts), the hybrids LFM2 (conv states beside
+the KV cache) and Qwen3.5 (Gated DeltaNet states, gated attention with partial rotary); each feature shown to
+matter. The
 GGUF files llama.cpp's converter makes of them; and the registry's and the loader's errors."""
 
 import dataclasses
@@ -64,6 +65,7 @@ FEATURES = {
         {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
         {"num_experts_per_tok": 1},
     ],
+    "qwen3_5": [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}],
     "granite": [
         {"embedding_multiplier": 1.0},
         {"attention_multiplier": 0.25},
@@ -81,6 +83,8 @@ GGUF_EDITS = {
     "gpt_oss": {"swiglu_limit": 7.0},
     "gemma2": {"query_pre_attn_scalar": 16, "tie_word_embeddings": True},
 }
+# the converter's flags a checkpoint needs: Qwen3.5's multi-token-prediction head, which the tiny model lacks
+CONVERTER_ARGS = {"qwen3_5": ("--no-mtp",)}
 # checkpoints whose converter takes the vocabulary from a SentencePiece tokenizer.model, with its tokenizer class
 SENTENCEPIECE = {"phi3": "LlamaTokenizer", "gemma2": "GemmaTokenizer"}
 
@@ -142,6 +146,7 @@ def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
         "mixtral",
         "gpt_oss",
         "lfm2",
+        "qwen3_5",
     ],
 )
 def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
@@ -153,7 +158,8 @@ def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
     Gemma 2 come with a SentencePiece vocabulary, which the converter reads from `tokenizer.model`. The mixtures
     of experts arrive with every expert of a projection stacked in one tensor (Mixtral as a "llama" file with
     experts; gpt-oss's YaRN parameters from the metadata, its sinks, router and expert biases as tensors; LFM2's
-    conv layers told by their zero KV heads, its MLP width already adjusted)."""
+    conv layers told by their zero KV heads, its MLP width already adjusted); Qwen3.5's DeltaNet with its value
+    heads in llama.cpp's tiled order, A stored as -exp(A_log), its norms as 1 + w but the DeltaNet's."""
     if llama_cpp.converter() is None:
         pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
     tokenizer, edits = llm.tokenizer, GGUF_EDITS.get(name, {})
@@ -161,7 +167,7 @@ def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
         tokenizer = sentencepiece_tokenizer(tmp_path / "hf", SENTENCEPIECE[name])
         edits = edits | {"vocab_size": len(tokenizer)}
     ref_model = save_tiny_model(name, tmp_path / "hf", tokenizer, **edits)
-    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf")
+    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", "f32", *CONVERTER_ARGS.get(name, ()))
     factors = load_gguf_config(str(gguf)).rope_parameters.get("freq_factors")
     assert (factors is not None and max(factors) > 1) == (name == "llama3")
     prompt = tokenizer.encode(PROMPT)
@@ -300,17 +306,19 @@ def test_quantized_directory_of_another_method_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_lfm2_conv_states_across_chunks_batches_and_preemption(llm, tmp_path):
-    """LFM2's conv layers keep a state slot per running request beside the paged KV cache: prompts of 1 to 131
-    tokens run together in chunks of 32 (a state carried from chunk to chunk, decodes batched), with a KV cache
-    too small for all of them at once (requests preempted, their state computed again from the first token);
-    every request gives transformers' tokens, and no state slot or block is left held. Prefix caching is off
-    for such a model; speculative decoding is refused."""
-    ref_model = save_tiny_model("lfm2", tmp_path, llm.tokenizer)
+@pytest.mark.parametrize("name, budget, blocks", [("lfm2", 32, 14), ("qwen3_5", 80, 10)])
+def test_recurrent_states_across_chunks_batches_and_preemption(name, budget, blocks, llm, tmp_path):
+    """LFM2's conv layers and Qwen3.5's Gated DeltaNet layers keep a state slot per running request beside the
+    paged KV cache: prompts of 1 to 131 tokens run together in chunks of `budget` tokens (a state carried from
+    chunk to chunk; the DeltaNet's 80-token chunks span two of its 64-token blocks; decodes batched), with a KV
+    cache too small for all of them at once (requests preempted, their state computed again from the first
+    token); every request gives transformers' tokens, and no state slot or block is left held. Prefix caching is
+    off for such a model; speculative decoding is refused."""
+    ref_model = save_tiny_model(name, tmp_path, llm.tokenizer)
     full = llm.tokenizer.encode(PROMPT + "Pack my box with five dozen liquor jugs. " * 2)
     prompts = [full[:n] for n in (1, 5, 40, 131, 77)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ours = make_llm(model=str(tmp_path), max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=14)
+    ours = make_llm(model=str(tmp_path), max_num_batched_tokens=budget, max_num_seqs=4, num_gpu_blocks_override=blocks)
     kv = ours.engine.engine_core.kv
     assert kv.num_groups == 2 and kv.state_group == 1 and not kv.pool.enable_caching
     outs = ours.generate(prompts, params, use_tqdm=False)
