@@ -245,7 +245,7 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
     rope = _rope_fields(path, md)
     if ROPE_FREQS in names:  # Llama 3.1+: the converter's per-dimension divisors of the frequencies
         rope["freq_factors"] = _float_tensor(header, ROPE_FREQS).tolist()
-    layers = _key(path, md, "block_count")
+    layers = _layer_count(path, md)
     head_dim = _key(path, md, "attention.key_length", hidden // heads)
     rope_dims = md.get(f"{arch}.rope.dimension_count", head_dim)
     if arch == "qwen35":  # rotary on a quarter of each head; its sections all read a text token's one position
@@ -326,6 +326,12 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         attention_bias=arch in ("qwen2", "qwen2moe", "gpt-oss"),
         **extra,
     )
+
+
+def _layer_count(path: str, md: dict) -> int:
+    """The decoder's layers: block_count less the multi-token-prediction blocks the converter appends after them
+    (`nextn_predict_layers`: Qwen3.5's MTP head, which this server does not run)."""
+    return _key(path, md, "block_count") - md.get(f"{md['general.architecture']}.nextn_predict_layers", 0)
 
 
 def _max(count: int | list[int]) -> int:
@@ -471,8 +477,11 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
     arch = md["general.architecture"]
     permute, shifted = arch in PERMUTED, arch in NORM_SHIFTED
     raw = load_gguf_state_dict(header)
+    mtp = tuple(f"blk.{i}." for i in range(_layer_count(path, md), _key(path, md, "block_count")))
     for info in header.tensors:
         if info.name == ROPE_FREQS:  # read into the config (load_gguf_config), not a weight
+            continue
+        if info.name.startswith(mtp):  # the multi-token-prediction blocks: passed over
             continue
         name = _hf_name(path, info.name, arch)
         try:

@@ -12,6 +12,7 @@ Usage:
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -188,6 +189,21 @@ def save_tiny_model(arch: str, path, tokenizer, mxfp4: bool = False, **overrides
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model
+
+
+def add_mtp_head(path) -> None:
+    """Adds to the qwen3_5 model at `path` a multi-token-prediction head under the names Qwen3.5's checkpoints give
+    it (`mtp.*`: one full-attention layer, a copy of layer 2, and its fc and norms), which llama.cpp's converter
+    writes as nextn blocks after the decoder's. transformers does not run it; neither does this server."""
+    from safetensors.torch import load_file, save_file
+
+    (weights,) = Path(path).glob("*.safetensors")
+    tensors = load_file(weights)
+    hidden = tensors["model.norm.weight"].shape[0]
+    head = {k.replace("model.layers.2.", "mtp.layers.0."): v.clone() for k, v in tensors.items() if ".layers.2." in k}
+    head |= {"mtp.fc.weight": torch.randn(hidden, 2 * hidden) * 0.1}
+    head |= {f"mtp.{n}.weight": torch.zeros(hidden) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    save_file(tensors | head, weights, metadata={"format": "pt"})
 
 
 def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

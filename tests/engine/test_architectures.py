@@ -22,7 +22,7 @@ from models.gguf import load_gguf_config
 from models.layers.rotary_embedding import rope_inv_freq
 from models.registry import get_model_class
 from scripts import llama_cpp
-from scripts.make_tiny_model import CONFIGS, save_mxfp4_copy, save_tiny_model, sentencepiece_tokenizer
+from scripts.make_tiny_model import CONFIGS, add_mtp_head, save_mxfp4_copy, save_tiny_model, sentencepiece_tokenizer
 from tests.conftest import assert_greedy_matches, make_llm
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12  # > 64 positions, longer than the windows
@@ -83,8 +83,6 @@ GGUF_EDITS = {
     "gpt_oss": {"swiglu_limit": 7.0},
     "gemma2": {"query_pre_attn_scalar": 16, "tie_word_embeddings": True},
 }
-# the converter's flags a checkpoint needs: Qwen3.5's multi-token-prediction head, which the tiny model lacks
-CONVERTER_ARGS = {"qwen3_5": ("--no-mtp",)}
 # checkpoints whose converter takes the vocabulary from a SentencePiece tokenizer.model, with its tokenizer class
 SENTENCEPIECE = {"phi3": "LlamaTokenizer", "gemma2": "GemmaTokenizer"}
 
@@ -159,7 +157,8 @@ def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
     of experts arrive with every expert of a projection stacked in one tensor (Mixtral as a "llama" file with
     experts; gpt-oss's YaRN parameters from the metadata, its sinks, router and expert biases as tensors; LFM2's
     conv layers told by their zero KV heads, its MLP width already adjusted); Qwen3.5's DeltaNet with its value
-    heads in llama.cpp's tiled order, A stored as -exp(A_log), its norms as 1 + w but the DeltaNet's."""
+    heads in llama.cpp's tiled order, A stored as -exp(A_log), its norms as 1 + w but the DeltaNet's, and its
+    multi-token-prediction head as a nextn block after the decoder's, passed over)."""
     if llama_cpp.converter() is None:
         pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
     tokenizer, edits = llm.tokenizer, GGUF_EDITS.get(name, {})
@@ -167,7 +166,9 @@ def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
         tokenizer = sentencepiece_tokenizer(tmp_path / "hf", SENTENCEPIECE[name])
         edits = edits | {"vocab_size": len(tokenizer)}
     ref_model = save_tiny_model(name, tmp_path / "hf", tokenizer, **edits)
-    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", "f32", *CONVERTER_ARGS.get(name, ()))
+    if name == "qwen3_5":  # as Qwen3.5 ships: with a multi-token-prediction head, which the converter keeps
+        add_mtp_head(tmp_path / "hf")
+    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf")
     factors = load_gguf_config(str(gguf)).rope_parameters.get("freq_factors")
     assert (factors is not None and max(factors) > 1) == (name == "llama3")
     prompt = tokenizer.encode(PROMPT)
@@ -303,6 +304,47 @@ def test_quantized_directory_of_another_method_is_refused(tmp_path):
     config = CONFIGS["gpt_oss"]().to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert load_config(str(tmp_path)).model_type == "gpt_oss"
+
+
+@pytest.mark.slow
+def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(llm, tmp_path):
+    """Qwen3.5 ships as Qwen3_5ForConditionalGeneration: the language model under `model.language_model.`, the
+    config's text_config, a vision tower and a multi-token-prediction head (`mtp.*`) beside it. The server serves
+    the language model (the others passed over) with the tokens transformers' whole model gives for text."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    config = Qwen3_5Config(text_config=CONFIGS["qwen3_5"]().to_dict(), vision_config=vision)
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    torch.manual_seed(0)
+    ref_model = Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in ref_model.model.language_model.named_parameters():
+            if name.endswith("norm.weight"):
+                torch.nn.init.normal_(p, mean=1.0 if "linear_attn" in name else 0.0, std=0.3)
+    ref_model.save_pretrained(tmp_path)
+    llm.tokenizer.save_pretrained(tmp_path)
+    (weights,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(weights)
+    assert any(name.startswith("model.visual.") for name in tensors)
+    save_file(tensors | {"mtp.fc.weight": torch.randn(64, 128)}, weights, metadata={"format": "pt"})
+    prompt = llm.tokenizer.encode(PROMPT)
+    out = make_llm(model=str(tmp_path)).generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert_greedy_matches(out.outputs[0].token_ids, hf_greedy(ref_model, prompt))
+
+
+def test_recurrent_states_come_out_of_the_kv_cache_budget(llm, tmp_path):
+    """The DeltaNet states of max_num_seqs requests (float32, every linear-attention layer) are allocated from
+    --kv-cache-memory before the KV blocks; a budget that cannot hold them and one block names the settings."""
+    save_tiny_model("qwen3_5", tmp_path, llm.tokenizer)
+    ours = make_llm(model=str(tmp_path), kv_cache_memory=4 << 20, max_num_seqs=8)
+    runner = ours.engine.engine_core.executor.runner
+    conv, delta = 3 * (2 * 2 * 16 + 4 * 16), 4 * 16 * 16  # (L - 1) x channels, value heads x d_k x d_v
+    assert runner.state_bytes == 4 * 3 * 8 * (conv + delta) == runner.state_cache.numel() * 4
+    assert runner.num_blocks == ((4 << 20) - runner.state_bytes) // runner.block_bytes
+    with pytest.raises(ValueError, match="recurrent layers' states of 1024 requests .* lower --max-num-seqs"):
+        make_llm(model=str(tmp_path), kv_cache_memory=4 << 20, max_num_seqs=1024)
 
 
 @pytest.mark.slow
