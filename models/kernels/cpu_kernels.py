@@ -1,10 +1,10 @@
 """The CPU kernels in `models/kernels/csrc/`: built once with the system C compiler, cached, loaded with ctypes.
 
 One shared library holds every kernel (paged attention, small-batch linear, GGUF quantized linear, fused
-norm / rotary / SiLU-and-mul). It is compiled with -O3 -march=native and OpenMP (the libgomp torch already loaded, so
-kernels and torch share one thread pool) into ~/.cache/minivllm/kernels, keyed by the sources and
-flags, and called through ctypes, which releases the GIL. Without a working compiler `load()` returns
-None and callers use their torch paths.
+norm / rotary / SiLU-and-mul, the recurrent layers' one-token updates). It is compiled with -O3 -march=native and
+OpenMP (the libgomp torch already loaded, so kernels and torch share one thread pool) into
+~/.cache/minivllm/kernels, keyed by the sources and flags, and called through ctypes, which releases the GIL.
+Without a working compiler `load()` returns None and callers use their torch paths.
 """
 
 import ctypes
@@ -25,7 +25,7 @@ SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
-_p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_p, _i, _f, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 # name -> argument types; kernels that can refuse a shape return int (0 = done), the others nothing
 RETURNS_STATUS = {
     "paged_attention_float",
@@ -68,6 +68,7 @@ SIGNATURES = {
     "gguf_amx_probe": [],
     "gguf_amx_enable": [_i],
     "decoder_layer_float": [_p, _p, _p, _p, _i] + [_p] * 8 + [_i] * 4,
+    "gated_delta_rule_decode": [_p, _l, _p, _i, _i, _i, _i] + [_p] * 6 + [_i],
 }
 for _t in ("float", "bf16"):
     SIGNATURES |= {

@@ -94,6 +94,26 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
     return out
 
 
+def gated_delta_rule_decode_(state, slots, q, k, v, g, beta) -> torch.Tensor | None:
+    """The gated delta rule's one-token update of B sequences in place on their states, by the C kernel
+    (csrc/recurrent.c): state float32 [slots, H, d_k, d_v] (a view whose slot stride may be larger; each slot's
+    [H, d_k, d_v] contiguous), slots int64 [B]; q, k float32 [B, H, d_k] (L2-normed, q scaled, expanded to the value
+    heads), v [B, H, d_v], g and beta [B, H]. Returns o float32 [B, H, d_v], or None where the C path does not take
+    it (no compiler, torch_ops(), another dtype or layout): the caller's torch path then."""
+    lib = _lib(state)
+    heads, dk, dv = state.shape[1:]
+    if lib is None or state.dtype != torch.float32 or dv > 1024 or state[0].stride() != (dk * dv, dv, 1):
+        return None
+    q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
+    slots = slots.to(torch.int64).contiguous()
+    out = torch.empty_like(v)
+    lib.gated_delta_rule_decode(
+        state.data_ptr(), state.stride(0), slots.data_ptr(), q.shape[0], heads, dk, dv,
+        *(x.data_ptr() for x in (q, k, v, g, beta, out)), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotates x [T, heads, head_dim] in place by its tokens' angles, rotate-half RoPE (Su et al. 2021).
 

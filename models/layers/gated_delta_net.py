@@ -10,7 +10,8 @@ the last L - 1 inputs of its short convolution over q, k and v.
     o_t = S_t^T q_t
     out = out_proj(rmsnorm(o) * w * silu(z))          z = in_proj_z(h), per value head
 
-Decodes take the recurrence a token at a time, batched; a prefill is computed in chunks of 64 tokens (the
+Decodes take the recurrence a token at a time, batched (the C kernel csrc/recurrent.c; this file's torch version
+is its reference and fallback); a prefill is computed in chunks of 64 tokens (the
 chunkwise form of the paper's section 3, as flash-linear-attention computes it): within a chunk the delta rule's
 updates are one triangular solve (the UT transform, WY representation), across chunks the state is carried.
 Key heads may be fewer than value heads: each serves num_v_heads / num_k_heads of them, consecutive ones in a
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.distributed.group import TPGroup
+from models.kernels import ops
 from models.layers.layernorm import HeadRMSNorm
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear, _rank_size
 from models.layers.short_conv import CausalConv1d, StateMetadata, causal_conv1d
@@ -144,11 +146,16 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         o = torch.empty_like(v)
         qsl, nd = meta.query_start_loc_cpu, meta.num_decodes
-        if nd:
+        if nd:  # one token each: in place on their slots, by the C kernel where it runs
             slots = meta.state_indices[:nd]
-            s = ssm_state[slots]
-            s[~torch.tensor(meta.has_initial_state[:nd])] = 0
-            o[:nd], ssm_state[slots] = recurrent_gated_delta_rule(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], s)
+            fresh = ~torch.tensor(meta.has_initial_state[:nd])
+            if fresh.any():
+                ssm_state[slots[fresh]] = 0
+            step = (q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd])
+            if (out := ops.gated_delta_rule_decode_(ssm_state, slots, *step)) is not None:
+                o[:nd] = out
+            else:
+                o[:nd], ssm_state[slots] = recurrent_gated_delta_rule(*step, ssm_state[slots])
         for i in range(nd, len(qsl) - 1):
             start, end, slot = qsl[i], qsl[i + 1], meta.state_indices[i]
             s = ssm_state[slot] if meta.has_initial_state[i] else v.new_zeros(self.nv, self.dk, self.dv)
