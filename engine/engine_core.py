@@ -76,7 +76,7 @@ class EngineCore:
                 raise ValueError(f"{', '.join(unbuilt)} is not supported for a model with recurrent layers")
             if config.enable_prefix_caching:
                 logger.info("prefix caching off: this model's recurrent layers keep a state, not blocks")
-        self.kv = KVCacheManager(runner.num_blocks, config.block_size, caching, specs, config.max_num_seqs)
+        self.kv = KVCacheManager(runner.num_blocks, config.block_size, caching, specs, runner.max_num_seqs)
         self.kv_connector = (
             NixlConnector(config.kv_transfer_config, runner.kv_cache, config.block_size)
             if config.kv_transfer_config
@@ -86,7 +86,7 @@ class EngineCore:
         k = spec.num_speculative_tokens if spec is not None else 0
         self.scheduler = Scheduler(
             self.kv,
-            config.max_num_seqs,
+            runner.max_num_seqs,  # config.max_num_seqs, unless recurrent layers' states cap it
             config.max_num_batched_tokens,
             self.max_model_len,
             self.kv_connector,

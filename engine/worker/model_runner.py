@@ -80,6 +80,8 @@ class ModelRunner:
             if group is not None
             else PPStage.whole(self.shape.num_layers)
         )
+        # running requests at most: max_num_seqs, unless the recurrent layers' states cap it (available_kv_blocks)
+        self.max_num_seqs = config.max_num_seqs
         self.max_model_len = min(
             config.max_model_len or self.shape.max_position_embeddings, self.shape.max_position_embeddings
         )
@@ -217,7 +219,7 @@ class ModelRunner:
         # each recurrent layer of this stage
         num_states = self.stage_layer_groups.count(self.state_group) if self.state_group is not None else 0
         self.state_cache = torch.zeros(
-            num_states, self.config.max_num_seqs, *getattr(self.model, "state_shape", ()), device=self.device
+            num_states, self.max_num_seqs, *getattr(self.model, "state_shape", ()), device=self.device
         )
         self.kv_caches = [
             self.state_cache[i] if g == self.state_group else (self.kv_cache[i][0], self.kv_cache[i][1])
@@ -252,23 +254,39 @@ class ModelRunner:
     @property
     def state_bytes(self) -> int:
         """Bytes of this stage's recurrent-layer states (state_cache): float32, one per slot of max_num_seqs."""
+        return self.max_num_seqs * self.state_bytes_per_request
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        """Bytes of one request's float32 states over this stage's recurrent layers (0 without such layers)."""
         if self.state_group is None:
             return 0
         layers = self.stage_layer_groups.count(self.state_group)
-        return 4 * layers * self.config.max_num_seqs * math.prod(getattr(self.model, "state_shape", ()))
+        return 4 * layers * math.prod(getattr(self.model, "state_shape", ()))
 
     def available_kv_blocks(self, kv_cache_memory: int) -> int:
         """KV blocks that fit this rank's budget: `kv_cache_memory` bytes on the CPU (less the recurrent layers'
         states: state_bytes); on CUDA what gpu_memory_utilization leaves after the weights and a profiled forward;
-        `num_gpu_blocks_override` when set. Raises ValueError below one block."""
+        `num_gpu_blocks_override` when set. The recurrent layers' states take at most half of the budget: where
+        max_num_seqs requests' would take more, `max_num_seqs` (what the engine schedules) is capped to what half
+        holds, logged. Raises ValueError below one block, or when one request's states exceed half."""
         budget = self._profile_cuda_budget() if self.device.type == "cuda" else kv_cache_memory
-        if self.state_bytes:  # the recurrent layers' states come out of the same budget
-            if budget - self.state_bytes < self.block_bytes:
+        if per_request := self.state_bytes_per_request:
+            fits = budget // 2 // per_request
+            if fits < 1:
                 raise ValueError(
-                    f"KV cache budget of {budget} bytes does not hold the recurrent layers' states of "
-                    f"{self.config.max_num_seqs} requests ({self.state_bytes} bytes) and one block; lower "
-                    f"--max-num-seqs or raise --kv-cache-memory"
+                    f"one request's recurrent-layer states ({per_request} bytes) exceed half the KV cache budget "
+                    f"({budget} bytes); raise --kv-cache-memory"
                 )
+            if fits < self.max_num_seqs:
+                logger.warning(
+                    "max_num_seqs %d capped to %d: the recurrent layers' states (%d bytes a request) take at most "
+                    "half the KV cache budget; raise --kv-cache-memory for more",
+                    self.max_num_seqs,
+                    fits,
+                    per_request,
+                )
+                self.max_num_seqs = fits
             budget -= self.state_bytes
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:

@@ -94,22 +94,27 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
     return out
 
 
-def gated_delta_rule_decode_(state, slots, q, k, v, g, beta) -> torch.Tensor | None:
-    """The gated delta rule's one-token update of B sequences in place on their states, by the C kernel
-    (csrc/recurrent.c): state float32 [slots, H, d_k, d_v] (a view whose slot stride may be larger; each slot's
-    [H, d_k, d_v] contiguous), slots int64 [B]; q, k float32 [B, H, d_k] (L2-normed, q scaled, expanded to the value
-    heads), v [B, H, d_v], g and beta [B, H]. Returns o float32 [B, H, d_v], or None where the C path does not take
-    it (no compiler, torch_ops(), another dtype or layout): the caller's torch path then."""
+def gated_delta_net_decode_(state, slots, qkv, z, a, b, conv_w, A_log, dt_bias, norm_w, eps, nk, dk, tiled):
+    """One token of each of B sequences through a Gated DeltaNet layer between its projections, by the C kernel
+    (csrc/recurrent.c), in place on their state slots: state float32 [slots, state_size] (the convolution's last
+    K - 1 inputs [K - 1, C], then [nv, dk, dv] matrices), slots int64 [B]; qkv [B, C], z [B, nv * dv], a and b
+    [B, nv] (the projections' outputs); conv_w [C, 1, K]; A_log, dt_bias [nv]; norm_w [dv]; `tiled`: value head h
+    reads key head h mod nk. Returns the gated norm's output float32 [B, nv * dv], or None where the C path does not
+    take it (no compiler, torch_ops(), heads over 1024 wide): the caller's torch path then."""
     lib = _lib(state)
-    heads, dk, dv = state.shape[1:]
-    if lib is None or state.dtype != torch.float32 or dv > 1024 or state[0].stride() != (dk * dv, dv, 1):
+    nv, dv = a.shape[1], z.shape[1] // a.shape[1]
+    if lib is None or state.dtype != torch.float32 or state.stride(1) != 1 or max(dk, dv) > 1024:
         return None
-    q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
+    qkv, z, a, b, conv_w, A_log, dt_bias, norm_w = (
+        x.float().contiguous() for x in (qkv, z, a, b, conv_w, A_log, dt_bias, norm_w)
+    )
     slots = slots.to(torch.int64).contiguous()
-    out = torch.empty_like(v)
-    lib.gated_delta_rule_decode(
-        state.data_ptr(), state.stride(0), slots.data_ptr(), q.shape[0], heads, dk, dv,
-        *(x.data_ptr() for x in (q, k, v, g, beta, out)), torch.get_num_threads(),
+    out = torch.empty_like(z)
+    lib.gated_delta_net_decode(
+        state.data_ptr(), state.stride(0), slots.data_ptr(), qkv.shape[0],
+        *(x.data_ptr() for x in (qkv, z, a, b, conv_w)), conv_w.shape[-1],
+        *(x.data_ptr() for x in (A_log, dt_bias, norm_w)), eps, nk, nv, dk, dv, int(tiled),
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -10,10 +10,10 @@ the last L - 1 inputs of its short convolution over q, k and v.
     o_t = S_t^T q_t
     out = out_proj(rmsnorm(o) * w * silu(z))          z = in_proj_z(h), per value head
 
-Decodes take the recurrence a token at a time, batched (the C kernel csrc/recurrent.c; this file's torch version
-is its reference and fallback); a prefill is computed in chunks of 64 tokens (the
-chunkwise form of the paper's section 3, as flash-linear-attention computes it): within a chunk the delta rule's
-updates are one triangular solve (the UT transform, WY representation), across chunks the state is carried.
+Decodes take the recurrence a token at a time, batched (the C kernel csrc/recurrent.c, the convolution and the
+gated norm with it; this file's torch path is its reference and fallback); a prefill is computed in chunks of 64
+tokens (the chunkwise form of the paper's section 3, as flash-linear-attention computes it): within a chunk the
+delta rule's updates are one triangular solve (the UT transform, WY representation), across chunks the state is carried.
 Key heads may be fewer than value heads: each serves num_v_heads / num_k_heads of them, consecutive ones in a
 Hugging Face checkpoint, every num_k_heads-th one in llama.cpp's files (`tiled_heads`).
 """
@@ -128,12 +128,33 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         """x: the step's normed hidden states [T, hidden]; state: this layer's float32 [slots, state_size], read and
-        updated at `meta.state_indices` (zeros where a sequence has no computed token yet)."""
-        t, conv_elems = x.shape[0], (self.kernel - 1) * self.conv_dim
-        conv_state = state[:, :conv_elems].view(-1, self.kernel - 1, self.conv_dim)
-        ssm_state = state[:, conv_elems:].view(-1, self.nv, self.dk, self.dv)
+        updated at `meta.state_indices` (zeros where a sequence has no computed token yet). The decodes take the C
+        kernel where it runs (ops.gated_delta_net_decode_), the rest this file's torch path."""
         qkv, z = self.in_proj_qkvz(x).float().split([self.conv_dim, self.nv * self.dv], dim=-1)
         b, a = self.in_proj_ba(x).float().chunk(2, dim=-1)
+        o, nd, done = torch.empty_like(z), meta.num_decodes, 0
+        if nd:
+            slots = meta.state_indices[:nd]
+            fresh = ~torch.tensor(meta.has_initial_state[:nd])
+            if fresh.any():
+                state[slots[fresh]] = 0
+            weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps)
+            heads = (self.nk, self.dk, self.tiled_heads)
+            if (
+                out := ops.gated_delta_net_decode_(state, slots, qkv[:nd], z[:nd], a[:nd], b[:nd], *weights, *heads)
+            ) is not None:
+                o[:nd], done = out, nd
+        if done < x.shape[0]:
+            rest = meta.after_decodes() if done else meta
+            o[done:] = self.torch_forward(qkv[done:], z[done:], a[done:], b[done:], state, rest)
+        return self.out_proj(o.to(x.dtype))
+
+    def torch_forward(self, qkv, z, a, b, state, meta: StateMetadata) -> torch.Tensor:
+        """The layer between its projections in torch ops: qkv [T, C], z [T, nv * dv], a and b [T, nv] (float32) ->
+        the gated norm's output [T, nv * dv], the states at `meta.state_indices` updated."""
+        t, conv_elems = qkv.shape[0], (self.kernel - 1) * self.conv_dim
+        conv_state = state[:, :conv_elems].view(-1, self.kernel - 1, self.conv_dim)
+        ssm_state = state[:, conv_elems:].view(-1, self.nv, self.dk, self.dv)
         qkv = F.silu(causal_conv1d(qkv, self.conv1d.weight.float()[:, 0].T, conv_state, meta))
         q, k, v = qkv.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
         q = l2norm(q.view(t, self.nk, self.dk)) * self.dk**-0.5
@@ -146,21 +167,15 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         o = torch.empty_like(v)
         qsl, nd = meta.query_start_loc_cpu, meta.num_decodes
-        if nd:  # one token each: in place on their slots, by the C kernel where it runs
+        if nd:  # one token each, batched
             slots = meta.state_indices[:nd]
-            fresh = ~torch.tensor(meta.has_initial_state[:nd])
-            if fresh.any():
-                ssm_state[slots[fresh]] = 0
-            step = (q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd])
-            if (out := ops.gated_delta_rule_decode_(ssm_state, slots, *step)) is not None:
-                o[:nd] = out
-            else:
-                o[:nd], ssm_state[slots] = recurrent_gated_delta_rule(*step, ssm_state[slots])
+            s = ssm_state[slots]
+            s[~torch.tensor(meta.has_initial_state[:nd])] = 0
+            o[:nd], ssm_state[slots] = recurrent_gated_delta_rule(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], s)
         for i in range(nd, len(qsl) - 1):
             start, end, slot = qsl[i], qsl[i + 1], meta.state_indices[i]
             s = ssm_state[slot] if meta.has_initial_state[i] else v.new_zeros(self.nv, self.dk, self.dv)
             seq = [x[start:end].transpose(0, 1) for x in (q, k, v, g, beta)]
             out, ssm_state[slot] = chunk_gated_delta_rule(*seq, s)
             o[start:end] = out.transpose(0, 1)
-        o = self.norm(o) * F.silu(z.view(t, self.nv, self.dv))
-        return self.out_proj(o.view(t, -1).to(x.dtype))
+        return (self.norm(o) * F.silu(z.view(t, self.nv, self.dv))).view(t, -1)

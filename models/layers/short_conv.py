@@ -38,6 +38,11 @@ class StateMetadata:
     state_indices: torch.Tensor
     has_initial_state: list[bool]
 
+    def after_decodes(self) -> "StateMetadata":
+        """The same step's sequences past its decodes (their tokens from query_start_loc_cpu[num_decodes] on)."""
+        n, qsl = self.num_decodes, self.query_start_loc_cpu
+        return StateMetadata([q - qsl[n] for q in qsl[n:]], 0, self.state_indices[n:], self.has_initial_state[n:])
+
 
 class CausalConv1d(nn.Module):
     """The depthwise convolution's weight [channels of this rank, 1, L] (a checkpoint's Conv1d layout). With

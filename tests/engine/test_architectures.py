@@ -336,15 +336,20 @@ def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(llm, tmp_path):
 
 def test_recurrent_states_come_out_of_the_kv_cache_budget(llm, tmp_path):
     """The DeltaNet states of max_num_seqs requests (float32, every linear-attention layer) are allocated from
-    --kv-cache-memory before the KV blocks; a budget that cannot hold them and one block names the settings."""
+    --kv-cache-memory before the KV blocks. They take at most half of it: more requests than half holds cap
+    max_num_seqs (the scheduler's limit and the state slots), and a budget that cannot hold one request's is a
+    start-up error naming the flag."""
     save_tiny_model("qwen3_5", tmp_path, llm.tokenizer)
+    per_request = 4 * 3 * (3 * (2 * 2 * 16 + 4 * 16) + 4 * 16 * 16)  # 3 layers: (L - 1) x channels, heads x dk x dv
     ours = make_llm(model=str(tmp_path), kv_cache_memory=4 << 20, max_num_seqs=8)
     runner = ours.engine.engine_core.executor.runner
-    conv, delta = 3 * (2 * 2 * 16 + 4 * 16), 4 * 16 * 16  # (L - 1) x channels, value heads x d_k x d_v
-    assert runner.state_bytes == 4 * 3 * 8 * (conv + delta) == runner.state_cache.numel() * 4
+    assert runner.state_bytes == 8 * per_request == runner.state_cache.numel() * 4
     assert runner.num_blocks == ((4 << 20) - runner.state_bytes) // runner.block_bytes
-    with pytest.raises(ValueError, match="recurrent layers' states of 1024 requests .* lower --max-num-seqs"):
-        make_llm(model=str(tmp_path), kv_cache_memory=4 << 20, max_num_seqs=1024)
+    capped = make_llm(model=str(tmp_path), kv_cache_memory=4 << 20, max_num_seqs=1024).engine.engine_core
+    assert capped.executor.runner.max_num_seqs == (2 << 20) // per_request == capped.scheduler.max_num_seqs
+    assert capped.kv.state_pool.num_free_blocks == (2 << 20) // per_request
+    with pytest.raises(ValueError, match="states .* exceed half the KV cache budget.*--kv-cache-memory"):
+        make_llm(model=str(tmp_path), kv_cache_memory=per_request, max_num_seqs=8)
 
 
 @pytest.mark.slow
