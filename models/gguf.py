@@ -39,11 +39,14 @@ ARCHITECTURES = {
     "gpt-oss": "GptOssForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
 }
 # architectures whose q/k rows llama.cpp's converter interleaves (LlamaModel.permute), undone at load
 PERMUTED = ("llama", "smollm3", "granite")
 # architectures whose norms the converter stores as 1 + w (Gemma's scale); w is given back to the model
-NORM_SHIFTED = ("gemma2", "gemma3", "qwen35")
+NORM_SHIFTED = ("gemma2", "gemma3", "qwen35", "qwen35moe")
+# Qwen3.5's architectures, dense and MoE
+QWEN35 = ("qwen35", "qwen35moe")
 # GGUF tensor name (after blk.N.) -> Hugging Face name (after model.layers.N.)
 LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -248,7 +251,7 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
     layers = _layer_count(path, md)
     head_dim = _key(path, md, "attention.key_length", hidden // heads)
     rope_dims = md.get(f"{arch}.rope.dimension_count", head_dim)
-    if arch == "qwen35":  # rotary on a quarter of each head; its sections all read a text token's one position
+    if arch in QWEN35:  # rotary on a quarter of each head; its sections all read a text token's one position
         rope["partial_rotary_factor"] = rope_dims / head_dim
     elif rope_dims != head_dim:  # Phi-4-mini, ...: rotary on part of each head
         raise ValueError(
@@ -276,11 +279,11 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
             norm_eps=_key(path, md, "attention.layer_norm_rms_epsilon"),
             conv_L_cache=_key(path, md, "shortconv.l_cache"),
         )
-    elif arch == "qwen35":  # the DeltaNet's sizes under llama.cpp's ssm names; its value heads in tiled order
+    elif arch in QWEN35:  # the DeltaNet's sizes under llama.cpp's ssm names; its value heads in tiled order
         value_heads = _key(path, md, "ssm.time_step_rank")
         extra = dict(
             layer_types=[
-                "linear_attention" if r else "full_attention" for r in md["qwen35.attention.recurrent_layers"][:layers]
+                "linear_attention" if r else "full_attention" for r in md[f"{arch}.attention.recurrent_layers"][:layers]
             ],
             linear_conv_kernel_dim=_key(path, md, "ssm.conv_kernel"),
             linear_key_head_dim=_key(path, md, "ssm.state_size"),
@@ -308,7 +311,12 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         )
     return GGUFModelConfig(
         architectures=[ARCHITECTURES[arch]],
-        model_type={"gemma3": "gemma3_text", "gpt-oss": "gpt_oss", "qwen35": "qwen3_5_text"}.get(arch, arch),
+        model_type={
+            "gemma3": "gemma3_text",
+            "gpt-oss": "gpt_oss",
+            "qwen35": "qwen3_5_text",
+            "qwen35moe": "qwen3_5_moe_text",
+        }.get(arch, arch),
         hidden_act="gelu_pytorch_tanh" if arch.startswith("gemma") else "silu",
         num_hidden_layers=layers,
         hidden_size=hidden,
@@ -440,11 +448,10 @@ def load_gguf_tokenizer(path: str, cache: Path | None = None):
 def _hf_name(path: str, name: str, arch: str) -> str:
     if name in MODEL_TENSORS:
         return MODEL_TENSORS[name]
-    names = {"phi3": PHI3_TENSORS, "gpt-oss": GPT_OSS_TENSORS, "lfm2": LFM2_TENSORS, "qwen35": QWEN35_TENSORS}.get(
-        arch, LAYER_TENSORS
-    )
+    names = {"phi3": PHI3_TENSORS, "gpt-oss": GPT_OSS_TENSORS, "lfm2": LFM2_TENSORS}.get(arch, LAYER_TENSORS)
+    names = QWEN35_TENSORS if arch in QWEN35 else names
     names = GEMMA_TENSORS if arch.startswith("gemma") else names
-    if arch == "qwen35" and (m := re.fullmatch(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)", name)):
+    if arch in QWEN35 and (m := re.fullmatch(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)", name)):
         return f"model.layers.{m[1]}.{QWEN35_PARAMETERS[m[2]]}"
     m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)", name)
     if m is None or m[2] not in names:

@@ -1,11 +1,12 @@
-"""Qwen3.5 (Qwen 2026, Qwen3_5ForCausalLM; the language model of Qwen3_5ForConditionalGeneration): a hybrid of
-Gated DeltaNet layers (models/layers/gated_delta_net.py, a state per request) and gated grouped-query attention,
-as `layer_types` ("linear_attention", "full_attention") interleaves them, three to one; each layer then a SwiGLU
-MLP. Its attention has per-head q/k RMSNorm, rotary positions on the first `partial_rotary_factor` of each head
-(the multimodal rope's sections all read a text token's one position, so for text it is plain rope), and its
-output gated by sigmoid of a second half of q_proj. Every RMSNorm but the DeltaNet's scales by 1 + w. Pre-norm
-residual blocks. Images and video are not served: a multimodal checkpoint's vision tower is passed over, as is the
-multi-token-prediction head.
+"""Qwen3.5 (Qwen 2026, Qwen3_5ForCausalLM; the language model of Qwen3_5ForConditionalGeneration) and Qwen3.5-MoE:
+a hybrid of Gated DeltaNet layers (models/layers/gated_delta_net.py, a state per request) and gated grouped-query
+attention, as `layer_types` ("linear_attention", "full_attention") interleaves them, three to one; each layer then
+a SwiGLU MLP, or in the MoE models routed experts (top-k of a softmax, renormalised) with a sigmoid-gated shared
+expert (models/layers/fused_moe.py). Its attention has per-head q/k RMSNorm, rotary positions on the first
+`partial_rotary_factor` of each head (the multimodal rope's sections all read a text token's one position, so for
+text it is plain rope), and its output gated by sigmoid of a second half of q_proj. Every RMSNorm but the
+DeltaNet's scales by 1 + w. Pre-norm residual blocks. Images and video are not served: a multimodal checkpoint's
+vision tower is passed over, as is the multi-token-prediction head.
 """
 
 import re
@@ -21,6 +22,7 @@ from models.distributed.pipeline import PPMissingLayer, PPStage
 from models.layers.attention import SelfAttention
 from models.layers.checkpoint import keep_norms_float32, load_checkpoint
 from models.layers.decoder_stack import run_layers
+from models.layers.fused_moe import SparseMoeBlock, is_sparse_layer
 from models.layers.gated_delta_net import GatedDeltaNet
 from models.layers.layernorm import RMSNorm
 from models.layers.mlp import SwiGLUMLP
@@ -52,10 +54,10 @@ class Qwen3_5DecoderLayer(nn.Module):
     """input_layernorm -> Gated DeltaNet or gated attention -> residual; post_attention_layernorm -> SwiGLU MLP
     -> residual."""
 
-    def __init__(self, config, shape: ModelShape, backend, tp, quant_config, kind: str, tiled_heads: bool):
+    def __init__(self, config, shape: ModelShape, backend, tp, quant_config, layer: int, tiled_heads: bool):
         super().__init__()
         eps, hidden = config.rms_norm_eps, config.hidden_size
-        self.is_linear = kind == "linear_attention"
+        self.is_linear = config.layer_types[layer] == "linear_attention"
         self.input_layernorm = RMSNorm(hidden, eps)
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(config, tp, quant_config, tiled_heads)
@@ -71,7 +73,11 @@ class Qwen3_5DecoderLayer(nn.Module):
                 output_gate=True,
             )
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = SwiGLUMLP(hidden, config.intermediate_size, tp, quant_config)
+        self.mlp = (  # Qwen3.5-MoE: routed experts and a gated shared expert in every layer
+            SparseMoeBlock(config, tp, quant_config)
+            if is_sparse_layer(config, layer)
+            else SwiGLUMLP(hidden, config.intermediate_size, tp, quant_config)
+        )
 
     def forward(self, residual, x, rope, cache, meta):
         """As Lfm2DecoderLayer.forward: a DeltaNet layer's cache and meta are its state tensor and StateMetadata."""
@@ -112,10 +118,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.embed_tokens, self.lm_head = embedding_and_head(config, tp, quant_config, pp, self.tie_word_embeddings)
         backends = backend if isinstance(backend, list) else [backend] * n
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(config, shape, backends[i], tp, quant_config, kind, tiled_heads)
+            Qwen3_5DecoderLayer(config, shape, backends[i], tp, quant_config, i, tiled_heads)
             if pp.holds(i)
             else PPMissingLayer()
-            for i, kind in enumerate(config.layer_types[:n])
+            for i in range(n)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else PPMissingLayer()
         self.quantized = quant_config is not None

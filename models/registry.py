@@ -23,6 +23,8 @@ _REGISTRY = {
     "Lfm2ForCausalLM": (Lfm2ForCausalLM, {}),
     "Qwen3_5ForCausalLM": (Qwen3_5ForCausalLM, {}),
     "Qwen3_5ForConditionalGeneration": (Qwen3_5ForCausalLM, {}),
+    "Qwen3_5MoeForCausalLM": (Qwen3_5ForCausalLM, {}),
+    "Qwen3_5MoeForConditionalGeneration": (Qwen3_5ForCausalLM, {}),
 }
 
 

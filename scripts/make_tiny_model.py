@@ -28,6 +28,7 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
@@ -141,6 +142,19 @@ CONFIGS = {
         linear_value_head_dim=16,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     ),
+    "qwen3_5_moe": lambda: Qwen3_5MoeTextConfig(  # as qwen3_5, 4 experts (2 per token) and a shared one per layer
+        **COMMON | dict(num_hidden_layers=4, head_dim=32),
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    ),
     "granite": lambda: GraniteConfig(  # multipliers far from 1, so that each one changes the output
         **COMMON, embedding_multiplier=12.0, attention_multiplier=1.0, residual_multiplier=0.5, logits_scaling=6.0
     ),
@@ -165,7 +179,7 @@ def save_tiny_model(arch: str, path, tokenizer, mxfp4: bool = False, **overrides
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.self_attn.q_norm.weight, mean=1.0, std=0.5)
             torch.nn.init.normal_(layer.self_attn.k_norm.weight, mean=1.0, std=0.5)
-    if arch == "qwen3_5":  # its norms start at zero (scale 1 + w) or one (the DeltaNet's); make them matter
+    if arch.startswith("qwen3_5"):  # its norms start at zero (scale 1 + w) or one (the DeltaNet's); make them matter
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 with torch.no_grad():

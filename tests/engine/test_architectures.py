@@ -145,6 +145,7 @@ def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
         "gpt_oss",
         "lfm2",
         "qwen3_5",
+        "qwen3_5_moe",
     ],
 )
 def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
@@ -166,8 +167,12 @@ def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
         tokenizer = sentencepiece_tokenizer(tmp_path / "hf", SENTENCEPIECE[name])
         edits = edits | {"vocab_size": len(tokenizer)}
     ref_model = save_tiny_model(name, tmp_path / "hf", tokenizer, **edits)
-    if name == "qwen3_5":  # as Qwen3.5 ships: with a multi-token-prediction head, which the converter keeps
+    if name.startswith("qwen3_5"):  # as Qwen3.5 ships: with a multi-token-prediction head, which the converter keeps
         add_mtp_head(tmp_path / "hf")
+    if name == "qwen3_5_moe":  # transformers gives this model_type Qwen's own pre-tokenizer, which SmolLM2's vocabulary
+        # does not hash as llama.cpp knows: the converter reads the tokenizer as the dense model's (the same weights)
+        config = json.loads((tmp_path / "hf" / "config.json").read_text())
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"model_type": "qwen3_5_text"}))
     gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf")
     factors = load_gguf_config(str(gguf)).rope_parameters.get("freq_factors")
     assert (factors is not None and max(factors) > 1) == (name == "llama3")
