@@ -107,6 +107,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported by Qwen3.5 (supported: silu)")
+        if not getattr(config, "attn_output_gate", True):
+            raise ValueError("attn_output_gate false is not supported by Qwen3.5 (its attention is gated)")
         if getattr(config, "attention_bias", False):
             raise ValueError("attention_bias true is not supported by Qwen3.5 (its q_proj holds the output gate)")
         self.config = config

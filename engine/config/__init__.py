@@ -97,6 +97,11 @@ class EngineConfig:
         'split the model over this many processes (GPUs on CUDA); README "Scale out"',
         flags=("--tensor-parallel-size", "-tp"),
     )
+    enable_expert_parallel: bool = setting(
+        False,
+        "vLLM's expert parallelism (each rank holding whole experts): not built, so refused; under "
+        "--tensor-parallel-size each rank holds its slice of every expert's rows",
+    )
     nnodes: int = setting(
         1,
         "hosts the ranks (tensor-parallel-size x pipeline-parallel-size) are spread over, in order, as many on each",
@@ -210,6 +215,12 @@ class EngineConfig:
             raise ValueError(
                 "speculative_config is not supported with pipeline_parallel_size > 1 (the drafter and the "
                 "rejection sampler are not built for stages yet)"
+            )
+        if self.enable_expert_parallel:
+            raise ValueError(
+                "enable_expert_parallel is not supported: experts are not split across ranks; under "
+                "tensor_parallel_size > 1 each rank holds its slice of every expert's rows (tensor parallelism), "
+                "so drop --enable-expert-parallel"
             )
         if self.kv_transfer_config is not None and self.world_size > 1:
             raise ValueError(

@@ -339,6 +339,16 @@ def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(llm, tmp_path):
     assert_greedy_matches(out.outputs[0].token_ids, hf_greedy(ref_model, prompt))
 
 
+def test_qwen3_5_attention_without_its_gate_is_refused(llm, tmp_path):
+    """A Qwen3.5 config whose attention has no output gate (attn_output_gate false) is a start-up error naming the
+    field: this file builds the gated attention only."""
+    save_tiny_model("qwen3_5", tmp_path, llm.tokenizer)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"attn_output_gate": False}))
+    with pytest.raises(ValueError, match="attn_output_gate false is not supported"):
+        make_llm(model=str(tmp_path))
+
+
 def test_recurrent_states_come_out_of_the_kv_cache_budget(llm, tmp_path):
     """The DeltaNet states of max_num_seqs requests (float32, every linear-attention layer) are allocated from
     --kv-cache-memory before the KV blocks. They take at most half of it: more requests than half holds cap

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from api.cli import main as server_main
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from models.config import ModelShape, partition_heads
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -285,3 +286,10 @@ async def test_killed_rank_takes_the_server_down(tp_server):
     assert f"shutting down: tensor-parallel rank 2 (pid {pids[2]}) was killed by SIGKILL" in log
     with pytest.raises(ProcessLookupError):  # rank 1 was stopped too
         os.kill(pids[1], 0)
+
+
+def test_expert_parallelism_is_refused_by_name():
+    """vLLM's --enable-expert-parallel (whole experts per rank) is not built: asking for it is an error naming the
+    flag and what tensor parallelism does with experts instead, not a silent TP run."""
+    with pytest.raises(ValueError, match="enable_expert_parallel is not supported.*slice of every expert's rows"):
+        EngineConfig(enable_expert_parallel=True, tensor_parallel_size=2)
