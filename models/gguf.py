@@ -527,11 +527,7 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
             w = w.reshape(1, -1)
         if permute and kind in heads:
             order = _unpermute(rows, heads[kind])
-            w = (
-                GGUFTensor(w.qtype, w.data[order].contiguous(), w.cols)
-                if isinstance(w, GGUFTensor)
-                else w[order].contiguous()
-            )
+            w = w.select_rows(order) if isinstance(w, GGUFTensor) else w[order]
         if shifted and name.endswith("norm.weight") and ".linear_attn." not in name:  # the converter's 1 + w back
             w = w - 1
         if name.endswith(".A_log"):  # the converter's A = -exp(A_log) back to A_log

@@ -43,13 +43,6 @@ def rotary_dim(config, head_dim: int) -> int:
     return int(head_dim * factor) // 2 * 2
 
 
-def select_rows(tensor: torch.Tensor | GGUFTensor, rows: torch.Tensor) -> torch.Tensor | GGUFTensor:
-    """The rows `rows` (int64) of a checkpoint tensor, float or a GGUF file's quantized blocks."""
-    if isinstance(tensor, GGUFTensor):
-        return GGUFTensor(tensor.qtype, tensor.data[rows].contiguous(), tensor.cols)
-    return tensor[rows]
-
-
 class Qwen3_5DecoderLayer(nn.Module):
     """input_layernorm -> Gated DeltaNet or gated attention -> residual; post_attention_layernorm -> SwiGLU MLP
     -> residual."""
@@ -168,8 +161,10 @@ class Qwen3_5ForCausalLM(nn.Module):
                     continue
                 if name.endswith("self_attn.q_proj.weight"):  # [heads * 2 * head_dim, hidden]: per head q, gate
                     rows = torch.arange(heads * 2 * head_dim).view(heads, 2, head_dim)
-                    yield name, select_rows(tensor, rows[:, 0].reshape(-1))
-                    yield name.replace("q_proj", "q_gate_proj"), select_rows(tensor, rows[:, 1].reshape(-1))
+                    for part, half in (("q_proj", 0), ("q_gate_proj", 1)):
+                        index = rows[:, half].reshape(-1)
+                        picked = tensor.select_rows(index) if isinstance(tensor, GGUFTensor) else tensor[index]
+                        yield name.replace("q_proj", part), picked
                     continue
                 yield name.replace(".in_proj_qkv.", ".in_proj_qkvz."), tensor
 

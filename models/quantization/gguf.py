@@ -180,6 +180,13 @@ class GGUFTensor:
             raise ValueError("rows of a repacked tensor are interleaved")
         return GGUFTensor(self.qtype, self.data[start : start + count], self.cols)
 
+    def select_rows(self, rows: torch.Tensor) -> "GGUFTensor":
+        """The rows `rows` (int64, any order: a permutation or a subset), each row's blocks copied whole. Raises
+        ValueError after `repack` (rows are interleaved then)."""
+        if self.r16:
+            raise ValueError("rows of a repacked tensor are interleaved")
+        return GGUFTensor(self.qtype, self.data[rows].contiguous(), self.cols)
+
     def repack(self) -> None:
         """Repacks to R16 where the CPU and the type allow it, unless MINIVLLM_GGUF_KERNEL=portable (else keeps
         the blocks)."""
