@@ -339,6 +339,23 @@ def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(llm, tmp_path):
     assert_greedy_matches(out.outputs[0].token_ids, hf_greedy(ref_model, prompt))
 
 
+@pytest.mark.slow
+def test_quantized_qwen3_5_gguf_matches_its_dequantized_weights(llm, tmp_path):
+    """A Qwen3.5 GGUF quantized to Q8_0 by llama.cpp's converter, served on its blocks (q_proj's query and gate rows
+    picked from the quantized tensor, the DeltaNet's fused q | k | v split by byte ranges): the tokens of the same
+    file dequantized at load."""
+    if llama_cpp.converter() is None:
+        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+    save_tiny_model("qwen3_5", tmp_path / "hf", llm.tokenizer)
+    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", "q8_0", "--no-mtp")
+    prompt = llm.tokenizer.encode(PROMPT)
+    blocks = make_llm(model=str(gguf))
+    assert "Q8_0" in blocks.engine.engine_core.executor.runner.weight_bytes
+    ours = blocks.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    dequantized = make_llm(model=str(gguf), quantization="none").generate([prompt], GREEDY, use_tqdm=False)
+    assert ours == dequantized[0].outputs[0].token_ids
+
+
 def test_qwen3_5_attention_without_its_gate_is_refused(llm, tmp_path):
     """A Qwen3.5 config whose attention has no output gate (attn_output_gate false) is a start-up error naming the
     field: this file builds the gated attention only."""
