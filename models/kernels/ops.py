@@ -341,8 +341,8 @@ def gguf_linear(
 
     R16 weights run the AVX512-VNNI kernel (activations quantized to int16 per 32: a relative error near
     1e-5); blocks run the portable C kernel in float32, or with `int8_activations` (Q4_0, Q4_1, Q5_0, Q5_1,
-    Q8_0, Q4_K, Q5_K and Q6_K blocks, at most 8 rows, a CPU with AVX2: gguf_q8_isa) the AVX2 kernel on
-    activations quantized to int8 per 32, as llama.cpp computes. Raises ValueError for a type (or, int8, a
+    Q8_0, Q4_K, Q5_K and Q6_K blocks, a CPU with AVX2: gguf_q8_isa) the AVX2 kernel on activations quantized
+    to int8 per 32 (per 256 for the K-quants: Q8_K), as llama.cpp computes. Raises ValueError for a type (or, int8, a
     shape or CPU) the kernels do not take.
     """
     lib = _gguf_lib()

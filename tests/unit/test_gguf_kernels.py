@@ -129,11 +129,11 @@ def q8() -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_int8_activations(qtype, M, dtype):
     """The AVX2 kernel computes llama.cpp's arithmetic: the dequantized weights against the activations rounded
-    to int8 per 32 (scale max|x| / 127, round to nearest; per 256 for Q4_K and Q5_K, llama.cpp's Q8_K), to float
-    rounding; an offset type's (Q4_1, Q5_1, Q4_K,
-    Q5_K) min meets the rounded activations' sum, not the exact one (that left m sum(x - xq) in every output).
-    21 rows run as groups of 8, 8 and 5 over tiles of weight rows; 7 blocks of 32 per row run as four at a time
-    (q8_quad) and three alone. Another type is refused."""
+    to int8 per 32 (scale max|x| / 127, round to nearest; per 256 for Q4_K, Q5_K and Q6_K, llama.cpp's Q8_K), to
+    float rounding; an offset type's (Q4_1, Q5_1, Q4_K, Q5_K, and Q6_K's 32) min meets the rounded activations' sum,
+    not the exact one (that left m sum(x - xq) in every output). 21 rows run as groups of 8, 8 and 5 (Q6_K: 4 at a
+    time) over tiles of weight rows; 7 blocks of 32 per row run as four at a time (q8_quad) and three alone.
+    Another type is refused."""
     rows, cols = shape(qtype)
     if GGML_QUANT_SIZES[qtype][0] == 32:
         cols = 7 * 32
@@ -141,7 +141,7 @@ def test_linear_int8_activations(qtype, M, dtype):
     w = reference(raw, qtype, cols).astype(np.float64)
     x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M)).to(dtype)
     x += torch.linspace(-1, 3, cols).to(dtype)  # a nonzero mean per block, so an exact-sum offset term shows
-    group = 256 if qtype in (T.Q4_K, T.Q5_K) else 32  # K-quants meet llama.cpp's Q8_K: one scale per 256
+    group = 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 32  # K-quants meet llama.cpp's Q8_K: one scale per 256
     xb = x.float().numpy().reshape(M, -1, group)  # rounded as the kernel does, in float32 (ties matter)
     amax = np.abs(xb).max(-1, keepdims=True)
     codes = np.rint(xb * (np.float32(127) / amax)).astype(np.float64)
