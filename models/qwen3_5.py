@@ -143,14 +143,14 @@ class Qwen3_5ForCausalLM(nn.Module):
         """As LlamaForCausalLM.load_weights. A multimodal checkpoint's `model.language_model.` is the model; its vision
         tower and MTP head are passed over. q_proj's rows, per head its queries then its gates, go to qkv_proj's
         first and fourth parts; in_proj_qkv and in_proj_z to the DeltaNet's in_proj_qkvz, in_proj_b and in_proj_a
-        to its in_proj_ba. The DeltaNet's A_log, dt_bias and convolution stay float32 whatever the model dtype. Then the
-        weight w of every RMSNorm but the DeltaNet's becomes 1 + w."""
+        to its in_proj_ba. The DeltaNet's A_log, dt_bias, convolution and norm stay float32 whatever the model dtype.
+        Then the weight w of every RMSNorm but the DeltaNet's becomes 1 + w."""
         first = self.layers[self.pp.start_layer].input_layernorm.weight
         if self.quantized:
             keep_norms_float32(self)
         for module in self.modules():  # float32 whatever the dtype: a bfloat16 A_log would move every decay
             if isinstance(module, GatedDeltaNet):
-                for param in (module.A_log, module.dt_bias, module.conv1d.weight):
+                for param in (module.A_log, module.dt_bias, module.conv1d.weight, module.norm.weight):
                     param.data = param.data.float()
         heads, head_dim = self.config.num_attention_heads, self.config.head_dim
 

@@ -130,23 +130,21 @@ class GatedDeltaNet(nn.Module):
         """x: the step's normed hidden states [T, hidden]; state: this layer's float32 [slots, state_size], read and
         updated at `meta.state_indices` (zeros where a sequence has no computed token yet). The decodes take the C
         kernel where it runs (ops.gated_delta_net_decode_), the rest this file's torch path."""
-        qkv, z = self.in_proj_qkvz(x).float().split([self.conv_dim, self.nv * self.dv], dim=-1)
-        b, a = self.in_proj_ba(x).float().chunk(2, dim=-1)
-        o, nd, done = torch.empty_like(z), meta.num_decodes, 0
+        qkv, z = self.in_proj_qkvz(x, out_dtype=torch.float32).split([self.conv_dim, self.nv * self.dv], dim=-1)
+        b, a = self.in_proj_ba(x, out_dtype=torch.float32).chunk(2, dim=-1)
+        o, nd = None, meta.num_decodes
         if nd:
             slots = meta.state_indices[:nd]
-            fresh = ~torch.tensor(meta.has_initial_state[:nd])
-            if fresh.any():
-                state[slots[fresh]] = 0
+            if not all(meta.has_initial_state[:nd]):
+                state[slots[~torch.tensor(meta.has_initial_state[:nd])]] = 0
             weights = (self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps)
             heads = (self.nk, self.dk, self.tiled_heads)
-            if (
-                out := ops.gated_delta_net_decode_(state, slots, qkv[:nd], z[:nd], a[:nd], b[:nd], *weights, *heads)
-            ) is not None:
-                o[:nd], done = out, nd
+            o = ops.gated_delta_net_decode_(state, slots, qkv[:nd], z[:nd], a[:nd], b[:nd], *weights, *heads)
+        done = 0 if o is None else nd
         if done < x.shape[0]:
             rest = meta.after_decodes() if done else meta
-            o[done:] = self.torch_forward(qkv[done:], z[done:], a[done:], b[done:], state, rest)
+            tail = self.torch_forward(qkv[done:], z[done:], a[done:], b[done:], state, rest)
+            o = tail if o is None else torch.cat([o, tail])
         return self.out_proj(o.to(x.dtype))
 
     def torch_forward(self, qkv, z, a, b, state, meta: StateMetadata) -> torch.Tensor:
