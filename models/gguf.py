@@ -71,6 +71,8 @@ LAYER_TENSORS = {
 }
 # Llama 3.1's rope scaling as llama.cpp's converter writes it: the divisor of each rotary frequency
 ROPE_FREQS = "rope_freqs.weight"
+# LongRoPE's per-dimension divisors of the frequencies (Phi-3's 128k models, Phi-3.5, Phi-4-mini): into the config
+ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
 # Gemma's names of its four norms per layer (ffn_norm is the pre-feedforward one there)
 GEMMA_TENSORS = LAYER_TENSORS | {
     "ffn_norm": "pre_feedforward_layernorm",
@@ -248,12 +250,19 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
     rope = _rope_fields(path, md)
     if ROPE_FREQS in names:  # Llama 3.1+: the converter's per-dimension divisors of the frequencies
         rope["freq_factors"] = _float_tensor(header, ROPE_FREQS).tolist()
+    if ROPE_FACTORS["long_factor"] in names:  # LongRoPE: the short set up to the original context, then the long
+        rope |= {key: _float_tensor(header, name).tolist() for key, name in ROPE_FACTORS.items()}
+        rope |= {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": _key(path, md, "rope.scaling.original_context_length"),
+            "attention_factor": md.get(f"{arch}.rope.scaling.attn_factor"),
+        }
     layers = _layer_count(path, md)
     head_dim = _key(path, md, "attention.key_length", hidden // heads)
     rope_dims = md.get(f"{arch}.rope.dimension_count", head_dim)
-    if arch in QWEN35:  # rotary on a quarter of each head; its sections all read a text token's one position
+    if arch in QWEN35 or arch == "phi3":  # rotate-half over the leading rope_dims of each head (Phi-4-mini: 3/4)
         rope["partial_rotary_factor"] = rope_dims / head_dim
-    elif rope_dims != head_dim:  # Phi-4-mini, ...: rotary on part of each head
+    elif rope_dims != head_dim:
         raise ValueError(
             f"{path}: rope.dimension_count {rope_dims} < head_dim {head_dim} (partial rotary) is not supported"
         )
@@ -486,7 +495,7 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
     raw = load_gguf_state_dict(header)
     mtp = tuple(f"blk.{i}." for i in range(_layer_count(path, md), _key(path, md, "block_count")))
     for info in header.tensors:
-        if info.name == ROPE_FREQS:  # read into the config (load_gguf_config), not a weight
+        if info.name == ROPE_FREQS or info.name in ROPE_FACTORS.values():  # read into the config, not weights
             continue
         if info.name.startswith(mtp):  # the multi-token-prediction blocks: passed over
             continue

@@ -1,8 +1,8 @@
 """The Llama family over a paged KV cache: Llama 2/3, Mistral (sliding windows), Qwen2, Qwen3 (q/k norms),
 SmolLM2, SmolLM3 (no rotary on some layers), Granite (embedding, attention, residual and logits multipliers),
-Phi-3 (fused q/k/v and gate/up tensors in its checkpoint), and the mixtures of experts Qwen3-MoE, Qwen2-MoE,
-Mixtral and gpt-oss (models/layers/fused_moe.py in place of the MLP; gpt-oss adds attention sinks, an o_proj bias,
-alternating sliding windows and YaRN positions).
+Phi-3 and Phi-4-mini (fused q/k/v and gate/up tensors; LongRoPE, partial rotary), and the mixtures of experts
+Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss (models/layers/fused_moe.py in place of the MLP; gpt-oss adds attention
+sinks, an o_proj bias, alternating sliding windows and YaRN positions).
 
 Llama: Touvron et al. 2023; RMSNorm (Zhang & Sennrich 2019), rotary embeddings (Su et al. 2021),
 grouped-query attention (Ainslie et al. 2023), SwiGLU (Shazeer 2020). Tokens of all sequences in a
@@ -25,7 +25,7 @@ from models.layers.fused_layer import FusedDecoderLayer
 from models.layers.fused_moe import SparseMoeBlock, gpt_oss_tensors, is_sparse_layer
 from models.layers.layernorm import RMSNorm
 from models.layers.mlp import SwiGLUMLP
-from models.layers.rotary_embedding import RotaryEmbedding
+from models.layers.rotary_embedding import RotaryEmbedding, rotary_dim
 from models.layers.vocab_parallel_embedding import embedding_and_head
 from models.quantization.gguf import GGUFConfig
 
@@ -45,6 +45,7 @@ class LlamaDecoderLayer(nn.Module):
             config.rms_norm_eps if qk_norm else None,
             quant_config,
             use_rope=bool(no_rope[layer]) if no_rope else True,
+            rotary_dim=rotary_dim(config, shape.head_dim),  # Phi-4-mini rotates 3/4 of each head
             # Llama's attention_bias covers o_proj too (gpt-oss); Qwen2's q/k/v biases (qkv_bias) do not
             o_bias=bool(getattr(config, "attention_bias", False)) and not qkv_bias,
             sinks=getattr(config, "model_type", None) == "gpt_oss",
@@ -109,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
         check_config(config)
         self.config = config
         self.pp = pp = pp or PPStage.whole(config.num_hidden_layers)
-        self.rotary = RotaryEmbedding(config, shape.head_dim, max_model_len)
+        self.rotary = RotaryEmbedding(config, rotary_dim(config, shape.head_dim), max_model_len)
         bias = qkv_bias or bool(getattr(config, "attention_bias", False))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.embed_tokens, self.lm_head = embedding_and_head(config, tp, quant_config, pp, self.tie_word_embeddings)
@@ -176,15 +177,10 @@ class LlamaForCausalLM(nn.Module):
 
 def check_config(config) -> None:
     """Raises ValueError naming a config field this model file does not build (so that a setting that would
-    change the output is refused, never ignored): another activation than SiLU, MLP biases, partial rotary
-    embeddings. Rope types and sliding windows are checked where they are built (rotary_embedding.py,
-    models.config)."""
+    change the output is refused, never ignored): another activation than SiLU, MLP biases. Rope types and sliding
+    windows are checked where they are built (rotary_embedding.py, models.config)."""
     act = getattr(config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"hidden_act {act!r} is not supported by the Llama family (supported: silu)")
     if getattr(config, "mlp_bias", False):
         raise ValueError("mlp_bias true is not supported")
-    rope = getattr(config, "rope_parameters", None) or {}
-    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if factor not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor {factor} is not supported (rotary over the whole head only)")

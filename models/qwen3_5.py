@@ -26,7 +26,7 @@ from models.layers.fused_moe import SparseMoeBlock, is_sparse_layer
 from models.layers.gated_delta_net import GatedDeltaNet
 from models.layers.layernorm import RMSNorm
 from models.layers.mlp import SwiGLUMLP
-from models.layers.rotary_embedding import RotaryEmbedding, rope_params
+from models.layers.rotary_embedding import RotaryEmbedding, rotary_dim
 from models.layers.short_conv import StateMetadata
 from models.layers.vocab_parallel_embedding import embedding_and_head
 from models.quantization.gguf import GGUFConfig, GGUFTensor
@@ -34,13 +34,6 @@ from models.quantization.gguf import GGUFConfig, GGUFTensor
 # a multimodal checkpoint's language model, and the tensors a text server passes over
 PREFIX = (re.compile(r"^model\.language_model\."), "model.")
 PASSED_OVER = re.compile(r"^(model\.visual\.|visual\.|mtp\.)")
-
-
-def rotary_dim(config, head_dim: int) -> int:
-    """The leading features of each head that rotate: head_dim times `partial_rotary_factor` (a quarter in Qwen3.5),
-    even."""
-    factor = rope_params(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    return int(head_dim * factor) // 2 * 2
 
 
 class Qwen3_5DecoderLayer(nn.Module):

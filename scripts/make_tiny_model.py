@@ -68,6 +68,23 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),  # head_dim is not hidden_size / heads there
     # fused qkv_proj and gate_up_proj in the checkpoint, a sliding window
     "phi3": lambda: Phi3Config(**COMMON, sliding_window=24, pad_token_id=0),
+    # Phi-4-mini's shape of Phi-3: rotary on 3/4 of each head, LongRoPE (short factors up to the original context of
+    # 64, long ones past it, cos and sin scaled by sqrt(1 + ln 16 / ln 64)), the LM head tied, no window
+    "phi4_mini": lambda: Phi3Config(
+        **COMMON | dict(tie_word_embeddings=True),
+        pad_token_id=0,
+        sliding_window=None,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 64,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0],
+        },
+    ),
     # no rotary on every fourth layer (the default; llama.cpp assumes it)
     "smollm3": lambda: SmolLM3Config(**COMMON | dict(num_hidden_layers=4)),
     # alternating sliding / global layers, soft caps that bind, query_pre_attn_scalar apart from head_dim

@@ -114,6 +114,7 @@ class FusedDecoderLayer:
             or backend.logits_soft_cap
             or backend.dtype not in (None, torch.float32)
             or attn.q_norm is not None
+            or attn.rotary_dim != attn.head_dim
             or attn.sinks is not None
             or attn.o_proj.bias is not None
             or layer.residual_multiplier != 1.0

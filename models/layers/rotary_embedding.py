@@ -1,5 +1,5 @@
-"""Rotary position embeddings (RoPE, Su et al. 2021): inverse frequencies with Llama 3's, YaRN's or linear
-scaling, and the float32 cos/sin table gathered once per step."""
+"""Rotary position embeddings (RoPE, Su et al. 2021): inverse frequencies with Llama 3's, YaRN's, LongRoPE's or
+linear scaling, and the float32 cos/sin table gathered once per step."""
 
 import math
 
@@ -14,6 +14,13 @@ def rope_params(config, layer_type: str | None = None) -> dict:
     if layer_type is not None and isinstance(params.get(layer_type), dict):
         params = dict(params[layer_type])
     return params
+
+
+def rotary_dim(config, head_dim: int) -> int:
+    """The leading features of each head that rotate: head_dim times `partial_rotary_factor` (a quarter in
+    Qwen3.5, three quarters in Phi-4-mini), even."""
+    factor = rope_params(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    return int(head_dim * (factor or 1.0)) // 2 * 2
 
 
 def yarn_attention_factor(params: dict) -> float:
@@ -52,12 +59,29 @@ def _yarn(inv_freq: torch.Tensor, params: dict, head_dim: int, theta: float) -> 
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
-def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> torch.Tensor:
-    """Rotary inverse frequencies [head_dim // 2] (float32), with Llama 3's frequency scaling, YaRN or linear
+def longrope_original_length(config, params: dict) -> int:
+    """LongRoPE's pretraining context: in the rope parameters (transformers 5), else the config's top level."""
+    return params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+
+
+def longrope_attention_factor(config, params: dict) -> float:
+    """LongRoPE's scale of cos and sin: `attention_factor` where given, else sqrt(1 + ln(s) / ln(original
+    context)) with s = max_position_embeddings / original_max_position_embeddings (Phi-3's rule, transformers' and
+    llama.cpp's converter's), 1 when s <= 1."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    old_len = longrope_original_length(config, params)
+    scale = params.get("factor") or config.max_position_embeddings / old_len
+    return math.sqrt(1 + math.log(scale) / math.log(old_len)) if scale > 1 else 1.0
+
+
+def rope_inv_freq(config, head_dim: int, layer_type: str | None = None, long: bool = False) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim // 2] (float32), with Llama 3's frequency scaling, YaRN, LongRoPE
+    (Ding et al. 2024: each frequency divided by its `short_factor`, or its `long_factor` when `long`) or linear
     position interpolation (Chen et al. 2023) if set: from the config's parameters (a Hugging Face directory;
     Gemma 3 keeps one set per layer type, picked by `layer_type`), or as the per-dimension divisors llama.cpp's
-    converter writes into a GGUF file as `rope_freqs` (`freq_factors`). Raises ValueError for another rope
-    type."""
+    converter writes into a GGUF file as `rope_freqs` (`freq_factors`). `head_dim`: the rotating features of a
+    head. Raises ValueError for another rope type, or LongRoPE factors of another length."""
     params = rope_params(config, layer_type)
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
@@ -75,20 +99,36 @@ def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> torch
         inv_freq = inv_freq / params["factor"]
     elif rope_type == "yarn":
         inv_freq = _yarn(inv_freq, params, head_dim, theta)
+    elif rope_type in ("longrope", "su"):
+        factors = params["long_factor" if long else "short_factor"]
+        if len(factors) != head_dim // 2:
+            raise ValueError(
+                f"rope {'long' if long else 'short'}_factor has {len(factors)} values, not {head_dim // 2}"
+            )
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     elif rope_type not in ("default", None):
-        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3, linear, yarn)")
+        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3, linear, yarn, longrope)")
     if "freq_factors" in params:
         inv_freq = inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float32)
     return inv_freq
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE over a precomputed float32 cos/sin table of [max_len, head_dim // 2]."""
+    """Rotate-half RoPE over a precomputed float32 cos/sin table of [max_len, head_dim // 2] (`head_dim`: the
+    rotating features of a head).
+
+    LongRoPE (Phi-3's 128k models, Phi-3.5, Phi-4-mini) takes its long factors when the served context `max_len`
+    exceeds `original_max_position_embeddings`, else its short ones, for every position: llama.cpp's rule (by its
+    context size), so a request's cached keys never mix the two sets (vLLM switches a whole step once a position
+    crosses, transformers recomputes the cache then)."""
 
     def __init__(self, config, head_dim: int, max_len: int, layer_type: str | None = None):
         super().__init__()
         self.config, self.head_dim, self.max_len, self.layer_type = config, head_dim, max_len, layer_type
         self.cos = self.sin = None
+        params = rope_params(config, layer_type)
+        self.rope_type = params.get("rope_type", params.get("type"))
+        self.long = self.rope_type in ("longrope", "su") and max_len > longrope_original_length(config, params)
         device = torch.empty(0).device  # the device being built on (torch.device context)
         if device.type != "meta":
             self.compute_table(device)
@@ -98,11 +138,16 @@ class RotaryEmbedding(nn.Module):
         the meta device (no checkpoint holds them). Plain attributes, not buffers, so that
         `model.to(bfloat16)` leaves the angles in float32 and materializing the meta model does not drop them."""
         positions = torch.arange(self.max_len, dtype=torch.float32, device=device)
-        freqs = torch.outer(positions, rope_inv_freq(self.config, self.head_dim, self.layer_type).to(device))
+        inv_freq = rope_inv_freq(self.config, self.head_dim, self.layer_type, self.long)
+        freqs = torch.outer(positions, inv_freq.to(device))
         self.cos, self.sin = freqs.cos(), freqs.sin()
         params = rope_params(self.config, self.layer_type)
-        if params.get("rope_type", params.get("type")) == "yarn":  # YaRN scales cos and sin (transformers' way)
+        scale = 1.0  # YaRN and LongRoPE scale cos and sin (transformers' way)
+        if self.rope_type == "yarn":
             scale = yarn_attention_factor(params)
+        elif self.rope_type in ("longrope", "su"):
+            scale = longrope_attention_factor(self.config, params)
+        if scale != 1.0:
             self.cos, self.sin = self.cos * scale, self.sin * scale
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

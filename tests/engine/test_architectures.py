@@ -2,7 +2,8 @@
 (scripts/make_tiny_model.py):
 Llama 3 (llama3 RoPE scaling, untied LM head), Qwen2 (q/k/v biases; and with sliding layers after full ones),
 Mistral (a sliding window shorter than the prompt), Qwen3 (per-head q/k RMSNorm, head_dim apart from
-hidden_size / heads), Phi-3 (fused q/k/v and gate/up tensors, a sliding window), SmolLM3 (a layer without
+hidden_size / heads), Phi-3 (fused q/k/v and gate/up tensors, a sliding window), Phi-4-mini (LongRoPE, rotary on
+3/4 of each head, a tied head), SmolLM3 (a layer without
 rotary), Granite (multipliers), Gemma 2 (soft caps, pre/post norms, GeGLU, alternating windows) and Gemma 3
 (q/k norms, a rope base per layer kind, linear scaling), the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral
 and gpt-oss (attention sinks, biases, a clamped SwiGLU, YaRN; MXFP4 experts), the hybrids LFM2 (conv states beside
@@ -66,6 +67,10 @@ FEATURES = {
         {"num_experts_per_tok": 1},
     ],
     "qwen3_5": [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}],
+    "phi4_mini": [  # the long factors past the original context; LongRoPE at all
+        {"rope_parameters": CONFIGS["phi4_mini"]().rope_parameters | {"long_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5]}},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
+    ],
     "granite": [
         {"embedding_multiplier": 1.0},
         {"attention_multiplier": 0.25},
@@ -137,6 +142,7 @@ def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
         "smollm3",
         "granite",
         "phi3",
+        "phi4_mini",
         "gemma2",
         "gemma3",
         "qwen3_moe",
@@ -167,6 +173,10 @@ def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
         tokenizer = sentencepiece_tokenizer(tmp_path / "hf", SENTENCEPIECE[name])
         edits = edits | {"vocab_size": len(tokenizer)}
     ref_model = save_tiny_model(name, tmp_path / "hf", tokenizer, **edits)
+    if name == "phi4_mini":  # as Phi-4-mini ships: a GPT-2 BPE vocabulary, which the Phi-3 converter reads then
+        config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+        config["tokenizer_class"] = "GPT2Tokenizer"
+        (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(config))
     if name.startswith("qwen3_5"):  # as Qwen3.5 ships: with a multi-token-prediction head, which the converter keeps
         add_mtp_head(tmp_path / "hf")
     if name == "qwen3_5_moe":  # transformers gives this model_type Qwen's own pre-tokenizer, which SmolLM2's vocabulary
@@ -183,6 +193,26 @@ def test_gguf_made_by_llama_cpp_matches_transformers(name, llm, tmp_path):
     assert ours.tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False)
     out = ours.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert_greedy_matches(out.outputs[0].token_ids, hf_greedy(ref_model, prompt))
+
+
+@pytest.mark.slow
+def test_longrope_factors_follow_the_served_context(llm, tmp_path):
+    """Phi-4-mini's LongRoPE picks its factor set by the served context, as llama.cpp does by its context size:
+    served past the original context (64 here) the long factors, for every position, so a 121-token prompt gives
+    transformers' tokens and first logprob (transformers takes the long set once a sequence passes 64, cos and
+    sin scaled by LongRoPE's attention factor); served within it (--max-model-len 64) the short ones, so a
+    30-token prompt gives transformers' tokens."""
+    ref_model = save_tiny_model("phi4_mini", tmp_path, llm.tokenizer)
+    words = llm.tokenizer.encode(PROMPT)
+    scored = dataclasses.replace(GREEDY, logprobs=0)
+    for max_model_len, n in ((None, len(words)), (64, 30)):
+        out = make_llm(model=str(tmp_path), max_model_len=max_model_len).generate([words[:n]], scored, use_tqdm=False)
+        out = out[0].outputs[0]
+        assert_greedy_matches(out.token_ids, hf_greedy(ref_model, words[:n]))
+        with torch.inference_mode():
+            ref = ref_model(torch.tensor([words[:n]])).logits[0, -1].log_softmax(-1)
+        assert abs(out.logprobs[0].logprob - float(ref[out.token_ids[0]])) < 1e-4
+    assert len(words) > 64
 
 
 def test_unknown_architecture_names_the_supported_ones():
