@@ -16,6 +16,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from models.layers.checkpoint import load_checkpoint
 from models.layers.fused_moe import SparseMoeBlock, dequantize_mxfp4, expert_shard, gpt_oss_tensors, is_sparse_layer
 from models.quantization.gguf import GGUFConfig, GGUFTensor
+from tests.gguf_blocks import random_blocks
 
 HIDDEN, INTER, EXPERTS = 64, 32, 8
 
@@ -160,3 +161,70 @@ def test_gpt_oss_mxfp4_experts_on_their_blocks():
     x = torch.randn(11, HIDDEN)
     with torch.no_grad():
         torch.testing.assert_close(q.mlp(x), f.mlp(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "qtypes, limit",
+    [
+        ((GGMLQuantizationType.Q8_0,) * 3, None),
+        ((GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K), None),
+        ((GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0), None),
+        ((GGMLQuantizationType.MXFP4,) * 3, 0.3),
+    ],
+    ids=["q8_0", "q4_k_m", "mixed", "mxfp4_gpt_oss"],
+)
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_one_call_experts_equal_the_per_expert_loop(qtypes, limit, tokens, monkeypatch):
+    """With int8 activations (the default, an AVX2 CPU), a decode-sized step's routed experts run in one C call
+    (ops.gguf_moe): the result equals FusedMoE's loop over the experts, which calls the same int8 kernel per
+    projection, bit for bit with SiLU (to float rounding with gpt-oss's clamped SwiGLU and biases, which the loop
+    computes in torch): the tokens grouped by expert in the same order, each expert's gate and up (a K-quant gate
+    and up share one activation quantization), the activation, down, the weighted sum. 256-wide rows so that the
+    K-quants' super-blocks fit; 64 tokens is the largest step it takes."""
+    from models.kernels import cpu_kernels
+    from models.kernels import ops as kernel_ops
+    from models.quantization.gguf import int8_activations
+
+    lib = cpu_kernels.load()
+    if lib is None or not lib.gguf_q8_isa():
+        pytest.skip("the CPU has no AVX2")
+    monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
+    int8_activations.cache_clear()
+    try:
+        hidden, inter, experts = 256, 512, 6
+        kind = "gpt_oss" if limit else "qwen3_moe"
+        config = (
+            GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
+                         num_experts_per_tok=3, swiglu_limit=limit)
+            if limit
+            else Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
+                                num_experts_per_tok=3)
+        )  # fmt: skip
+        block = SparseMoeBlock(config, None, GGUFConfig())
+        torch.manual_seed(tokens)
+        shapes = [(inter, hidden), (inter, hidden), (hidden, inter)]
+        for proj, (qtype, (rows, cols)) in enumerate(zip(qtypes, shapes)):
+            blocks = random_blocks(qtype, experts * rows, cols, seed=proj).reshape(experts * rows, -1)
+            block.experts.quant_method.load(proj, GGUFTensor(qtype, blocks, cols))
+        block.experts.quant_method.process_weights_after_loading(torch.float32)
+        with torch.no_grad():
+            block.gate.weight.normal_(std=0.5)
+            if kind == "gpt_oss":
+                block.gate.bias.normal_()
+                block.experts.w13_bias.normal_()
+                block.experts.w2_bias.normal_()
+        x = torch.randn(tokens, hidden)
+        calls = []
+        real = kernel_ops.gguf_moe
+        monkeypatch.setattr(kernel_ops, "gguf_moe", lambda *a: calls.append(1) or real(*a))
+        with torch.no_grad():
+            one_call = block(x)
+            assert calls, "the one-call path did not run"
+            monkeypatch.setattr(kernel_ops, "gguf_moe", lambda *a: None)
+            loop = block(x)
+        if limit is None:  # the same kernels in the same order, the SiLU by layer_ops.c's: bit for bit
+            assert torch.equal(one_call, loop)
+        torch.testing.assert_close(one_call, loop, rtol=1e-5, atol=1e-5)  # gpt-oss's activation: torch's there
+        assert one_call.abs().mean() > 1e-3
+    finally:
+        int8_activations.cache_clear()

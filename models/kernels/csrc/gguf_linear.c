@@ -33,6 +33,7 @@
  * Threads split W's rows. x [M, K] float32 or bfloat16 (rows x_stride apart), y [M, N] float32 or
  * bfloat16 (rows y_stride apart). Functions return -1 for a type they do not know (nothing written).
  */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -1134,20 +1135,29 @@ int gguf_q8_isa(void) {
 #endif
 }
 
-/* y = x W^T for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks and M rows of x, with x quantized to int8
- * per 32 (the kernels take 8 rows at a time, past 8 over tiles of Q8_TILE weight rows). Returns -1 (nothing
- * written) for another type or shape, or without AVX2. */
-int gguf_q8_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
-                   int y_stride, int M, int N, int K, int num_threads) {
 #if defined(__x86_64__)
-    if (!has_avx2() || !q8_type(type) || K % block_weights(type) || M < 1) return -1;
+/* the values that share one activation scale for `type`'s kernel: 32, or 256 for the K-quants */
+static int q8_group(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }
+
+/* M rows of activations quantized for `type`'s kernel, and the buffers the Q8Acts points into */
+typedef struct {
+    Q8Acts a;
+    int8_t *xq;
+    float *xd, *xs;
+    int16_t *xb;
+} Q8Buf;
+
+/* x [M, K] (float32, or bfloat16 when x_bf16; rows x_stride apart) quantized to int8 per 32, or per 256 for the
+ * K-quants (llama.cpp's Q8_K: one scale per 256 values, so a super-block's sub-blocks sum in int32; xd then holds
+ * that scale in each of its 8 slots, xs each 32's integer sum, and for Q6_K xb each 16's). Release with q8_release. */
+static Q8Buf q8_prepare(const void *x, int x_bf16, int x_stride, int type, int M, int K, int num_threads) {
     const int nb = K / 32;
-    int8_t *xq = malloc((size_t)M * K);
-    float *xd = malloc(sizeof(float) * (size_t)M * nb), *xs = malloc(sizeof(float) * (size_t)M * nb);
-    int16_t *xb = type == Q6_K ? malloc(sizeof(int16_t) * (size_t)M * (K / 16)) : NULL;
-    /* the K-quants meet llama.cpp's Q8_K: one scale per 256 values, so a super-block's sub-blocks sum in int32;
-     * xd then holds that scale in each of its 8 slots, xs each 32's integer sum, and for Q6_K xb each 16's */
-    const int group = type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32;
+    Q8Buf b = {{0}, malloc((size_t)M * K), malloc(sizeof(float) * (size_t)M * nb),
+               malloc(sizeof(float) * (size_t)M * nb), type == Q6_K ? malloc(sizeof(int16_t) * (size_t)M * (K / 16)) : NULL};
+    int8_t *xq = b.xq;
+    float *xd = b.xd, *xs = b.xs;
+    int16_t *xb = b.xb;
+    const int group = q8_group(type);
     _Pragma("omp parallel for num_threads(num_threads) if (M > Q8_MAX_ROWS)")
     for (int m = 0; m < M; m++) {
         for (int g = 0; g < K / group; g++) {
@@ -1170,14 +1180,119 @@ int gguf_q8_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, in
                 xb[(size_t)m * (K / 16) + i] = (int16_t)sum;
             }
     }
-    const Q8Acts a = {xq, xd, xs, xb, M, K};
-    q8_rows(&a, type, w, y, y_bf16, y_stride, N, num_threads);
-    free(xb);
-    free(xq), free(xd), free(xs);
+    b.a = (Q8Acts){xq, xd, xs, xb, M, K};
+    return b;
+}
+
+static void q8_release(Q8Buf *b) { free(b->xq), free(b->xd), free(b->xs), free(b->xb); }
+#endif
+
+/* y = x W^T for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks and M rows of x, with x quantized to int8
+ * per 32 (the kernels take 8 rows at a time, past 8 over tiles of Q8_TILE weight rows). Returns -1 (nothing
+ * written) for another type or shape, or without AVX2. */
+int gguf_q8_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                   int y_stride, int M, int N, int K, int num_threads) {
+#if defined(__x86_64__)
+    if (!has_avx2() || !q8_type(type) || K % block_weights(type) || M < 1) return -1;
+    Q8Buf b = q8_prepare(x, x_bf16, x_stride, type, M, K, num_threads);
+    q8_rows(&b.a, type, w, y, y_bf16, y_stride, N, num_threads);
+    q8_release(&b);
     return 0;
 #else
     (void)x, (void)x_bf16, (void)x_stride, (void)w, (void)type, (void)y, (void)y_bf16, (void)y_stride, (void)M;
     (void)N, (void)K, (void)num_threads;
+    return -1;
+#endif
+}
+
+void silu_and_mul_float(const float *gate_up, float *out, int num_tokens, int inter, int num_threads); /* layer_ops.c */
+
+/* o += (d + bias) w, each product rounded before the sum (no fused multiply-add), as torch's index_add_ of the
+ * weighted outputs sums them in fused_moe.py's loop */
+__attribute__((optimize("fp-contract=off"))) static void moe_accumulate(float *o, const float *d, const float *bias,
+                                                                         float w, int n) {
+    for (int c = 0; c < n; c++) o[c] += (bias ? d[c] + bias[c] : d[c]) * w;
+}
+
+/* A mixture-of-experts layer's routed experts for T tokens in one call, on the int8 kernels above: for each expert
+ * that tokens chose (in expert order, as models/layers/fused_moe.py's loop), its tokens' rows of x gathered,
+ * gate and up (activations quantized once where the two types share a group), the activation, down, then
+ * out[t] += topw (down + b2) for each of its tokens. SiLU(gate) up, or with `limit` > 0 gpt-oss's clamped SwiGLU
+ * (clamp(up, -l, l) + 1) g sigmoid(alpha g) with g = min(gate, l) (vLLM's "swigluoai").
+ *
+ * x, out float32 [T, hidden]; ids int64 [T, top_k] (expert of each choice), topw float32 [T, top_k]; w_gate,
+ * w_up: every expert's [inter, hidden] stacked (E * inter rows of GGUF blocks of t_gate, t_up), w_down [hidden,
+ * inter] per expert (t_down); b13 float32 [E, 2 inter] (gate | up) and b2 [E, hidden] or NULL. Returns -1
+ * (nothing written) for a type or shape the int8 kernels do not take, or without AVX2. */
+int gguf_q8_moe(const float *x, int T, int hidden, const int64_t *ids, const float *topw, int top_k,
+                const uint8_t *w_gate, int t_gate, const uint8_t *w_up, int t_up, const uint8_t *w_down, int t_down,
+                int num_experts, int inter, const float *b13, const float *b2, float limit, float alpha, float *out,
+                int num_threads) {
+#if defined(__x86_64__)
+    if (!has_avx2() || !q8_type(t_gate) || !q8_type(t_up) || !q8_type(t_down) || T < 1 ||
+        hidden % block_weights(t_gate) || hidden % block_weights(t_up) || inter % block_weights(t_down))
+        return -1;
+    const size_t gate_bytes = (size_t)inter * (hidden / block_weights(t_gate)) * block_bytes(t_gate);
+    const size_t up_bytes = (size_t)inter * (hidden / block_weights(t_up)) * block_bytes(t_up);
+    const size_t down_bytes = (size_t)hidden * (inter / block_weights(t_down)) * block_bytes(t_down);
+    const int pairs = T * top_k;
+    /* the (token, choice) pairs grouped by expert, stably (a counting sort) */
+    int *start = calloc((size_t)num_experts + 1, sizeof(int)), *order = malloc(sizeof(int) * (size_t)pairs);
+    for (int p = 0; p < pairs; p++) start[ids[p] + 1]++;
+    for (int e = 0; e < num_experts; e++) start[e + 1] += start[e];
+    int *fill = malloc(sizeof(int) * (size_t)num_experts);
+    memcpy(fill, start, sizeof(int) * (size_t)num_experts);
+    for (int p = 0; p < pairs; p++) order[fill[ids[p]]++] = p;
+    float *xe = malloc(sizeof(float) * (size_t)T * hidden), *gu = malloc(sizeof(float) * (size_t)T * 2 * inter);
+    float *h = malloc(sizeof(float) * (size_t)T * inter), *d = malloc(sizeof(float) * (size_t)T * hidden);
+    memset(out, 0, sizeof(float) * (size_t)T * hidden);
+    for (int e = 0; e < num_experts; e++) {
+        const int n = start[e + 1] - start[e];
+        if (!n) continue;
+        const int *mine = order + start[e];
+        for (int i = 0; i < n; i++) memcpy(xe + (size_t)i * hidden, x + (size_t)(mine[i] / top_k) * hidden,
+                                           sizeof(float) * (size_t)hidden);
+        Q8Buf qg = q8_prepare(xe, 0, hidden, t_gate, n, hidden, num_threads);
+        q8_rows(&qg.a, t_gate, w_gate + e * gate_bytes, gu, 0, 2 * inter, inter, num_threads);
+        if (q8_group(t_up) == q8_group(t_gate) && (t_up == Q6_K) == (t_gate == Q6_K)) {
+            q8_rows(&qg.a, t_up, w_up + e * up_bytes, gu + inter, 0, 2 * inter, inter, num_threads);
+        } else {
+            Q8Buf qu = q8_prepare(xe, 0, hidden, t_up, n, hidden, num_threads);
+            q8_rows(&qu.a, t_up, w_up + e * up_bytes, gu + inter, 0, 2 * inter, inter, num_threads);
+            q8_release(&qu);
+        }
+        q8_release(&qg);
+        if (!b13 && limit <= 0.f) /* layer_ops.c's, so that the result is the per-expert path's bit for bit */
+            silu_and_mul_float(gu, h, n, inter, num_threads);
+        for (int i = 0; i < n && (b13 || limit > 0.f); i++) {
+            const float *g = gu + (size_t)i * 2 * inter, *u = g + inter;
+            const float *bg = b13 ? b13 + (size_t)e * 2 * inter : NULL;
+            for (int j = 0; j < inter; j++) {
+                float a = g[j], b = u[j];
+                if (bg) a += bg[j], b += bg[inter + j];
+                if (limit > 0.f) {
+                    a = fminf(a, limit), b = fminf(fmaxf(b, -limit), limit);
+                    h[(size_t)i * inter + j] = (b + 1.f) * a / (1.f + expf(fminf(-alpha * a, 88.f)));
+                } else {
+                    h[(size_t)i * inter + j] = a / (1.f + expf(fminf(-a, 88.f))) * b;
+                }
+            }
+        }
+        Q8Buf qh = q8_prepare(h, 0, inter, t_down, n, inter, num_threads);
+        q8_rows(&qh.a, t_down, w_down + e * down_bytes, d, 0, hidden, hidden, num_threads);
+        q8_release(&qh);
+        const float *bd = b2 ? b2 + (size_t)e * hidden : NULL;
+        for (int i = 0; i < n; i++) {
+            const int p = mine[i];
+            moe_accumulate(out + (size_t)(p / top_k) * hidden, d + (size_t)i * hidden, bd, topw[p], hidden);
+        }
+    }
+    free(start), free(order), free(fill), free(xe), free(gu), free(h), free(d);
+    return 0;
+#else
+    (void)x, (void)T, (void)hidden, (void)ids, (void)topw, (void)top_k, (void)w_gate, (void)t_gate, (void)w_up;
+    (void)t_up, (void)w_down, (void)t_down, (void)num_experts, (void)inter, (void)b13, (void)b2, (void)limit;
+    (void)alpha, (void)out, (void)num_threads;
     return -1;
 #endif
 }
