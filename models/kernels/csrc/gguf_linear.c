@@ -947,8 +947,9 @@ Q8_INLINE __m256i sum4(__m256i p0, __m256i p1, __m256i p2, __m256i p3, int pack)
 
 /* Four consecutive 32-weight blocks of a row (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) from column k into acc and bias4:
  * one int-to-float conversion and one FMA per row for the four (their sums in the lanes of sum4, against the
- * vector of d_w dx per block), where q8_block takes one each per block. Q4_0 and Q5_0 run as offset types
- * (codes 0..15 or 0..31 with m = -8 d or -16 d: exact in integers), so every type but Q8_0 skips the sign trick. */
+ * vector of d_w dx per block), where q8_block takes one each per block. Q4_0, Q5_0 and MXFP4 run as offset types
+ * (codes 0..15, 0..31 or 0..24 with m = -8 d, -16 d or -12 d: exact in integers), so every type but Q8_0 and IQ4_NL
+ * skips the sign trick. */
 Q8_INLINE void q8_quad(const Q8Acts *a, const int M, const int type, const uint8_t *blk, int k, __m256 *acc,
                        __m128 *bias4) {
     const int bb = block_bytes(type), nb = a->K / 32, c = k / 32;
@@ -962,7 +963,11 @@ Q8_INLINE void q8_quad(const Q8Acts *a, const int M, const int type, const uint8
         case Q5_1: q[i] = _mm256_or_si256(nibbles32(b + 8), fifth_bits32(b + 4)); break;
         case Q8_0: q[i] = _mm256_loadu_si256((const __m256i *)(b + 2)); break;
         case IQ4_NL: q[i] = table32(nibbles32(b + 2), KVALUES); break;
-        case MXFP4: q[i] = table32(nibbles32(b + 1), FP4_VALUES); break;
+        case MXFP4: /* its values plus 12, unsigned codes 0..24: an offset type with m = -12 d, exact in integers */
+            q[i] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11,
+                                                                                  10, 9, 8, 6, 4, 0)),
+                                       nibbles32(b + 1));
+            break;
         }
     }
     /* the four blocks' float16 d (and m) gathered into one vector and converted at once (ik_llama.cpp's
@@ -971,9 +976,9 @@ Q8_INLINE void q8_quad(const Q8Acts *a, const int M, const int type, const uint8
     for (int i = 0; i < 4; i++) memcpy(&u[i], blk + i * bb, sizeof(uint32_t)); /* d, then m or the codes */
     const __m128i raw = _mm_loadu_si128((const __m128i *)u);
     __m128 dw, mw;
-    if (type == MXFP4) { /* a power-of-two scale byte per block, no offset */
+    if (type == MXFP4) { /* a power-of-two scale byte per block; the offset of the shifted codes */
         dw = _mm_setr_ps(e8m0_half(blk[0]), e8m0_half(blk[bb]), e8m0_half(blk[2 * bb]), e8m0_half(blk[3 * bb]));
-        mw = _mm_setzero_ps();
+        mw = _mm_mul_ps(dw, _mm_set1_ps(-12.f));
     } else if (type == Q4_1 || type == Q5_1) { /* d0 m0 d1 m1 ... -> d0..d3 m0..m3 */
         const __m256 dm = _mm256_cvtph_ps(_mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10,
                                                                                11, 14, 15)));
@@ -982,7 +987,7 @@ Q8_INLINE void q8_quad(const Q8Acts *a, const int M, const int type, const uint8
         dw = _mm_cvtph_ps(_mm_shuffle_epi8(raw, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1)));
         mw = _mm_mul_ps(dw, _mm_set1_ps(type == Q4_0 ? -8.f : type == Q5_0 ? -16.f : 0.f));
     }
-    const int is_signed = type == Q8_0 || type == IQ4_NL || type == MXFP4; /* the table types' values are signed */
+    const int is_signed = type == Q8_0 || type == IQ4_NL; /* IQ4_NL's values span -127..113: signed */
     __m256i qa[4];
     for (int i = 0; i < 4; i++) qa[i] = is_signed ? _mm256_sign_epi8(q[i], q[i]) : q[i];
     for (int j = 0; j < M; j++) {
