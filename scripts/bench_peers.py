@@ -22,9 +22,12 @@ first 16 output tokens equal ours: a check that every engine ran the same model 
 The GGUF llama.cpp runs: --model when it is a .gguf, else --gguf (without --model: the default model's file).
 
 With --latency it measures batch-1 decode instead: each of --latency-prompts prompts of the workload
-(truncated to 434 tokens, or --latency-depth) runs alone for 1 and for --output-len tokens (greedy, EOS
-ignored, prefix cache reset before each run), and ms per output token = (t(N) - t(1)) / (N - 1), so prefill
-and per-request overheads cancel; the table gives each engine's median over prompts and rounds. Peers: vLLM-CPU
+(truncated to 434 tokens, or --latency-depth) runs alone for --output-len tokens (greedy, EOS ignored, prefix cache
+reset before each run). Ours: its TPOT, (last token time - first token time) / (N - 1) from the request's own
+metrics, so the prefill stays out as it does from llama-bench's decode timing (a 434-token prefill of an MoE
+model varies by a second between runs on these VMs, which (t(N) - t(1)) / (N - 1) carried into every figure);
+the other engines run for 1 and for N tokens, ms per output token = (t(N) - t(1)) / (N - 1), so prefill and
+per-request overheads cancel. The table gives each engine's median over prompts and rounds. Peers: vLLM-CPU
 (--with-vllm, scripts/vllm_latency.py in its venv), llama.cpp's llama-bench (--llama-bench: `-p 0 -n N
 -d 434 -r 1`, decode of N tokens at a context depth of 434; ms per token = 1000 / its avg_ts) and
 llama-server (--llama-server, one slot, the same two runs as ours) on the GGUF, all with our thread
@@ -156,13 +159,15 @@ def ms_per_token(run, prompt: list[int], n: int) -> float:
 
 
 def ours_latency(llm: LLM, prompts: list[list[int]], n: int) -> list[float]:
-    def run(prompt, k):
+    """Our batch-1 TPOT of each prompt, in ms: (last token time - first token time) / (n - 1), the request's own
+    metrics (n >= 2 tokens, greedy, EOS ignored, prefix cache reset first)."""
+    tpot = []
+    for prompt in prompts:
         llm.reset_prefix_cache()
-        start = time.perf_counter()
-        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - start
-
-    return [ms_per_token(run, p, n) for p in prompts]
+        [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        m = out.metrics
+        tpot.append(1e3 * (m.last_token_time - m.first_token_time) / (m.num_generation_tokens - 1))
+    return tpot
 
 
 def vllm_latency(script: Path, model_dir: str, dtype: str, prompts: list[list[int]], n: int) -> list[float]:
