@@ -1,10 +1,13 @@
 """Rotary position embeddings (RoPE, Su et al. 2021): inverse frequencies with Llama 3's, YaRN's, LongRoPE's or
 linear scaling, and the float32 cos/sin table gathered once per step."""
 
+import logging
 import math
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 def rope_params(config, layer_type: str | None = None) -> dict:
@@ -128,7 +131,17 @@ class RotaryEmbedding(nn.Module):
         self.cos = self.sin = None
         params = rope_params(config, layer_type)
         self.rope_type = params.get("rope_type", params.get("type"))
-        self.long = self.rope_type in ("longrope", "su") and max_len > longrope_original_length(config, params)
+        self.long = False
+        if self.rope_type in ("longrope", "su"):
+            original = longrope_original_length(config, params)
+            self.long = max_len > original
+            logger.info(
+                "LongRoPE: its %s factors for every position (served context %d %s the original %d)",
+                "long" if self.long else "short",
+                max_len,
+                ">" if self.long else "<=",
+                original,
+            )
         device = torch.empty(0).device  # the device being built on (torch.device context)
         if device.type != "meta":
             self.compute_table(device)
