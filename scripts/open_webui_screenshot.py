@@ -147,8 +147,8 @@ def main() -> None:
             # the answer streams into the last assistant message; done once the stop button is gone again
             wait_for(driver, "return document.querySelector('#response-content-container')", 120, "an answer")
             time.sleep(1)
-            wait_for(driver, "return !document.querySelector('button.bg-white[aria-label=\"Stop\"], "
-                     "button[aria-label=\"Stop\"]')", 180, "the answer's end")  # fmt: skip
+            done = "return !document.querySelector('button[aria-label=\"Stop\"]')"
+            wait_for(driver, done, 180, "the answer's end")
             answer = driver.find_elements(By.CSS_SELECTOR, "#response-content-container")[-1].text
             print(f"answer ({len(answer)} characters): {answer[:200]!r}")
             assert answer.strip(), "the answer is empty"
