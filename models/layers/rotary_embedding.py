@@ -9,6 +9,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+LONGROPE = ("longrope", "su")  # LongRoPE's rope_type ("su": its name in older configs)
+
 
 def rope_params(config, layer_type: str | None = None) -> dict:
     """The config's rope parameters (`rope_parameters`, or the older `rope_scaling`): Gemma 3 keeps one set per
@@ -102,7 +104,7 @@ def rope_inv_freq(config, head_dim: int, layer_type: str | None = None, long: bo
         inv_freq = inv_freq / params["factor"]
     elif rope_type == "yarn":
         inv_freq = _yarn(inv_freq, params, head_dim, theta)
-    elif rope_type in ("longrope", "su"):
+    elif rope_type in LONGROPE:
         factors = params["long_factor" if long else "short_factor"]
         if len(factors) != head_dim // 2:
             raise ValueError(
@@ -132,7 +134,7 @@ class RotaryEmbedding(nn.Module):
         params = rope_params(config, layer_type)
         self.rope_type = params.get("rope_type", params.get("type"))
         self.long = False
-        if self.rope_type in ("longrope", "su"):
+        if self.rope_type in LONGROPE:
             original = longrope_original_length(config, params)
             self.long = max_len > original
             logger.info(
@@ -158,7 +160,7 @@ class RotaryEmbedding(nn.Module):
         scale = 1.0  # YaRN and LongRoPE scale cos and sin (transformers' way)
         if self.rope_type == "yarn":
             scale = yarn_attention_factor(params)
-        elif self.rope_type in ("longrope", "su"):
+        elif self.rope_type in LONGROPE:
             scale = longrope_attention_factor(self.config, params)
         if scale != 1.0:
             self.cos, self.sin = self.cos * scale, self.sin * scale

@@ -1259,7 +1259,7 @@ int gguf_q8_moe(const float *x, int T, int hidden, const int64_t *ids, const flo
                                            sizeof(float) * (size_t)hidden);
         Q8Buf qg = q8_prepare(xe, 0, hidden, t_gate, n, hidden, num_threads);
         q8_rows(&qg.a, t_gate, w_gate + e * gate_bytes, gu, 0, 2 * inter, inter, num_threads);
-        if (q8_group(t_up) == q8_group(t_gate) && (t_up == Q6_K) == (t_gate == Q6_K)) {
+        if (q8_group(t_up) == q8_group(t_gate) && (t_up != Q6_K || qg.xb)) { /* up reads what gate's prepare made */
             q8_rows(&qg.a, t_up, w_up + e * up_bytes, gu + inter, 0, 2 * inter, inter, num_threads);
         } else {
             Q8Buf qu = q8_prepare(xe, 0, hidden, t_up, n, hidden, num_threads);
@@ -1267,20 +1267,16 @@ int gguf_q8_moe(const float *x, int T, int hidden, const int64_t *ids, const flo
             q8_release(&qu);
         }
         q8_release(&qg);
-        if (!b13 && limit <= 0.f) /* layer_ops.c's, so that the result is the per-expert path's bit for bit */
+        if (b13) /* gate_up + bias first, as the loop adds it before the activation */
+            for (int i = 0; i < n; i++)
+                for (int j = 0; j < 2 * inter; j++) gu[(size_t)i * 2 * inter + j] += b13[(size_t)e * 2 * inter + j];
+        if (limit <= 0.f) /* layer_ops.c's SiLU, so that the result is the per-expert loop's bit for bit */
             silu_and_mul_float(gu, h, n, inter, num_threads);
-        for (int i = 0; i < n && (b13 || limit > 0.f); i++) {
+        for (int i = 0; i < n && limit > 0.f; i++) { /* gpt-oss's clamped SwiGLU */
             const float *g = gu + (size_t)i * 2 * inter, *u = g + inter;
-            const float *bg = b13 ? b13 + (size_t)e * 2 * inter : NULL;
             for (int j = 0; j < inter; j++) {
-                float a = g[j], b = u[j];
-                if (bg) a += bg[j], b += bg[inter + j];
-                if (limit > 0.f) {
-                    a = fminf(a, limit), b = fminf(fmaxf(b, -limit), limit);
-                    h[(size_t)i * inter + j] = (b + 1.f) * a / (1.f + expf(fminf(-alpha * a, 88.f)));
-                } else {
-                    h[(size_t)i * inter + j] = a / (1.f + expf(fminf(-a, 88.f))) * b;
-                }
+                const float a = fminf(g[j], limit), b = fminf(fmaxf(u[j], -limit), limit);
+                h[(size_t)i * inter + j] = (b + 1.f) * a / (1.f + expf(fminf(-alpha * a, 88.f)));
             }
         }
         Q8Buf qh = q8_prepare(h, 0, inter, t_down, n, inter, num_threads);
