@@ -7,8 +7,8 @@ rotary, paged attention, SiLU-and-mul) per call, with the same kernels the op-by
 the same; a quantized KV cache (--kv-cache-dtype) goes to the same attention kernel's quantized form. It is a
 hook with a null default: `build` returns None for a layer it cannot run (another device or dtype, a float
 checkpoint's weights, Qwen3's q/k norms, Granite's multipliers, soft caps, experts, tensor parallelism), and a
-call returns None for a step of more tokens than the layer's GGUF kernels take without dequantizing
-(`max_rows`: the least GGUFTensor.kernel_rows of its weights); the layer then runs op by op.
+call returns None for a step of more than DECODE_MAX_ROWS tokens, or more than the layer's GGUF kernels take
+without dequantizing (`max_rows`: the least GGUFTensor.kernel_rows of its weights); the layer then runs op by op.
 """
 
 import ctypes
@@ -23,6 +23,8 @@ from models.layers.mlp import SwiGLUMLP
 from models.quantization.gguf import GGUFLinearMethod, GGUFTensor
 
 MAX_SEGMENTS = 3
+# the most rows a call takes: a decode step's (a prompt's chunk gains nothing from one call per layer)
+DECODE_MAX_ROWS = 64
 
 
 class LayerLinear(ctypes.Structure):
@@ -147,7 +149,7 @@ class FusedDecoderLayer:
             gate_up=gate_up,
             down=down,
         )
-        max_rows = min(w.kernel_rows for segments in weights for w in segments)
+        max_rows = min([DECODE_MAX_ROWS] + [w.kernel_rows for segments in weights for w in segments])
         return cls(lib, desc, backend, list(norms), max_rows)
 
     def __call__(self, residual, x, rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:

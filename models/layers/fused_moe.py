@@ -21,7 +21,7 @@ from models.distributed.group import TPGroup
 from models.kernels import ops
 from models.layers.linear import _rank_size
 from models.layers.mlp import SwiGLUMLP
-from models.quantization.gguf import Q8_GEMM_MAX_ROWS, GGUFConfig, GGUFTensor
+from models.quantization.gguf import GGUFConfig, GGUFTensor
 
 # a checkpoint's expert tensors: one expert's (Hugging Face hub layout) or every expert's stacked (GGUF, as
 # models/gguf.py names them); the projection names of Qwen-MoE / OLMoE and of Mixtral
@@ -212,11 +212,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         q = self.quant_method
-        if (  # a decode-sized step of int8-kernel experts: the whole layer in one C call
-            q is not None
-            and self.tp is None
-            and x.shape[0] <= Q8_GEMM_MAX_ROWS
-            and all(isinstance(b, GGUFTensor) and b.int8 for b in q.blocks)
+        if (  # int8-kernel experts: the whole layer in one C call
+            q is not None and self.tp is None and all(isinstance(b, GGUFTensor) and b.int8 for b in q.blocks)
         ):
             bias = (self.w13_bias, self.w2_bias)
             out = ops.gguf_moe(x, weights, ids, q.blocks, self.inter, *bias, self.swiglu_limit, self.swiglu_alpha)

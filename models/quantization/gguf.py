@@ -10,6 +10,7 @@ quantization/gguf.py) has the same shape: a config that hands each layer its met
 import functools
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +51,9 @@ R16_TYPES = (
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 # rows of x up to which the portable kernel beats dequantize-then-GEMM on weights kept as blocks
 PORTABLE_MAX_ROWS = 8
-# rows up to which the AVX2 int8 kernel (8 rows at a time over L1-sized weight tiles) beats dequantizing the weight
-# for torch's float32 GEMM: 1.2-5x at 16-64 rows on the default model's Q4_1 shapes, even at 128, behind past 256
-# (AVX2 EPYC, 2 threads)
-Q8_GEMM_MAX_ROWS = 64
+# the AVX2 int8 kernel takes every row count (8 rows of x at a time over L1-sized weight tiles): at 512 rows it ran
+# Qwen3.5-2B's Q4_K and Q6_K shapes 1.2-1.7x faster than dequantizing the weight for torch's float32 GEMM, as llama.cpp
+# also runs prompts on int8 activations, and even with it on the default model's Q4_1 shapes (AVX2 EPYC, 2 threads)
 # the types whose blocks the AVX2 kernel multiplies with int8 activations (llama.cpp's arithmetic) by default;
 # with MINIVLLM_GGUF_ACTIVATIONS=float they take the exact float32 portable kernel. IQ4_NL and MXFP4 (gpt-oss's
 # experts) take their values through a byte-shuffle table
@@ -203,14 +203,15 @@ class GGUFTensor:
 
     @property
     def kernel_rows(self) -> int:
-        """Rows of x up to which blocks take the C kernel rather than dequantizing for torch's GEMM."""
-        return Q8_GEMM_MAX_ROWS if self.int8 else PORTABLE_MAX_ROWS
+        """Rows of x up to which blocks take the C kernel rather than dequantizing for torch's GEMM (every row
+        count for the int8 kernel)."""
+        return sys.maxsize if self.int8 else PORTABLE_MAX_ROWS
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, cols] @ W^T -> [M, rows] in x's dtype (into `out` if given). Blocks (float32 activations, or
-        a CPU without VNNI) take the portable kernel for few rows (Q8_TYPES the AVX2 int8 one where
-        int8_activations(), up to Q8_GEMM_MAX_ROWS); for more, dequantizing the weight once and torch's GEMM
-        is faster."""
+        """x [M, cols] @ W^T -> [M, rows] in x's dtype (into `out` if given). Q8_TYPES blocks take the AVX2 int8
+        kernel where int8_activations(), at every M; other blocks (float32 activations, or a CPU without VNNI) the
+        portable kernel for up to PORTABLE_MAX_ROWS rows, and for more the weight dequantized once for torch's GEMM,
+        which is faster then."""
         if self.r16 or x.shape[0] <= self.kernel_rows:
             return ops.gguf_linear(x, self.data, self.qtype, self.rows, self.cols, self.r16, out, self.int8)
         y = ops.linear(x, ops.gguf_dequantize(self.data, self.qtype, self.cols, x.dtype))
