@@ -20,7 +20,8 @@ class RMSNorm(nn.Module):
 
 class HeadRMSNorm(nn.Module):
     """Qwen3's RMSNorm over each head's features (q_norm, k_norm): x [T, heads, head_dim] -> the same
-    shape and dtype, normalised in float32 as transformers does."""
+    shape and dtype, normalised in float32 as transformers does; one kernel call (ops.add_rms_norm over the
+    [T * heads, head_dim] rows) where x and the weight share a dtype, in place of ~8 torch ops."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -28,4 +29,6 @@ class HeadRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return ops.add_rms_norm(x.reshape(-1, x.shape[-1]).float(), None, self.weight, self.eps).view(x.shape)
         return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)

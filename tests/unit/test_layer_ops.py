@@ -32,6 +32,25 @@ def test_add_rms_norm(dtype, with_delta):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_rms_norm_by_the_kernel_equals_torch(dtype, monkeypatch):
+    """Qwen3's q/k norms (HeadRMSNorm) run as one add_rms_norm call over the [T * heads, head_dim] rows: the same
+    as transformers' float32 norm of each head, on a strided view of a fused qkv (the kernel's path really ran)."""
+    from models.layers.layernorm import HeadRMSNorm
+
+    torch.manual_seed(0)
+    norm = HeadRMSNorm(128, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    q = torch.randn(5, 6 * 128, dtype=dtype)[:, : 4 * 128].view(5, 4, 128)
+    expect = F.rms_norm(q.float(), (128,), norm.weight.float(), 1e-6).to(dtype)
+    calls, real = [], ops.add_rms_norm
+    monkeypatch.setattr(ops, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
+    out = norm(q)
+    assert calls and out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_on_a_strided_view(dtype):
     torch.manual_seed(0)
     qkv = torch.randn(5, 9 + 3 + 3, 64, dtype=dtype)
