@@ -1,17 +1,25 @@
-"""Random weights of a gpt-oss-20b-shaped model for benchmarks, as OpenAI ships gpt-oss (a Hugging Face directory
-whose experts are MXFP4 `*_blocks` / `*_scales` tensors) and as the GGUF llama.cpp's converter makes of it (MXFP4
-experts kept, the other matrices Q8_0): the work per token is the real model's per layer, the text is nonsense
-(use ignore_eos).
+"""Random weights of mixture-of-experts models of a real shape for benchmarks, as their makers ship them (Hugging
+Face directories) and as the GGUF llama.cpp's converter (and llama-quantize) make of them: the work per token is the
+real model's per layer, the text is nonsense (use ignore_eos). SmolLM2's tokenizer; the converter pads the
+vocabulary. Other weights normal(0, 0.02), norms 1; a fixed seed. The directory is written a layer per safetensors
+shard, so no more than one layer is ever held in memory.
 
-Shape (openai/gpt-oss-20b's config): hidden 2880, 64 query / 8 KV heads of 64 with attention sinks and biases,
-32 experts of 2880 (4 per token) with biases, sliding windows of 128 on every other layer, YaRN (factor 32 over
-4096), a 201,088-row embedding and LM head (SmolLM2's tokenizer; the converter pads the vocabulary). --layers of
-its 24 (8 by default, so that the file and our engine's copy of it fit beside each other in 24 GiB): ms per token
-scales with the layers for every engine, so ratios hold. MXFP4 codes are random bytes with block scales 2^-10 ..
-2^-6; other weights normal(0, 0.02), biases normal(0, 0.02), sinks normal(0, 1), norms 1; a fixed seed. The
-directory is written tensor by tensor and never held as floats (3.4 GB of experts for 8 layers).
+--shape gpt-oss-20b (openai/gpt-oss-20b's config): hidden 2880, 64 query / 8 KV heads of 64 with attention sinks and
+biases, 32 experts of 2880 (4 per token) with biases, sliding windows of 128 on every other layer, YaRN (factor 32
+over 4096), a 201,088-row embedding and LM head. Experts are MXFP4 `*_blocks` / `*_scales` tensors, as OpenAI ships
+them (random codes, block scales 2^-10 .. 2^-6; biases normal(0, 0.02), sinks normal(0, 1)); the GGUF keeps MXFP4 and
+makes the other matrices Q8_0 (`model.gguf`).
+
+--shape qwen3-30b-a3b (Qwen/Qwen3-30B-A3B's config): hidden 2048, 32 query / 4 KV heads of 128 with q/k norms, 128
+experts of 768 (8 per token, renormalised), a 151,936-row embedding and LM head; bfloat16, the GGUF made by
+llama-quantize from the converter's float16 file (`model-Q4_K_M.gguf` by default, as the files people download).
+
+--layers of the model's 24 or 48 (8 by default, so that the files and our engine's copy fit beside each other in
+24 GiB): ms per token scales with the layers for every engine, so ratios hold.
 
     python scripts/make_moe_model.py                    # ~/.cache/minivllm/models/gpt-oss-20b-8l-random/{hf,model.gguf}
+    python scripts/make_moe_model.py --shape qwen3-30b-a3b \\
+        --llama-quantize "$(scripts/build_llama_server.sh)/llama-quantize"   # .../qwen3-30b-a3b-8l-random/
     python scripts/bench_peers.py --latency --model ~/.cache/minivllm/models/gpt-oss-20b-8l-random/model.gguf \\
         --llama-bench "$(scripts/build_llama_server.sh)/llama-bench"
 """
@@ -19,6 +27,7 @@ directory is written tensor by tensor and never held as floats (3.4 GB of expert
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,9 +40,10 @@ from models.loader import default_model_path, load_tokenizer  # noqa: E402
 from scripts import llama_cpp  # noqa: E402
 
 GPT_OSS_20B = dict(hidden=2880, heads=64, kv_heads=8, head_dim=64, experts=32, top_k=4, inter=2880, vocab=201088)
+QWEN3_30B_A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, inter=768, vocab=151936)
 
 
-def config(layers: int) -> dict:
+def gpt_oss_config(layers: int) -> dict:
     """openai/gpt-oss-20b's config.json with `layers` layers."""
     s = GPT_OSS_20B
     return {
@@ -72,8 +82,9 @@ def config(layers: int) -> dict:
     }
 
 
-def tensors(layers: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint (bfloat16, experts as MXFP4 blocks and scales), by Hugging Face name."""
+def gpt_oss_tensors(layers: int, seed: int = 0):
+    """The checkpoint's tensors (bfloat16, experts as MXFP4 blocks and scales) by Hugging Face name: the embedding,
+    LM head and final norm, then one dict per layer."""
     g = torch.Generator().manual_seed(seed)
     s = GPT_OSS_20B
     h, d, e, inter = s["hidden"], s["head_dim"], s["experts"], s["inter"]
@@ -85,10 +96,13 @@ def tensors(layers: int, seed: int = 0) -> dict[str, torch.Tensor]:
         blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
         return blocks, torch.randint(117, 122, (e, rows, cols // 32), generator=g, dtype=torch.uint8)
 
-    out = {"model.embed_tokens.weight": normal(s["vocab"], h), "lm_head.weight": normal(s["vocab"], h)}
-    out["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    yield {
+        "model.embed_tokens.weight": normal(s["vocab"], h),
+        "lm_head.weight": normal(s["vocab"], h),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    }
     for i in range(layers):
-        p = f"model.layers.{i}."
+        p, out = f"model.layers.{i}.", {}
         for name, rows in (("q_proj", s["heads"] * d), ("k_proj", s["kv_heads"] * d), ("v_proj", s["kv_heads"] * d)):
             out[p + f"self_attn.{name}.weight"], out[p + f"self_attn.{name}.bias"] = normal(rows, h), normal(rows)
         out[p + "self_attn.o_proj.weight"], out[p + "self_attn.o_proj.bias"] = normal(h, s["heads"] * d), normal(h)
@@ -102,27 +116,115 @@ def tensors(layers: int, seed: int = 0) -> dict[str, torch.Tensor]:
         out[p + "mlp.experts.down_proj_bias"] = normal(e, h)
         out[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         out[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-    return out
+        yield out
+
+
+def qwen3_moe_config(layers: int) -> dict:
+    """Qwen/Qwen3-30B-A3B's config.json with `layers` layers."""
+    s = QWEN3_30B_A3B
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": s["hidden"],
+        "intermediate_size": 6144,
+        "moe_intermediate_size": s["inter"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "head_dim": s["head_dim"],
+        "num_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": s["vocab"],
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+    }
+
+
+def qwen3_moe_tensors(layers: int, seed: int = 0):
+    """The checkpoint's tensors (bfloat16, one tensor per expert and projection as Qwen ships them) by Hugging Face
+    name: the embedding, LM head and final norm, then one dict per layer."""
+    g = torch.Generator().manual_seed(seed)
+    s = QWEN3_30B_A3B
+    h, d, inter = s["hidden"], s["head_dim"], s["inter"]
+
+    def normal(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    def ones(n):
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    yield {"model.embed_tokens.weight": normal(s["vocab"], h), "lm_head.weight": normal(s["vocab"], h),
+           "model.norm.weight": ones(h)}  # fmt: skip
+    for i in range(layers):
+        p, out = f"model.layers.{i}.", {}
+        for name, rows in (("q_proj", s["heads"] * d), ("k_proj", s["kv_heads"] * d), ("v_proj", s["kv_heads"] * d)):
+            out[p + f"self_attn.{name}.weight"] = normal(rows, h)
+        out[p + "self_attn.o_proj.weight"] = normal(h, s["heads"] * d)
+        out[p + "self_attn.q_norm.weight"], out[p + "self_attn.k_norm.weight"] = ones(d), ones(d)
+        out[p + "mlp.gate.weight"] = normal(s["experts"], h)
+        for j in range(s["experts"]):
+            q = p + f"mlp.experts.{j}."
+            out[q + "gate_proj.weight"], out[q + "up_proj.weight"] = normal(inter, h), normal(inter, h)
+            out[q + "down_proj.weight"] = normal(h, inter)
+        out[p + "input_layernorm.weight"], out[p + "post_attention_layernorm.weight"] = ones(h), ones(h)
+        yield out
+
+
+SHAPES = {"gpt-oss-20b": (gpt_oss_config, gpt_oss_tensors), "qwen3-30b-a3b": (qwen3_moe_config, qwen3_moe_tensors)}
+
+
+def write_checkpoint(hf: Path, config: dict, shards) -> None:
+    """A Hugging Face directory: SmolLM2's tokenizer, `config`, and each dict of `shards` as one safetensors file
+    under model.safetensors.index.json (written last: its presence means the directory is whole)."""
+    from safetensors.torch import save_file
+
+    hf.mkdir(parents=True, exist_ok=True)
+    load_tokenizer(default_model_path()).save_pretrained(hf)
+    (hf / "config.json").write_text(json.dumps(config, indent=2))
+    weight_map = {}
+    for n, shard in enumerate(shards):
+        name = f"model-{n:05d}.safetensors"
+        save_file(shard, str(hf / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=8, help="of gpt-oss-20b's 24")
-    ap.add_argument("--out", type=Path, help="default: ~/.cache/minivllm/models/gpt-oss-20b-<layers>l-random")
+    ap.add_argument("--shape", choices=SHAPES, default="gpt-oss-20b")
+    ap.add_argument("--layers", type=int, default=8, help="of the model's (gpt-oss-20b 24, Qwen3-30B-A3B 48)")
+    ap.add_argument("--type", default="Q4_K_M", help="llama-quantize's type for a bfloat16 shape's GGUF")
+    ap.add_argument("--llama-quantize", help="llama.cpp's llama-quantize binary (needed for qwen3-30b-a3b)")
+    ap.add_argument("--out", type=Path, help="default: ~/.cache/minivllm/models/<shape>-<layers>l-random")
     args = ap.parse_args()
-    out = args.out or CACHE_DIR / "models" / f"gpt-oss-20b-{args.layers}l-random"
-    hf, gguf = out / "hf", out / "model.gguf"
-    if not (hf / "model.safetensors").exists():
-        from safetensors.torch import save_file
-
-        hf.mkdir(parents=True, exist_ok=True)
-        load_tokenizer(default_model_path()).save_pretrained(hf)
-        (hf / "config.json").write_text(json.dumps(config(args.layers), indent=2))
-        save_file(tensors(args.layers), str(hf / "model.safetensors"), metadata={"format": "pt"})
+    out = args.out or CACHE_DIR / "models" / f"{args.shape}-{args.layers}l-random"
+    config, tensors = SHAPES[args.shape]
+    hf = out / "hf"
+    if not (hf / "model.safetensors.index.json").exists() and not (hf / "model.safetensors").exists():
+        write_checkpoint(hf, config(args.layers), tensors(args.layers))
         print(f"wrote {hf}")
-    if not gguf.exists():
-        llama_cpp.convert(hf, gguf, outtype="q8_0")
-        print(f"wrote {gguf}")
+    if args.shape == "gpt-oss-20b":  # MXFP4 experts as shipped, the rest Q8_0
+        gguf = out / "model.gguf"
+        if not gguf.exists():
+            llama_cpp.convert(hf, gguf, outtype="q8_0")
+    else:
+        if not args.llama_quantize:
+            ap.error(f"--shape {args.shape} needs --llama-quantize")
+        gguf, f16 = out / f"model-{args.type}.gguf", out / "model-f16.gguf"
+        if not gguf.exists():
+            if not f16.exists():
+                llama_cpp.convert(hf, f16, "f16")
+            subprocess.run([args.llama_quantize, str(f16), str(gguf), args.type], check=True, capture_output=True)
+            f16.unlink()
+    print(f"wrote {gguf}")
 
 
 if __name__ == "__main__":

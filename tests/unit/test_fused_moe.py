@@ -173,14 +173,14 @@ def test_gpt_oss_mxfp4_experts_on_their_blocks():
     ],
     ids=["q8_0", "q4_k_m", "mixed", "mxfp4_gpt_oss"],
 )
-@pytest.mark.parametrize("tokens", [1, 5, 64, 200])
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
 def test_one_call_experts_equal_the_per_expert_loop(qtypes, limit, tokens, monkeypatch):
     """With int8 activations (the default, an AVX2 CPU), a step's routed experts run in one C call
     (ops.gguf_moe): the result equals FusedMoE's loop over the experts, which calls the same int8 kernel per
     projection, bit for bit with SiLU (to float rounding with gpt-oss's clamped SwiGLU and biases, which the loop
     computes in torch): the tokens grouped by expert in the same order, each expert's gate and up (a K-quant gate
     and up share one activation quantization), the activation, down, the weighted sum. 256-wide rows so that the
-    K-quants' super-blocks fit; 200 tokens stand for a prompt's chunk (more than 8 rows per expert: the kernel's
+    K-quants' super-blocks fit; 300 tokens stand for a prompt's chunk (more than 8 rows per expert: the kernel's
     tiled loop)."""
     from models.kernels import cpu_kernels
     from models.kernels import ops as kernel_ops
