@@ -51,9 +51,10 @@ R16_TYPES = (
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 # rows of x up to which the portable kernel beats dequantize-then-GEMM on weights kept as blocks
 PORTABLE_MAX_ROWS = 8
-# the AVX2 int8 kernel takes every row count (8 rows of x at a time over L1-sized weight tiles): at 512 rows it ran
-# Qwen3.5-2B's Q4_K and Q6_K shapes 1.2-1.7x faster than dequantizing the weight for torch's float32 GEMM, as llama.cpp
-# also runs prompts on int8 activations, and even with it on the default model's Q4_1 shapes (AVX2 EPYC, 2 threads)
+# the AVX2 int8 kernel (8 rows of x at a time over L1-sized weight tiles) takes every row count, prompts included, as
+# llama.cpp runs them on int8 activations: at 512 rows it ran Qwen3.5-2B's Q4_K and Q6_K shapes 1.2-1.7x faster than
+# dequantizing the weight for torch's float32 GEMM, and was even with that on the default model's Q4_1 shapes (AVX2
+# EPYC, 2 threads)
 # the types whose blocks the AVX2 kernel multiplies with int8 activations (llama.cpp's arithmetic) by default;
 # with MINIVLLM_GGUF_ACTIVATIONS=float they take the exact float32 portable kernel. IQ4_NL and MXFP4 (gpt-oss's
 # experts) take their values through a byte-shuffle table

@@ -1,9 +1,9 @@
 """lm-evaluation-harness as a client: `lm_eval --model local-completions` against the server scores the
 local tasks in tests/data/lm_eval (a multiple_choice task, which needs prompt logprobs through echo, and
 a generate_until task) the same as `lm_eval --model hf` on the same model in float32: a server with float32
-activations on the GGUF's quantized weights, in the default arithmetic (decode rows quantized to int8 per 32, as
-llama.cpp computes, on CPUs with AVX2), within 0.02; a server with bfloat16 activations (the default on CPUs with
-AVX512-BF16) within 0.03."""
+activations on the GGUF's quantized weights, in the default arithmetic (prompt and decode rows quantized to int8
+per 32, as llama.cpp computes, on CPUs with AVX2), within 0.02; a server with bfloat16 activations (the default on
+CPUs with AVX512-BF16) within 0.03."""
 
 import glob
 import json
