@@ -1,7 +1,7 @@
 """The shape of one rank's model, read once from the Hugging Face config: what the model, the
 attention backend and the KV cache are sized by."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # layer kinds (`layer_types`) that keep a fixed-size state per request instead of K/V: LFM2's short convolutions,
 # Qwen3.5's Gated DeltaNet (linear attention)
@@ -20,7 +20,10 @@ class ModelShape:
     by when it is not 1 / sqrt(head_dim) (Granite's attention_multiplier, Gemma's query_pre_attn_scalar), else
     None. attn_logit_softcapping: the attention scores' soft cap (Gemma 2), else None. state_layers: the layers
     that keep a fixed-size state per request and no K/V (STATE_LAYER_TYPES: LFM2's convolutions, Qwen3.5's Gated
-    DeltaNet).
+    DeltaNet). layer_head_dims / layer_total_kv_heads: each layer's head_dim and KV heads (of the whole model)
+    where they differ by layer (Gemma 4's global layers: `per_layer_config`), else empty (see for_layer).
+    kv_sharing: for each layer, the earlier layer whose K/V it attends to instead of computing its own (Gemma 4's
+    last `num_kv_shared_layers`), None for a layer with its own; empty when no layer shares.
     """
 
     num_layers: int
@@ -37,6 +40,27 @@ class ModelShape:
     attention_scale: float | None = None
     attn_logit_softcapping: float | None = None
     state_layers: tuple[int, ...] = ()
+    layer_head_dims: tuple[int, ...] = ()
+    layer_total_kv_heads: tuple[int, ...] = ()
+    kv_sharing: tuple[int | None, ...] = ()
+
+    def for_layer(self, i: int) -> "ModelShape":
+        """The shape of layer i's attention: this shape with the layer's own head_dim and KV heads where they
+        differ by layer (`layer_head_dims`, `layer_total_kv_heads`: Gemma 4's global layers), else itself."""
+        if not self.layer_head_dims:
+            return self
+        total = self.layer_total_kv_heads[i]
+        return replace(
+            self,
+            head_dim=self.layer_head_dims[i],
+            total_num_kv_heads=total,
+            num_kv_heads=max(1, total // self.tp_size),
+        )
+
+    @property
+    def kv_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Each layer's (KV heads of this rank, head_dim)."""
+        return tuple((s.num_kv_heads, s.head_dim) for s in map(self.for_layer, range(self.num_layers)))
 
     @classmethod
     def from_hf(cls, config, tp_size: int = 1) -> "ModelShape":
@@ -60,7 +84,47 @@ class ModelShape:
             state_layers=tuple(
                 i for i, kind in enumerate(getattr(config, "layer_types", None) or ()) if kind in STATE_LAYER_TYPES
             ),
+            **per_layer_attention(config, tp_size),
+            kv_sharing=kv_sharing_targets(config),
         )
+
+
+def per_layer_attention(config, tp_size: int) -> dict:
+    """ModelShape's layer_head_dims and layer_total_kv_heads of a config whose layers' attention shapes differ
+    (transformers' `per_layer_config`: Gemma 4's global layers have their own head_dim and KV heads); empty when
+    every layer's is the same. Raises ValueError when a layer's KV heads do not split over `tp_size` ranks."""
+    per_layer = getattr(config, "per_layer_config", None)
+    if not isinstance(per_layer, list) and "_heterogeneity_spec" not in vars(config):  # GGUF's list, or Gemma 4's
+        return {}
+    n = config.num_hidden_layers
+    dims = tuple(per_layer[i].head_dim for i in range(n))
+    kv = tuple(per_layer[i].num_key_value_heads for i in range(n))
+    if len(set(zip(dims, kv))) == 1:
+        return {}
+    for heads in set(kv):
+        if (heads >= tp_size and heads % tp_size) or (heads < tp_size and tp_size % heads):
+            raise ValueError(f"tensor_parallel_size {tp_size} does not divide a layer's {heads} KV heads")
+    return {"layer_head_dims": dims, "layer_total_kv_heads": kv}
+
+
+def kv_sharing_targets(config) -> tuple[int | None, ...]:
+    """For each layer, the layer whose K/V it attends to instead of its own (Gemma 4's last
+    `num_kv_shared_layers` layers read the last earlier layer of their own kind, as transformers'
+    `kv_sharing_modes` pairs them), None for a layer with its own; empty when no layer shares. Raises ValueError
+    when a sharing layer's kind has no earlier layer."""
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if not shared:
+        return ()
+    n = config.num_hidden_layers
+    types = config.layer_types
+    first = n - shared
+    targets: list[int | None] = [None] * first
+    for i in range(first, n):
+        own = [j for j in range(first) if types[j] == types[i]]
+        if not own:
+            raise ValueError(f"layer {i} ({types[i]}) shares K/V but no earlier layer is of its kind")
+        targets.append(own[-1])
+    return tuple(targets)
 
 
 def partition_heads(config, tp_size: int) -> tuple[int, int]:
@@ -113,7 +177,10 @@ def layer_sliding_windows(config) -> tuple[int | None, ...]:
 
 def attention_scale(config) -> float | None:
     """What attention scores are multiplied by when the config says other than 1 / sqrt(head_dim): Granite's
-    attention_multiplier, or query_pre_attn_scalar ** -0.5 (Gemma); None otherwise."""
+    attention_multiplier, query_pre_attn_scalar ** -0.5 (Gemma 2/3), 1 (Gemma 4: its q/k norms size the scores);
+    None otherwise."""
+    if getattr(config, "model_type", None) == "gemma4_text":
+        return 1.0
     if getattr(config, "attention_multiplier", None) is not None:
         return config.attention_multiplier
     if getattr(config, "query_pre_attn_scalar", None) is not None:

@@ -43,14 +43,15 @@ class PostNorm(nn.Module):
 
 
 class GemmaMLP(nn.Module):
-    """GeGLU: down(GELU_tanh(gate(x)) * up(x)), gate and up stacked into one projection."""
+    """GeGLU: down(GELU_tanh(gate(x)) * up(x)), gate and up stacked into one projection; `size`: the width
+    (default the config's intermediate_size)."""
 
-    def __init__(self, config, tp: TPGroup | None, quant_config: GGUFConfig | None):
+    def __init__(self, config, tp: TPGroup | None, quant_config: GGUFConfig | None, size: int | None = None):
         super().__init__()
         act = getattr(config, "hidden_activation", None) or config.hidden_act
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"hidden_activation {act!r} is not supported by Gemma (supported: gelu_pytorch_tanh)")
-        size = config.intermediate_size
+        size = size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear.merged(config.hidden_size, [size] * 2, False, tp, quant_config)
         self.down_proj = RowParallelLinear(size, config.hidden_size, tp, quant_config)
 

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import numpy as np
@@ -36,6 +37,7 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
@@ -78,6 +80,17 @@ GEMMA_TENSORS = LAYER_TENSORS | {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Gemma 4's: its per-layer-embedding gate, projection and norm, and each layer's output scale (no .weight in ours)
+GEMMA4_TENSORS = GEMMA_TENSORS | {
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+}
+GEMMA4_MODEL_TENSORS = {
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
 }
 # Phi-3's fused projections: q, k, v rows in one tensor, and the gate rows then the up rows in ffn_up
 PHI3_TENSORS = LAYER_TENSORS | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
@@ -236,6 +249,12 @@ class GGUFModelConfig:
     linear_num_value_heads: int | None = None
     linear_value_head_dim: int | None = None
     linear_value_heads_tiled: bool = False  # llama.cpp's order of the value heads (GatedDeltaNet's tiled_heads)
+    per_layer_config: list | None = None  # Gemma 4: each layer's head_dim and num_key_value_heads
+    num_kv_shared_layers: int = 0
+    attention_k_eq_v: bool = False
+    use_double_wide_mlp: bool = False
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int | None = None
 
 
 def load_gguf_config(path: str) -> GGUFModelConfig:
@@ -248,7 +267,7 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
     names = {info.name for info in header.tensors}
     vocab = md.get(f"{arch}.vocab_size") or next(i.shape[0] for i in header.tensors if i.name == "token_embd.weight")
     rope = _rope_fields(path, md)
-    if ROPE_FREQS in names:  # Llama 3.1+: the converter's per-dimension divisors of the frequencies
+    if ROPE_FREQS in names and arch != "gemma4":  # Llama 3.1+: the converter's per-dimension frequency divisors
         rope["freq_factors"] = _float_tensor(header, ROPE_FREQS).tolist()
     if ROPE_FACTORS["long_factor"] in names:  # LongRoPE: the short set up to the original context, then the long
         rope |= {key: _float_tensor(header, name).tolist() for key, name in ROPE_FACTORS.items()}
@@ -262,7 +281,7 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
     rope_dims = md.get(f"{arch}.rope.dimension_count", head_dim)
     if arch in QWEN35 or arch == "phi3":  # rotate-half over the leading rope_dims of each head (Phi-4-mini: 3/4)
         rope["partial_rotary_factor"] = rope_dims / head_dim
-    elif rope_dims != head_dim:
+    elif rope_dims != head_dim and arch != "gemma4":  # Gemma 4's global layers: proportional rope (its fields)
         raise ValueError(
             f"{path}: rope.dimension_count {rope_dims} < head_dim {head_dim} (partial rotary) is not supported"
         )
@@ -282,6 +301,8 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         extra = _gemma2_fields(md, layers, hidden, heads, head_dim)
     elif arch == "gemma3":
         extra = _gemma3_fields(path, md, layers, hidden, heads, head_dim, rope)
+    elif arch == "gemma4":
+        extra = _gemma4_fields(path, header, md, layers, rope)
     elif arch == "lfm2":  # a layer with no KV heads is a short convolution; the MLP width is the adjusted one
         extra = dict(
             layer_types=["conv" if n == 0 else "full_attention" for n in md["lfm2.attention.head_count_kv"]],
@@ -318,10 +339,11 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
             shared_expert_intermediate_size=md.get(f"{arch}.expert_shared_feed_forward_length"),
             mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
         )
-    return GGUFModelConfig(
+    fields = dict(
         architectures=[ARCHITECTURES[arch]],
         model_type={
             "gemma3": "gemma3_text",
+            "gemma4": "gemma4_text",
             "gpt-oss": "gpt_oss",
             "qwen35": "qwen3_5_text",
             "qwen35moe": "qwen3_5_moe_text",
@@ -341,8 +363,8 @@ def load_gguf_config(path: str) -> GGUFModelConfig:
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
         rope_parameters=extra.pop("rope_parameters", rope),
         attention_bias=arch in ("qwen2", "qwen2moe", "gpt-oss"),
-        **extra,
     )
+    return GGUFModelConfig(**fields | extra)
 
 
 def _layer_count(path: str, md: dict) -> int:
@@ -415,6 +437,46 @@ def _gemma3_fields(path: str, md: dict, layers: int, hidden: int, heads: int, he
     )
 
 
+def _gemma4_fields(path: str, header, md: dict, layers: int, rope: dict) -> dict:
+    """Gemma 4's fields as llama.cpp's converter writes them: the sliding layers' head_dim (key_length_swa) and
+    the global layers' (key_length) with each layer's KV heads, the window pattern, the shared-K/V layers, the
+    per-layer embeddings' width, the MLP widths (twice on the shared layers: use_double_wide_mlp), values taken
+    from the keys where a global layer has no attn_v, the sliding layers' rope base, and the global layers'
+    proportional rope as the `rope_freqs` divisors say it (1 on the turning pairs, 1e30 on the others)."""
+    names = {info.name for info in header.tensors}
+    sliding = [bool(x) for x in md["gemma4.attention.sliding_window_pattern"]][:layers]
+    dims = (_key(path, md, "attention.key_length_swa"), _key(path, md, "attention.key_length"))
+    kv = _key(path, md, "attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    ff = _key(path, md, "feed_forward_length")
+    ff = ff if isinstance(ff, list) else [ff] * layers
+    shared = md.get("gemma4.attention.shared_kv_layers", 0)
+    first_global = sliding.index(False)
+    divisors = _float_tensor(header, ROPE_FREQS) if ROPE_FREQS in names else torch.ones(dims[1] // 2)
+    full = {"rope_type": "proportional", "rope_theta": rope["rope_theta"]}
+    full["partial_rotary_factor"] = 2 * int((divisors == 1).sum()) / dims[1]
+    local = {"rope_type": "default", "rope_theta": md.get("gemma4.rope.freq_base_swa", 10000.0)}
+    ple = md.get("gemma4.embedding_length_per_layer_input", 0)
+    ple_vocab = next((i.shape[0] for i in header.tensors if i.name == "per_layer_token_embd.weight"), None)
+    return dict(
+        head_dim=dims[0],
+        num_key_value_heads=kv[0],
+        per_layer_config=[
+            SimpleNamespace(head_dim=dims[not s], num_key_value_heads=k) for s, k in zip(sliding, kv[:layers])
+        ],
+        sliding_window=md.get("gemma4.attention.sliding_window"),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        num_kv_shared_layers=shared,
+        attention_k_eq_v=f"blk.{first_global}.attn_v.weight" not in names,
+        intermediate_size=ff[0],
+        use_double_wide_mlp=bool(shared) and ff[layers - 1] == 2 * ff[0],
+        hidden_size_per_layer_input=ple,
+        vocab_size_per_layer_input=ple_vocab,
+        final_logit_softcapping=md.get("gemma4.final_logit_softcapping"),
+        rope_parameters={"sliding_attention": local, "full_attention": full},
+    )
+
+
 def _float_tensor(header, name: str) -> torch.Tensor:
     """An F32 tensor of the file, read whole (a small one: rope_freqs). Raises ValueError for another type."""
     from transformers.integrations.gguf.reader import load_gguf_state_dict
@@ -457,9 +519,14 @@ def load_gguf_tokenizer(path: str, cache: Path | None = None):
 def _hf_name(path: str, name: str, arch: str) -> str:
     if name in MODEL_TENSORS:
         return MODEL_TENSORS[name]
+    if arch == "gemma4" and name in GEMMA4_MODEL_TENSORS:
+        return GEMMA4_MODEL_TENSORS[name]
     names = {"phi3": PHI3_TENSORS, "gpt-oss": GPT_OSS_TENSORS, "lfm2": LFM2_TENSORS}.get(arch, LAYER_TENSORS)
     names = QWEN35_TENSORS if arch in QWEN35 else names
     names = GEMMA_TENSORS if arch.startswith("gemma") else names
+    names = GEMMA4_TENSORS if arch == "gemma4" else names
+    if arch == "gemma4" and (m := re.fullmatch(r"blk\.(\d+)\.layer_output_scale\.weight", name)):
+        return f"model.layers.{m[1]}.layer_scalar"
     if arch in QWEN35 and (m := re.fullmatch(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)", name)):
         return f"model.layers.{m[1]}.{QWEN35_PARAMETERS[m[2]]}"
     m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)", name)

@@ -59,7 +59,8 @@ def resolve_model(model: str | None) -> str:
 def load_config(model_path: str):
     """The transformers config of a resolved model (a .gguf file's from its metadata). Raises ValueError for a
     directory quantized by a method this server does not load (AWQ, GPTQ, fp8, ...: its GGUF file is served);
-    gpt-oss's MXFP4 experts are dequantized at load. A multimodal Qwen3.5 checkpoint gives its text config."""
+    gpt-oss's MXFP4 experts are dequantized at load. A multimodal Qwen3.5 or Gemma 4 checkpoint gives its text
+    config."""
     if is_gguf(model_path):
         return load_gguf_config(model_path)
     from transformers import AutoConfig
@@ -72,11 +73,13 @@ def load_config(model_path: str):
             f"{model_path}: quantization_config quant_method {str(method)!r} is not supported "
             "(serve the model's GGUF file, or its unquantized directory)"
         )
-    if config.model_type in ("qwen3_5", "qwen3_5_moe"):  # a multimodal checkpoint: its language model is served
+    if config.model_type in ("qwen3_5", "qwen3_5_moe", "gemma4"):  # multimodal: its language model is served
         text = config.get_text_config()
         text.architectures = config.architectures
         text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
         config = text
+    if "_heterogeneity_spec" in vars(config):  # Gemma 4: the layers' own sizes are read per layer (ModelShape)
+        config.allow_global_per_layer_attribute_access = True
     return config
 
 

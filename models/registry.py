@@ -1,6 +1,7 @@
 """The model registry: Hugging Face `config.architectures` names to our implementations."""
 
 from models.gemma import GemmaForCausalLM
+from models.gemma4 import Gemma4ForCausalLM
 from models.lfm2 import Lfm2ForCausalLM
 from models.llama import LlamaForCausalLM
 from models.qwen3_5 import Qwen3_5ForCausalLM
@@ -20,6 +21,8 @@ _REGISTRY = {
     "GraniteForCausalLM": (LlamaForCausalLM, {}),
     "Gemma2ForCausalLM": (GemmaForCausalLM, {}),
     "Gemma3ForCausalLM": (GemmaForCausalLM, {}),
+    "Gemma4ForCausalLM": (Gemma4ForCausalLM, {}),
+    "Gemma4ForConditionalGeneration": (Gemma4ForCausalLM, {}),
     "Lfm2ForCausalLM": (Lfm2ForCausalLM, {}),
     "Qwen3_5ForCausalLM": (Qwen3_5ForCausalLM, {}),
     "Qwen3_5ForConditionalGeneration": (Qwen3_5ForCausalLM, {}),

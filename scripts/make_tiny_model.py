@@ -19,6 +19,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     GptOssConfig,
     GraniteConfig,
     Lfm2Config,
@@ -107,6 +108,24 @@ CONFIGS = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
         },
+    ),
+    # Gemma 4 (an E2B-like text model): 4 local : 1 global layers, the global ones with heads twice as wide (their
+    # K/V blocks too) and 2 KV heads of their own whose values are their keys, a quarter of their pairs rotating
+    # (proportional rope); per-layer embeddings; the last 2 layers reading the K/V of the last earlier local and
+    # global ones, with MLPs twice as wide; final logits soft-capped
+    "gemma4": lambda: Gemma4TextConfig(
+        **COMMON | dict(num_hidden_layers=7),
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=2,
+        attention_k_eq_v=True,
+        sliding_window=24,
+        layer_types=["sliding_attention"] * 4 + ["full_attention", "sliding_attention", "full_attention"],
+        vocab_size_per_layer_input=49152,
+        hidden_size_per_layer_input=32,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        final_logit_softcapping=3.0,
     ),
     # 8 experts, 2 per token, renormalised; the second layer dense (mlp_only_layers), as Qwen3-MoE configs allow
     "qwen3_moe": lambda: Qwen3MoeConfig(
@@ -201,6 +220,13 @@ def save_tiny_model(arch: str, path, tokenizer, mxfp4: bool = False, **overrides
             if name.endswith("norm.weight"):
                 with torch.no_grad():
                     torch.nn.init.normal_(p, mean=1.0 if "linear_attn" in name else 0.0, std=0.3)
+    if arch == "gemma4":  # norms (scale w) and layer scalars start at one; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                with torch.no_grad():
+                    torch.nn.init.normal_(p, mean=1.0, std=0.3)
+        for layer in model.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
     if arch == "gpt_oss":  # sinks large enough to take much of each softmax; biases and norms that matter
         for name, p in model.named_parameters():
             with torch.no_grad():

@@ -55,26 +55,32 @@ class KVCacheGroupSpec:
 
 
 def kv_cache_groups(
-    sliding_windows: Sequence[int | None], num_layers: int, state_layers: Sequence[int] = ()
+    sliding_windows: Sequence[int | None],
+    num_layers: int,
+    state_layers: Sequence[int] = (),
+    kv_shapes: Sequence[tuple[int, int]] = (),
+    kv_sharing: Sequence[int | None] = (),
 ) -> list[KVCacheGroupSpec]:
     """The KV cache groups of a model whose layer i has window `sliding_windows[i]` (None: full attention; an
     empty sequence: every one of `num_layers` layers full). One group when every layer is of one kind. Else
     vLLM's uniform-page-size grouping: the group size is the smallest kind's layer count (the biggest's when
     that is within 1.25x of it, to waste less), and each kind's layers in order fill groups of that size.
     Full attention comes first, then the windows in order of first appearance; the `state_layers` (MambaSpec,
-    keeping no K/V) last, in one group of their own."""
+    keeping no K/V) last, in one group of their own. Layers of one window but another K/V shape (`kv_shapes[i]`:
+    layer i's (KV heads, head_dim), where they differ by layer) are kinds of their own, so that a group's layers
+    share one attention backend. A layer with a `kv_sharing` target (Gemma 4's last layers) keeps no K/V of its
+    own: it is in no group (it reads its target's, with the target's block tables)."""
     windows = tuple(sliding_windows) or (None,) * num_layers
-    kinds: dict[int | None, list[int]] = {}
+    kinds: dict[tuple, list[int]] = {}
     for i, w in enumerate(windows):
-        if i not in state_layers:
-            kinds.setdefault(w, []).append(i)
-    if None in kinds:
-        kinds = {None: kinds.pop(None), **kinds}
+        if i not in state_layers and (not kv_sharing or kv_sharing[i] is None):
+            kinds.setdefault((w, kv_shapes[i] if kv_shapes else None), []).append(i)
+    kinds = dict(sorted(kinds.items(), key=lambda kind: kind[0][0] is not None))  # full attention first (stable)
     sizes = [len(layers) for layers in kinds.values()]
     size = max(sizes) if max(sizes) < 1.25 * min(sizes) else min(sizes)
     groups = [
         KVCacheGroupSpec(tuple(layers[i : i + size]), spec_of(w))
-        for w, layers in kinds.items()
+        for (w, _), layers in kinds.items()
         for i in range(0, len(layers), size)
     ]
     return groups + ([KVCacheGroupSpec(tuple(state_layers), MambaSpec())] if state_layers else [])

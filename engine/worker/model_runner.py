@@ -86,20 +86,38 @@ class ModelRunner:
             config.max_model_len or self.shape.max_position_embeddings, self.shape.max_position_embeddings
         )
         # which layers share block tables, and where each of this stage's layers keeps its K/V
+        shape = self.shape
         self.kv_cache_groups = kv_cache_groups(
-            self.shape.sliding_windows, self.shape.num_layers, self.shape.state_layers
+            shape.sliding_windows,
+            shape.num_layers,
+            shape.state_layers,
+            shape.kv_shapes if shape.layer_head_dims else (),
+            shape.kv_sharing,
         )
         # the group of the recurrent layers, keeping a state per request instead of K/V (MambaSpec), if any
-        self.state_group = len(self.kv_cache_groups) - 1 if self.shape.state_layers else None
+        self.state_group = len(self.kv_cache_groups) - 1 if shape.state_layers else None
         if self.state_group is not None and device.type != "cpu":
             raise ValueError("models with recurrent layers (LFM2's convolutions) are built for the CPU only")
+        # a layer that shares another's K/V (Gemma 4) reads it in that layer's group and KV cache tensor
+        sharing = shape.kv_sharing or (None,) * shape.num_layers
         layer_group = {i: g for g, group in enumerate(self.kv_cache_groups) for i in group.layer_indices}
+        layer_group |= {i: layer_group[t] for i, t in enumerate(sharing) if t is not None}
         stage_layers = range(self.pp.start_layer, self.pp.end_layer)
+        if any(t is not None and t < self.pp.start_layer for t in sharing[self.pp.start_layer : self.pp.end_layer]):
+            raise ValueError(
+                "a layer that shares an earlier layer's K/V (num_kv_shared_layers) must be on that layer's pipeline "
+                "stage; choose another --layer-partition or --pipeline-parallel-size 1"
+            )
         self.stage_layer_groups = [layer_group[i] for i in stage_layers]
         # the i-th of a group's layers on this stage is stored in KV cache tensor i (engine.core.kv_cache_spec),
-        # the i-th recurrent layer's state in state tensor i
+        # the i-th recurrent layer's state in state tensor i; a sharing layer in its target's
+        own = [sharing[i] is None for i in stage_layers]
+        slots = [
+            sum(own[k] and self.stage_layer_groups[k] == g for k in range(j))
+            for j, g in enumerate(self.stage_layer_groups)
+        ]
         self.kv_cache_slots = [
-            self.stage_layer_groups[: j + 1].count(g) - 1 for j, g in enumerate(self.stage_layer_groups)
+            slots[j] if own[j] else slots[sharing[i] - self.pp.start_layer] for j, i in enumerate(stage_layers)
         ]
         self.num_kv_cache_slots = 1 + max(
             (k for k, g in zip(self.kv_cache_slots, self.stage_layer_groups) if g != self.state_group), default=0
@@ -136,6 +154,7 @@ class ModelRunner:
         self.speculator = self._speculator() if self.is_driver else NoSpeculation()
         self.num_blocks = 0
         self.kv_cache = self.kv_caches = self.graphs = None
+        self._block_scales: dict[int, int] = {}  # block_scales, once the cache exists
 
     def _speculator(self) -> Speculator | NoSpeculation:
         """The drafting side of speculative decoding (NoSpeculation when off): n-gram lookup, or a draft
@@ -208,12 +227,19 @@ class ModelRunner:
             logger.info("CUDA graphs off: this model's layers keep %d block tables", len(self.kv_cache_groups))
             use_graphs = False
         # With CUDA graphs one extra block, owned by no sequence, takes the padded rows' K/V.
-        shape = (self.num_kv_cache_slots, 2, *self.backend.kv_cache_shape(num_blocks + use_graphs))
+        shape = (self.num_kv_cache_slots, 2, self._slot_elements(num_blocks + use_graphs))
         cache_dtype = self.backend.cache_dtype(self.dtype)  # the model dtype, or a quantized cache's bytes
-        self.kv_cache = (
+        flat = (
             host_memory.zeros(shape, cache_dtype)
             if self.device.type == "cpu"
             else torch.zeros(shape, dtype=cache_dtype, device=self.device)
+        )
+        self._block_scales = self.block_scales
+        layer_caches = self._layer_caches(flat, num_blocks + use_graphs)
+        # one K/V shape for every layer: the cache is [slots, 2, *that shape] (what a KV connector registers)
+        uniform = len({self.backends[g].kv_cache_shape(1) for g in self._kv_groups}) == 1
+        self.kv_cache = (
+            flat.view(*shape[:2], *self.backend.kv_cache_shape(num_blocks + use_graphs)) if uniform else flat
         )
         # one float32 state per running request (max_num_seqs slots, as the KV cache manager hands them out) in
         # each recurrent layer of this stage
@@ -222,8 +248,8 @@ class ModelRunner:
             num_states, self.max_num_seqs, *getattr(self.model, "state_shape", ()), device=self.device
         )
         self.kv_caches = [
-            self.state_cache[i] if g == self.state_group else (self.kv_cache[i][0], self.kv_cache[i][1])
-            for i, g in zip(self.kv_cache_slots, self.stage_layer_groups)
+            self.state_cache[i] if g == self.state_group else cache
+            for i, g, cache in zip(self.kv_cache_slots, self.stage_layer_groups, layer_caches)
         ]
         if use_graphs:
             self.graphs = CUDAGraphRunner(
@@ -239,17 +265,50 @@ class ModelRunner:
         self.speculator.init_kv_cache(num_blocks, self.max_model_len)
 
     @property
+    def _kv_groups(self) -> list[int]:
+        """The groups that keep K/V (all but the recurrent layers')."""
+        return [g for g in range(len(self.kv_cache_groups)) if g != self.state_group]
+
+    def _slot_elements(self, num_blocks: int) -> int:
+        """Elements of one KV cache tensor's K (or V) for `num_blocks` blocks: the largest of the groups' layers'
+        (Gemma 4's global layers have heads of their own size)."""
+        return max(math.prod(self.backends[g].kv_cache_shape(num_blocks)) for g in self._kv_groups)
+
+    @property
+    def block_scales(self) -> dict[int, int]:
+        """For each group whose layers' K/V of a block are smaller than the largest group's, how many of its
+        blocks one block of the pool spans (an integer: vLLM's page-size unification, by padding): its layers
+        view their KV cache tensor as that many times the blocks, and its block tables and slot mapping are
+        scaled so that block b of the pool is its block b * scale. Raises ValueError when the sizes do not
+        divide."""
+        largest, scales = self._slot_elements(1), {}
+        for g in self._kv_groups:
+            own = math.prod(self.backends[g].kv_cache_shape(1))
+            if largest % own:
+                raise ValueError(f"a layer's K/V block ({own} elements) does not divide the largest ({largest})")
+            if largest != own:
+                scales[g] = largest // own
+        return scales
+
+    def _layer_caches(self, flat: torch.Tensor, num_blocks: int) -> list:
+        """Each of this stage's layers' (k_cache, v_cache): views, in its group's backend layout, of its KV cache
+        tensor in `flat` [slots, 2, _slot_elements(num_blocks)] (a smaller layer's as more blocks: block_scales;
+        None for a recurrent layer)."""
+        caches, scales = [], self.block_scales
+        for slot, g in zip(self.kv_cache_slots, self.stage_layer_groups):
+            if g == self.state_group:
+                caches.append(None)
+                continue
+            shape = self.backends[g].kv_cache_shape(num_blocks * scales.get(g, 1))
+            caches.append(tuple(flat[slot, i].view(shape) for i in (0, 1)))
+        return caches
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of K and V for one block over this stage's KV cache tensors (a group's layers; this rank's
-        heads)."""
-        return (
-            2
-            * self.num_kv_cache_slots
-            * self.block_size
-            * self.shape.num_kv_heads
-            * self.backend.row
-            * self.backend.cache_dtype(self.dtype).itemsize
-        )
+        heads; each tensor sized for the largest layer's)."""
+        itemsize = self.backend.cache_dtype(self.dtype).itemsize
+        return 2 * self.num_kv_cache_slots * self._slot_elements(1) * itemsize
 
     @property
     def state_bytes(self) -> int:
@@ -305,7 +364,7 @@ class ModelRunner:
         kv = torch.zeros(
             self.num_kv_cache_slots,
             2,
-            *self.backend.kv_cache_shape(blocks),
+            self._slot_elements(blocks),
             dtype=self.backend.cache_dtype(self.dtype),
             device=self.device,
         )
@@ -325,7 +384,7 @@ class ModelRunner:
             hidden = self.model(
                 torch.zeros(n, dtype=torch.long, device=self.device),
                 torch.arange(n, device=self.device),
-                [(kv[i][0], kv[i][1]) for i in self.kv_cache_slots],
+                self._layer_caches(kv, blocks),
                 [meta] * len(self.kv_cache_slots),
                 None if self.pp.is_first else torch.zeros(n, self.shape.hidden_size, device=self.device),
             )
@@ -382,9 +441,15 @@ class ModelRunner:
         """The model's hidden states [T, hidden] of one step's inputs (CUDA graphs for decodes where captured);
         on a pipeline stage, from the previous stage's `residual` (float32 [T, hidden]) unless it is the
         first, and this stage's residual stream unless it is the last."""
-        metas = inputs.attn_metadata
+        metas = list(inputs.attn_metadata)
         if self.graphs is not None and self.graphs.can_run(metas[0]):  # one group
             return self.graphs.run(inputs.input_ids, inputs.positions, metas[0])  # plans the padded batch itself
+        for g, scale in self._block_scales.items():  # a smaller layer's blocks: block b of the pool is b * scale
+            meta, bs = metas[g], self.block_size
+            slots = meta.slot_mapping
+            metas[g] = dataclasses.replace(
+                meta, block_tables=meta.block_tables * scale, slot_mapping=slots // bs * (scale * bs) + slots % bs
+            )
         for backend, meta in zip(self.backends, metas):
             if backend is not None:  # None: the recurrent layers' group
                 backend.plan(meta)

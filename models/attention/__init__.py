@@ -73,14 +73,15 @@ def make_backends(
     """The attention backend of each layer of one rank (`shape`: models.config.ModelShape), as choose_backend
     picks it: one backend per KV cache group (`layer_groups[i]`: layer i's group; by default one group per
     distinct sliding window), shared by its layers, so each is planned once per step with its group's block
-    tables. Layers that keep a state instead of K/V (`shape.state_layers`) get None. Raises ValueError as
+    tables, sized by the group's first layer (ModelShape.for_layer). Layers that keep a state instead of K/V
+    (`shape.state_layers`) get None. Raises ValueError as
     choose_backend does."""
     windows = shape.sliding_windows or (None,) * shape.num_layers
     groups = layer_groups if layer_groups is not None else windows
     by_group = {}
     for i, (g, w) in enumerate(zip(groups, windows)):
         if g not in by_group and i not in shape.state_layers:
-            by_group[g] = make_backend(name, device, dtype, shape, block_size, w, kv_cache_dtype)
+            by_group[g] = make_backend(name, device, dtype, shape.for_layer(i), block_size, w, kv_cache_dtype)
     return [None if i in shape.state_layers else by_group[g] for i, g in enumerate(groups)]
 
 

@@ -81,13 +81,23 @@ class ColumnParallelLinear(nn.Module):
         return cls(input_size, [n // size for n in output_sizes], bias, [rank] * len(output_sizes), quant_config)
 
     @classmethod
-    def qkv(cls, shape, bias: bool, tp: TPGroup | None, quant_config: GGUFConfig | None = None, gate: bool = False):
+    def qkv(
+        cls,
+        shape,
+        bias: bool,
+        tp: TPGroup | None,
+        quant_config: GGUFConfig | None = None,
+        gate: bool = False,
+        kv_parts: int = 2,
+    ):
         """q | k | v of one rank (`shape`: models.config.ModelShape): its query heads and its (possibly
-        replicated) KV head group; with `gate`, then a gate per query feature (Qwen3.5's attention output gate)."""
+        replicated) KV head group; with `gate`, then a gate per query feature (Qwen3.5's attention output gate).
+        `kv_parts`: the K/V projections after q: 2 (k, v), 1 (k alone, Gemma 4's layers whose values are their
+        keys) or 0 (q alone, a layer that reads another's K/V)."""
         rank, size = _rank_size(tp)
         kv_group = rank // max(1, size // shape.total_num_kv_heads)  # ranks sharing a replicated KV head
         q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-        sizes, index = [q, kv, kv] + [q] * gate, [rank, kv_group, kv_group] + [rank] * gate
+        sizes, index = [q] + [kv] * kv_parts + [q] * gate, [rank] + [kv_group] * kv_parts + [rank] * gate
         return cls(shape.hidden_size, sizes, bias, index, quant_config)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -111,8 +111,16 @@ def rope_inv_freq(config, head_dim: int, layer_type: str | None = None, long: bo
                 f"rope {'long' if long else 'short'}_factor has {len(factors)} values, not {head_dim // 2}"
             )
         inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+    elif rope_type == "proportional":
+        # Gemma 4's global layers: the first partial_rotary_factor of each head's rotate-half pairs turn at the
+        # frequencies of the whole head_dim, the others not at all (frequency 0), as transformers computes it
+        turning = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq[turning:] = 0.0
+        inv_freq = inv_freq / params.get("factor", 1.0)
     elif rope_type not in ("default", None):
-        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3, linear, yarn, longrope)")
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r} (supported: default, llama3, linear, yarn, longrope, proportional)"
+        )
     if "freq_factors" in params:
         inv_freq = inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float32)
     return inv_freq

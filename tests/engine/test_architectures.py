@@ -57,6 +57,16 @@ FEATURES = {
             }
         },
     ],
+    "gemma4": [
+        {"sliding_window": 1000},
+        {"final_logit_softcapping": None},
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 1.0, "rope_theta": 1e6},
+            }
+        },
+    ],
     "qwen3_moe": [{"norm_topk_prob": False}, {"num_experts_per_tok": 1}],
     "qwen2_moe": [{"norm_topk_prob": True}],
     "mixtral": [{"num_experts_per_tok": 1}],
@@ -89,7 +99,7 @@ GGUF_EDITS = {
     "gemma2": {"query_pre_attn_scalar": 16, "tie_word_embeddings": True},
 }
 # checkpoints whose converter takes the vocabulary from a SentencePiece tokenizer.model, with its tokenizer class
-SENTENCEPIECE = {"phi3": "LlamaTokenizer", "gemma2": "GemmaTokenizer"}
+SENTENCEPIECE = {"phi3": "LlamaTokenizer", "gemma2": "GemmaTokenizer", "gemma4": "GemmaTokenizer"}
 
 
 def hf_greedy(model, prompt: list[int], n: int = 16) -> tuple[list[int], list[float]]:
@@ -145,6 +155,7 @@ def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
         "phi4_mini",
         "gemma2",
         "gemma3",
+        "gemma4",
         "qwen3_moe",
         "qwen2_moe",
         "mixtral",
@@ -221,19 +232,20 @@ def test_unknown_architecture_names_the_supported_ones():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mistral", "gemma3"])
-def test_sliding_window_blocks_are_freed_as_a_request_advances(name, llm, tmp_path):
+@pytest.mark.parametrize("name, groups", [("mistral", 1), ("gemma3", 6), ("gemma4", 5)])
+def test_sliding_window_blocks_are_freed_as_a_request_advances(name, groups, llm, tmp_path):
     """A window of 24, on every layer (Mistral) or on 5 of Gemma 3's 6 layers (a block table per KV cache
-    group): prefilled in chunks of 64, then decoding four windows, the request holds at most ceil(24 / 16) + 1
-    blocks of each sliding group per decode step while the full group keeps them all, the dashboard's
-    snapshot shows those, and the tokens are transformers'. The same prompt again hits the prefix cache (a
-    sliding group only its last blocks) and gives the same tokens."""
+    group; Gemma 4: its 4 local layers that keep K/V, its global one with heads of another size, and the two
+    layers that read theirs, in no group of their own): prefilled in chunks of 64, then decoding four windows,
+    the request holds at most ceil(24 / 16) + 1 blocks of each sliding group per decode step while the full
+    group keeps them all, the dashboard's snapshot shows those, and the tokens are transformers'. The same
+    prompt again hits the prefix cache (a sliding group only its last blocks) and gives the same tokens."""
     from engine.snapshot import Snapshotter
 
     ref_model = save_tiny_model(name, tmp_path, llm.tokenizer)
     ours = make_llm(model=str(tmp_path), max_num_batched_tokens=64)
     engine, kv = ours.engine, ours.engine.engine_core.kv
-    assert kv.num_groups == (1 if name == "mistral" else 6)
+    assert kv.num_groups == groups
     prompt = llm.tokenizer.encode(PROMPT)
     rid = engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=4 * 24, ignore_eos=True))
     snapshots, decodes, tokens = Snapshotter(engine), 0, []
@@ -255,38 +267,80 @@ def test_sliding_window_blocks_are_freed_as_a_request_advances(name, llm, tmp_pa
     assert kv.prefix_cache_hits - hits == (len(prompt) - 1) // 16 * 16 and again == tokens[:16]
 
 
-@pytest.mark.slow
-def test_quantized_moe_gguf_matches_its_dequantized_weights(llm, tmp_path):
-    """A Qwen3-MoE GGUF quantized to Q8_0 by llama.cpp's converter, served on its blocks (every expert of a
-    projection one quantized tensor): the tokens of transformers given the file's tensors dequantized by gguf-py."""
-    if llama_cpp.converter() is None:
-        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+# llama.cpp's tensor names (after blk.N.) -> transformers' (after model.layers.N.), for the quantized ones
+HF_OF_GGUF = {
+    "attn_q": "self_attn.q_proj.weight",
+    "attn_k": "self_attn.k_proj.weight",
+    "attn_v": "self_attn.v_proj.weight",
+    "attn_output": "self_attn.o_proj.weight",
+    "ffn_gate": "mlp.gate_proj.weight",
+    "ffn_up": "mlp.up_proj.weight",
+    "ffn_down": "mlp.down_proj.weight",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "inp_gate": "per_layer_input_gate.weight",  # Gemma 4's per-layer embeddings
+    "proj": "per_layer_projection.weight",
+    "token_embd": "model.embed_tokens.weight",
+    "output": "lm_head.weight",
+    "per_layer_token_embd": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj": "model.per_layer_model_projection.weight",
+}
+
+
+def load_dequantized(ref_model, gguf) -> set[str]:
+    """Copies every quantized tensor of the GGUF file, dequantized by gguf-py, into the transformers model (the
+    reference for a quantized file); returns the kinds of tensor that were quantized."""
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
-    ref_model = save_tiny_model("qwen3_moe", tmp_path / "hf", llm.tokenizer, **GGUF_EDITS["qwen3_moe"])
-    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
     params, quantized = dict(ref_model.named_parameters()), set()
-    hf = {"attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight", "attn_v": "self_attn.v_proj.weight",
-          "attn_output": "self_attn.o_proj.weight", "ffn_gate": "mlp.gate_proj.weight", "ffn_up": "mlp.up_proj.weight",
-          "ffn_down": "mlp.down_proj.weight", "ffn_down_exps": "mlp.experts.down_proj"}  # fmt: skip
     with torch.no_grad():
         for t in GGUFReader(str(gguf)).tensors:
             if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                 continue
-            quantized.add(t.name.split(".")[-2])
             w = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(list(reversed(t.shape.tolist()))).copy())
-            if t.name in ("token_embd.weight", "output.weight"):
-                params["model.embed_tokens.weight" if t.name[0] == "t" else "lm_head.weight"].copy_(w)
+            if not t.name.startswith("blk."):
+                quantized.add(t.name.split(".")[0])
+                params[HF_OF_GGUF[t.name.split(".")[0]]].copy_(w)
                 continue
             layer, kind = t.name.split(".")[1:3]
+            quantized.add(kind)
             prefix = f"model.layers.{layer}."
             if kind in ("ffn_gate_exps", "ffn_up_exps"):  # transformers stacks them as gate_up_proj [E, 2I, H]
                 inter = w.shape[1]
                 part = slice(0, inter) if kind == "ffn_gate_exps" else slice(inter, 2 * inter)
                 params[prefix + "mlp.experts.gate_up_proj"][:, part].copy_(w)
             else:
-                params[prefix + hf[kind]].copy_(w)
+                params[prefix + HF_OF_GGUF[kind]].copy_(w)
+    return quantized
+
+
+@pytest.mark.slow
+def test_quantized_gemma4_gguf_matches_its_dequantized_weights(llm, tmp_path):
+    """A Gemma 4 GGUF quantized to Q8_0 by llama.cpp's converter (its per-layer embedding table too), served on its
+    blocks: the tokens of transformers given the file's tensors dequantized by gguf-py."""
+    if llama_cpp.converter() is None:
+        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+    tokenizer = sentencepiece_tokenizer(tmp_path / "hf", SENTENCEPIECE["gemma4"])
+    ref_model = save_tiny_model("gemma4", tmp_path / "hf", tokenizer, vocab_size=len(tokenizer))
+    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
+    assert {"attn_q", "ffn_down", "inp_gate", "proj", "per_layer_token_embd"} <= load_dequantized(ref_model, gguf)
+    ours = make_llm(model=str(gguf))
+    assert "Q8_0" in ours.engine.engine_core.executor.runner.weight_bytes
+    prompt = tokenizer.encode(PROMPT)
+    out = ours.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert_greedy_matches(out.outputs[0].token_ids, hf_greedy(ref_model, prompt))
+
+
+@pytest.mark.slow
+def test_quantized_moe_gguf_matches_its_dequantized_weights(llm, tmp_path):
+    """A Qwen3-MoE GGUF quantized to Q8_0 by llama.cpp's converter, served on its blocks (every expert of a
+    projection one quantized tensor): the tokens of transformers given the file's tensors dequantized by gguf-py."""
+    if llama_cpp.converter() is None:
+        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+
+    ref_model = save_tiny_model("qwen3_moe", tmp_path / "hf", llm.tokenizer, **GGUF_EDITS["qwen3_moe"])
+    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
+    quantized = load_dequantized(ref_model, gguf)
     assert {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn_q"} <= quantized
     prompt = llm.tokenizer.encode(PROMPT)
     ours = make_llm(model=str(gguf))
@@ -370,6 +424,34 @@ def test_qwen3_5_multimodal_checkpoint_serves_its_language_model(llm, tmp_path):
 
 
 @pytest.mark.slow
+def test_gemma4_multimodal_checkpoint_serves_its_language_model(llm, tmp_path):
+    """Gemma 4 ships as Gemma4ForConditionalGeneration: the language model under `model.language_model.`, the
+    config's text_config, a vision tower and its projection beside it. The server serves the language model (the
+    others passed over) with the tokens transformers' whole model gives for text."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+    config = Gemma4Config(text_config=CONFIGS["gemma4"]().to_dict(), vision_config=vision, audio_config=None)
+    config.architectures = ["Gemma4ForConditionalGeneration"]
+    torch.manual_seed(0)
+    ref_model = Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in ref_model.model.language_model.named_parameters():
+            if name.endswith("norm.weight"):
+                torch.nn.init.normal_(p, mean=1.0, std=0.3)
+    ref_model.save_pretrained(tmp_path)
+    llm.tokenizer.save_pretrained(tmp_path)
+    prompt = llm.tokenizer.encode(PROMPT)
+    out = make_llm(model=str(tmp_path)).generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert_greedy_matches(out.outputs[0].token_ids, hf_greedy(ref_model, prompt))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"]["enable_moe_block"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="enable_moe_block .the 26B-A4B mixture of experts. is not supported"):
+        make_llm(model=str(tmp_path))
+
+
+@pytest.mark.slow
 def test_quantized_qwen3_5_gguf_matches_its_dequantized_weights(llm, tmp_path):
     """A Qwen3.5 GGUF quantized to Q8_0 by llama.cpp's converter, served on its blocks (q_proj's query and gate rows
     picked from the quantized tensor, the DeltaNet's fused q | k | v split by byte ranges): the tokens of the same
@@ -437,3 +519,33 @@ def test_recurrent_states_across_chunks_batches_and_preemption(name, budget, blo
     assert kv.state_pool.num_free_blocks == 4 and kv.pool.num_free_blocks == kv.num_blocks and not kv.req_blocks
     with pytest.raises(ValueError, match="speculative_config is not supported for a model with recurrent layers"):
         make_llm(model=str(tmp_path), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.slow
+def test_gemma4_shared_kv_across_chunks_batches_preemption_and_drafts(llm, tmp_path):
+    """Gemma 4's last two layers attend to the K/V the earlier layers of their kind wrote (no cache of their own)
+    and its global layers keep heads twice as wide as the local ones (each KV cache tensor sized for the wider):
+    prompts of 1 to 131 tokens run together in 32-token chunks with a KV cache too small for all of them (requests
+    preempted and recomputed), again with their prefixes cached, and with n-gram drafts; every request gives
+    transformers' tokens, and no block is left held."""
+    ref_model = save_tiny_model("gemma4", tmp_path, llm.tokenizer)
+    full = llm.tokenizer.encode(PROMPT + "Pack my box with five dozen liquor jugs. " * 2)
+    prompts = [full[:n] for n in (1, 5, 40, 131, 77)]
+    refs = [hf_greedy(ref_model, p, 24) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ours = make_llm(model=str(tmp_path), max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=40)
+    runner, kv = ours.engine.engine_core.executor.runner, ours.engine.engine_core.kv
+    assert runner.kv_cache_slots == [0, 0, 0, 0, 0, 0, 0]  # one layer a group; layers 5 and 6 in 3's and 4's
+    assert [len(g.layer_indices) for g in runner.kv_cache_groups] == [1, 1, 1, 1, 1]
+    assert runner.kv_caches[4][0].shape[-3:] != runner.kv_caches[0][0].shape[-3:]
+    assert runner.kv_caches[6][0].data_ptr() == runner.kv_caches[4][0].data_ptr()
+    for round in range(2):  # the second round's prompts hit the prefix cache
+        hits = kv.prefix_cache_hits
+        outs = ours.generate(prompts, params, use_tqdm=False)
+        for out, ref in zip(outs, refs):
+            assert_greedy_matches(out.outputs[0].token_ids, ref)
+        assert kv.pool.num_free_blocks == kv.num_blocks - 1 and not kv.req_blocks
+    assert ours.engine.engine_core.scheduler.num_preemptions > 0 and kv.prefix_cache_hits > hits
+    drafted = make_llm(model=str(tmp_path), speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    for out, ref in zip(drafted.generate(prompts, params, use_tqdm=False), refs):
+        assert_greedy_matches(out.outputs[0].token_ids, ref)
