@@ -71,6 +71,20 @@ def convert(hf_dir: str | Path, out: str | Path, outtype: str = "f32", *args: st
     return Path(out)
 
 
+def quantize(hf_dir: str | Path, out: str | Path, llama_quantize: str, qtype: str, *args: str) -> Path:
+    """The GGUF file of type `qtype` (Q4_K_M, ...) that llama.cpp's `llama-quantize` binary makes of a Hugging Face
+    directory, as users' quantized files are made: converted to float16 by the converter (`args`: more of its
+    flags) beside `out`, quantized, the float16 file removed. Raises RuntimeError as convert does and
+    subprocess.CalledProcessError when llama-quantize fails."""
+    out = Path(out)
+    f16 = out.with_name(out.stem + "-f16.gguf")
+    if not f16.exists():
+        convert(hf_dir, f16, "f16", *args)
+    subprocess.run([llama_quantize, str(f16), str(out), qtype], check=True, capture_output=True)
+    f16.unlink()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)

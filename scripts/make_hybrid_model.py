@@ -14,9 +14,7 @@ dt_bias 1, norms at their identity; a fixed seed.
 """
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,8 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 from models.cache_dir import CACHE_DIR  # noqa: E402
-from models.loader import default_model_path, load_tokenizer  # noqa: E402
 from scripts import llama_cpp  # noqa: E402
+from scripts.make_moe_model import write_checkpoint  # noqa: E402
 
 QWEN35_2B = dict(
     hidden=2048, layers=24, heads=8, kv_heads=2, head_dim=256, inter=6144, lin_heads=16, lin_dim=128, vocab=248320
@@ -107,20 +105,12 @@ def main():
     ap.add_argument("--type", default="Q4_K_M", help="llama-quantize's type for the GGUF")
     ap.add_argument("--llama-quantize", required=True, help="llama.cpp's llama-quantize binary")
     args = ap.parse_args()
-    hf, f16, gguf = args.out / "hf", args.out / "model-f16.gguf", args.out / f"model-{args.type}.gguf"
-    if not (hf / "model.safetensors").exists():
-        from safetensors.torch import save_file
-
-        hf.mkdir(parents=True, exist_ok=True)
-        load_tokenizer(default_model_path()).save_pretrained(hf)
-        (hf / "config.json").write_text(json.dumps(config(), indent=2))
-        save_file(tensors(), str(hf / "model.safetensors"), metadata={"format": "pt"})
+    hf, gguf = args.out / "hf", args.out / f"model-{args.type}.gguf"
+    if not (hf / "model.safetensors.index.json").exists() and not (hf / "model.safetensors").exists():
+        write_checkpoint(hf, config(), [tensors()])
         print(f"wrote {hf}")
     if not gguf.exists():
-        if not f16.exists():
-            llama_cpp.convert(hf, f16, "f16", "--no-mtp")  # the checkpoint has no MTP head
-        subprocess.run([args.llama_quantize, str(f16), str(gguf), args.type], check=True, capture_output=True)
-        f16.unlink()
+        llama_cpp.quantize(hf, gguf, args.llama_quantize, args.type, "--no-mtp")  # the checkpoint has no MTP head
         print(f"wrote {gguf}")
 
 

@@ -27,7 +27,6 @@ llama-quantize from the converter's float16 file (`model-Q4_K_M.gguf` by default
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -218,12 +217,9 @@ def main():
     else:
         if not args.llama_quantize:
             ap.error(f"--shape {args.shape} needs --llama-quantize")
-        gguf, f16 = out / f"model-{args.type}.gguf", out / "model-f16.gguf"
+        gguf = out / f"model-{args.type}.gguf"
         if not gguf.exists():
-            if not f16.exists():
-                llama_cpp.convert(hf, f16, "f16")
-            subprocess.run([args.llama_quantize, str(f16), str(gguf), args.type], check=True, capture_output=True)
-            f16.unlink()
+            llama_cpp.quantize(hf, gguf, args.llama_quantize, args.type)
     print(f"wrote {gguf}")
 
 
