@@ -13,7 +13,9 @@ norms) with Gemma 4's differences:
 - per-layer embeddings (PLE, the E2B/E4B models): a second table gives each token a small vector per layer,
   mixed with a projection of the token's embedding, that each layer gates into its residual stream at its end;
 - each layer's output is multiplied by a learned `layer_scalar`.
-The mixture-of-experts block (26B-A4B) is not built: such a config is refused.
+- the 26B-A4B's layers add a mixture of experts beside the dense MLP, both fed from the residual stream: a router
+  (softmax top-k of the RMS-normalised stream, renormalised, then scaled per expert) and GeGLU experts, each
+  branch with norms of its own, summed before the post-feedforward norm.
 """
 
 import math
@@ -30,11 +32,12 @@ from models.distributed.pipeline import PPMissingLayer, PPStage
 from models.gemma import GemmaForCausalLM, GemmaMLP, PostNorm
 from models.kernels import ops
 from models.layers.checkpoint import keep_norms_float32, load_checkpoint
+from models.layers.fused_moe import FusedMoE, select_experts
 from models.layers.layernorm import HeadRMSNorm, RMSNorm
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.layers.rotary_embedding import RotaryEmbedding
 from models.layers.vocab_parallel_embedding import VocabParallelEmbedding, embedding_and_head
-from models.quantization.gguf import GGUFConfig
+from models.quantization.gguf import GGUFConfig, GGUFTensor
 
 # a multimodal checkpoint's language model, and the towers of the other modalities (not served)
 TEXT_PREFIX = "model.language_model."
@@ -42,12 +45,10 @@ OTHER_MODALITIES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vi
 
 
 def check_gemma4_config(config) -> None:
-    """Raises ValueError naming a Gemma 4 setting that is not built: the mixture-of-experts block, bidirectional
-    attention over every token, biases in the attention projections."""
+    """Raises ValueError naming a Gemma 4 setting that is not built: bidirectional attention over every token,
+    biases in the attention projections."""
     if getattr(config, "attention_bias", False):
         raise ValueError("Gemma 4 with attention_bias true is not supported")
-    if getattr(config, "enable_moe_block", False):
-        raise ValueError("Gemma 4's enable_moe_block (the 26B-A4B mixture of experts) is not supported")
     if getattr(config, "use_bidirectional_attention", None) == "all":
         raise ValueError("use_bidirectional_attention 'all' is not supported (causal attention only)")
 
@@ -90,8 +91,28 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(o.reshape(x.shape[0], -1), out_dtype=x.dtype), kv
 
 
+class Gemma4Router(nn.Module):
+    """Gemma 4's expert router: the residual stream RMS-normalised (no weight), scaled by `scale` and
+    hidden ** -0.5, projected to the experts' logits (float32), softmax, the top-k renormalised and then multiplied
+    by each chosen expert's `per_expert_scale`. h [T, hidden] -> (weights float32 [T, k], expert ids [T, k])."""
+
+    def __init__(self, config):
+        super().__init__()
+        hidden, experts = config.hidden_size, config.num_experts
+        self.proj = nn.Linear(hidden, experts, bias=False, dtype=torch.float32)
+        self.scale = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(experts), requires_grad=False)
+        self.top_k, self.eps = config.top_k_experts, config.rms_norm_eps
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = F.rms_norm(h.float(), h.shape[-1:], eps=self.eps) * self.scale.float() * h.shape[-1] ** -0.5
+        weights, ids = select_experts(F.linear(x, self.proj.weight.float()), self.top_k, True)
+        return weights * self.per_expert_scale.float()[ids], ids
+
+
 class Gemma4DecoderLayer(nn.Module):
-    """Pre- and post-norms around attention and the GeGLU MLP, then (with PLE) the layer's per-layer input gated
+    """Pre- and post-norms around attention and the GeGLU MLP (and beside it the experts, in the 26B-A4B), then
+    (with PLE) the layer's per-layer input gated
     in, then the whole residual stream scaled by `layer_scalar`."""
 
     def __init__(self, config, shape: ModelShape, backend, tp, quant_config, index: int):
@@ -107,6 +128,14 @@ class Gemma4DecoderLayer(nn.Module):
         wide = shared and getattr(config, "use_double_wide_mlp", False)
         self.mlp = GemmaMLP(config, tp, quant_config, config.intermediate_size * (2 if wide else 1))
         self.post_feedforward_layernorm = PostNorm(hidden, eps)
+        self.moe = bool(getattr(config, "enable_moe_block", False))
+        if self.moe:  # the 26B-A4B: experts beside the dense MLP
+            self.router = Gemma4Router(config)
+            inter = config.moe_intermediate_size
+            self.experts = FusedMoE(config.num_experts, hidden, inter, tp, quant_config, activation="gelu_tanh")
+            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_1 = PostNorm(hidden, eps)
+            self.post_feedforward_layernorm_2 = PostNorm(hidden, eps)
         self.ple_dim = getattr(config, "hidden_size_per_layer_input", 0) or 0
         if self.ple_dim:  # replicated on every rank: they are small
             self.per_layer_input_gate = ColumnParallelLinear.merged(hidden, [self.ple_dim], False, None, quant_config)
@@ -119,6 +148,10 @@ class Gemma4DecoderLayer(nn.Module):
         [T, ple_dim] (None without PLE); kv: a shared layer's target's (k, v). Returns this layer's (k, v)."""
         x, kv = self.self_attn(self.input_layernorm(h), rope, kv_cache, meta, kv)
         x = self.mlp(self.pre_feedforward_layernorm(h, self.post_attention_layernorm(x)))
+        if self.moe:  # the experts of the same stream, summed with the MLP's output
+            weights, ids = self.router(h)
+            y = self.experts(self.pre_feedforward_layernorm_2(h), weights, ids)
+            x = self.post_feedforward_layernorm_1(x) + self.post_feedforward_layernorm_2(y)
         h.add_(self.post_feedforward_layernorm(x))
         if self.ple_dim:
             dtype = self.input_layernorm.weight.dtype  # the linears' input dtype (float32 in a quantized model)
@@ -180,6 +213,7 @@ class Gemma4ForCausalLM(nn.Module):
         self.quantized = quant_config is not None
         self.normalizer = math.sqrt(config.hidden_size)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+        self.supports_cuda_graphs = not getattr(config, "enable_moe_block", False)  # experts routed on the host
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """PLE's inputs [T, layers, ple_dim] (float32): the token's own per-layer vectors (its row of
@@ -236,12 +270,28 @@ class Gemma4ForCausalLM(nn.Module):
             f"layers.{i}.self_attn.{p}" for i, t in enumerate(self.kv_sharing) if t is not None for p in ("k_", "v_")
         )
 
+        inter = getattr(self.config, "moe_intermediate_size", None)
+
+        def half(tensor, i: int):  # the gate (0) or up (1) rows of every expert's fused gate_up
+            if isinstance(tensor, GGUFTensor):  # E * 2 * inter rows of blocks
+                rows = torch.arange(tensor.rows).view(-1, 2, inter)[:, i].reshape(-1)
+                return tensor.select_rows(rows)
+            return tensor[:, i * inter : (i + 1) * inter]
+
         def renamed():
             for name, tensor in weights:
                 if name.startswith(OTHER_MODALITIES):
                     continue
                 name = name.replace(TEXT_PREFIX, "model.", 1).removeprefix("model.")
-                if not name.startswith(shared):
+                if name.startswith(shared):
+                    continue
+                name = name.removesuffix(".weight") if ".experts." in name else name  # a GGUF file's names
+                if name.endswith(".experts.gate_up_proj"):  # every expert's [E, 2 * inter, hidden]: gate, then up
+                    for i, part in enumerate(("gate_proj", "up_proj")):
+                        yield name.replace("gate_up_proj", f"{part}.weight"), half(tensor, i)
+                elif name.endswith(".experts.down_proj"):
+                    yield name + ".weight", tensor
+                else:
                     yield name, tensor
 
         skip = "lm_head.weight" if self.tie_word_embeddings else None

@@ -86,6 +86,18 @@ GEMMA4_TENSORS = GEMMA_TENSORS | {
     "inp_gate": "per_layer_input_gate",
     "proj": "per_layer_projection",
     "post_norm": "post_per_layer_input_norm",
+    "ffn_gate_inp": "router.proj",  # the 26B-A4B's router and experts (gate and up in one tensor), their norms
+    "ffn_gate_up_exps": "experts.gate_up_proj",
+    "ffn_down_exps": "experts.down_proj",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+}
+# Gemma 4's per-layer parameters without .weight: each layer's output scale, its router's scales
+GEMMA4_PARAMETERS = {
+    "layer_output_scale.weight": "layer_scalar",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",  # llama.cpp scales each expert's output; the same
 }
 GEMMA4_MODEL_TENSORS = {
     "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
@@ -255,6 +267,8 @@ class GGUFModelConfig:
     use_double_wide_mlp: bool = False
     hidden_size_per_layer_input: int = 0
     vocab_size_per_layer_input: int | None = None
+    enable_moe_block: bool = False  # Gemma 4's 26B-A4B
+    top_k_experts: int | None = None
 
 
 def load_gguf_config(path: str) -> GGUFModelConfig:
@@ -440,7 +454,8 @@ def _gemma3_fields(path: str, md: dict, layers: int, hidden: int, heads: int, he
 def _gemma4_fields(path: str, header, md: dict, layers: int, rope: dict) -> dict:
     """Gemma 4's fields as llama.cpp's converter writes them: the sliding layers' head_dim (key_length_swa) and
     the global layers' (key_length) with each layer's KV heads, the window pattern, the shared-K/V layers, the
-    per-layer embeddings' width, the MLP widths (twice on the shared layers: use_double_wide_mlp), values taken
+    per-layer embeddings' width, the MLP widths (twice on the shared layers: use_double_wide_mlp), the experts
+    beside them (the 26B-A4B: expert_count), values taken
     from the keys where a global layer has no attn_v, the sliding layers' rope base, and the global layers'
     proportional rope as the `rope_freqs` divisors say it (1 on the turning pairs, 1e30 on the others)."""
     names = {info.name for info in header.tensors}
@@ -474,6 +489,8 @@ def _gemma4_fields(path: str, header, md: dict, layers: int, rope: dict) -> dict
         vocab_size_per_layer_input=ple_vocab,
         final_logit_softcapping=md.get("gemma4.final_logit_softcapping"),
         rope_parameters={"sliding_attention": local, "full_attention": full},
+        enable_moe_block=bool(md.get("gemma4.expert_count")),
+        top_k_experts=md.get("gemma4.expert_used_count"),
     )
 
 
@@ -525,8 +542,8 @@ def _hf_name(path: str, name: str, arch: str) -> str:
     names = QWEN35_TENSORS if arch in QWEN35 else names
     names = GEMMA_TENSORS if arch.startswith("gemma") else names
     names = GEMMA4_TENSORS if arch == "gemma4" else names
-    if arch == "gemma4" and (m := re.fullmatch(r"blk\.(\d+)\.layer_output_scale\.weight", name)):
-        return f"model.layers.{m[1]}.layer_scalar"
+    if arch == "gemma4" and (m := re.fullmatch(r"blk\.(\d+)\.(.+)", name)) and m[2] in GEMMA4_PARAMETERS:
+        return f"model.layers.{m[1]}.{GEMMA4_PARAMETERS[m[2]]}"
     if arch in QWEN35 and (m := re.fullmatch(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)", name)):
         return f"model.layers.{m[1]}.{QWEN35_PARAMETERS[m[2]]}"
     m = re.fullmatch(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)", name)

@@ -49,6 +49,8 @@ COMMON = dict(
     # multipliers) changes the greedy tokens of a random model rather than the embeddings alone
     initializer_range=0.1,
 )
+# what the tiny Gemma 4 models share: global layers' heads twice as wide, values their keys, final logits capped
+GEMMA4 = dict(head_dim=16, global_head_dim=32, attention_k_eq_v=True, sliding_window=24, final_logit_softcapping=3.0)
 CONFIGS = {
     "llama3": lambda: LlamaConfig(
         **COMMON,
@@ -114,18 +116,25 @@ CONFIGS = {
     # (proportional rope); per-layer embeddings; the last 2 layers reading the K/V of the last earlier local and
     # global ones, with MLPs twice as wide; final logits soft-capped
     "gemma4": lambda: Gemma4TextConfig(
-        **COMMON | dict(num_hidden_layers=7),
-        head_dim=16,
-        global_head_dim=32,
+        **COMMON | GEMMA4 | dict(num_hidden_layers=7),
         num_global_key_value_heads=2,
-        attention_k_eq_v=True,
-        sliding_window=24,
         layer_types=["sliding_attention"] * 4 + ["full_attention", "sliding_attention", "full_attention"],
         vocab_size_per_layer_input=49152,
         hidden_size_per_layer_input=32,
         num_kv_shared_layers=2,
         use_double_wide_mlp=True,
-        final_logit_softcapping=3.0,
+    ),
+    # Gemma 4 26B-A4B-like: 4 GeGLU experts of 32 (2 per token) beside each layer's dense MLP, one KV head in the
+    # global layers, no per-layer embeddings or shared K/V
+    "gemma4_moe": lambda: Gemma4TextConfig(
+        **COMMON | GEMMA4 | dict(num_hidden_layers=6),
+        num_global_key_value_heads=1,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        hidden_size_per_layer_input=0,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
     ),
     # 8 experts, 2 per token, renormalised; the second layer dense (mlp_only_layers), as Qwen3-MoE configs allow
     "qwen3_moe": lambda: Qwen3MoeConfig(
@@ -220,9 +229,9 @@ def save_tiny_model(arch: str, path, tokenizer, mxfp4: bool = False, **overrides
             if name.endswith("norm.weight"):
                 with torch.no_grad():
                     torch.nn.init.normal_(p, mean=1.0 if "linear_attn" in name else 0.0, std=0.3)
-    if arch == "gemma4":  # norms (scale w) and layer scalars start at one; make them matter
+    if arch.startswith("gemma4"):  # norms (scale w), router scales and layer scalars start at one; make them matter
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
                 with torch.no_grad():
                     torch.nn.init.normal_(p, mean=1.0, std=0.3)
         for layer in model.model.layers:

@@ -112,7 +112,8 @@ class FusedMoE(nn.Module):
     and `w13_weight` / `w2_weight` are empty placeholders keeping the parameter names. With `bias` (gpt-oss) each
     projection has one too: w13_bias [E, 2 * inter] (this rank's), w2_bias [E, hidden] (added by rank 0 only).
     `swiglu_limit` (gpt-oss) makes the activation its clamped SwiGLU: (clamp(up, -l, l) + 1) g sigmoid(alpha g),
-    g = min(gate, l), vLLM's "swigluoai"; None is SiLU(gate) up.
+    g = min(gate, l), vLLM's "swigluoai"; None is SiLU(gate) up, or with `activation` "gelu_tanh" GeGLU,
+    GELU_tanh(gate) up (Gemma 4's experts).
     """
 
     def __init__(
@@ -125,9 +126,10 @@ class FusedMoE(nn.Module):
         bias: bool = False,
         swiglu_limit: float | None = None,
         swiglu_alpha: float = SWIGLU_ALPHA,
+        activation: str = "silu",
     ):
         super().__init__()
-        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+        self.swiglu_limit, self.swiglu_alpha, self.activation = swiglu_limit, swiglu_alpha, activation
         rank, size = _rank_size(tp)
         if intermediate_size % size:
             raise ValueError(f"moe_intermediate_size {intermediate_size} does not split over {size} ranks")
@@ -187,7 +189,10 @@ class FusedMoE(nn.Module):
             rows[:, proj * self.inter : (proj + 1) * self.inter].copy_(loaded[:, part])
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[n, 2 * inter] (gate | up) -> [n, inter]: SiLU(gate) up, or gpt-oss's clamped SwiGLU."""
+        """[n, 2 * inter] (gate | up) -> [n, inter]: SiLU(gate) up, GELU_tanh(gate) up, or gpt-oss's clamped
+        SwiGLU."""
+        if self.activation == "gelu_tanh":
+            return ops.gelu_tanh_and_mul(gate_up)
         if self.swiglu_limit is None:
             return ops.silu_and_mul(gate_up)
         limit = self.swiglu_limit
@@ -196,7 +201,7 @@ class FusedMoE(nn.Module):
         return (up + 1) * gate * torch.sigmoid(gate * self.swiglu_alpha)
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        """Expert e's SwiGLU MLP of its tokens x [n, hidden] -> [n, hidden]."""
+        """Expert e's gated MLP of its tokens x [n, hidden] -> [n, hidden]."""
         q = self.quant_method
         if q is not None:
             gate_up = torch.cat((q.matmul(x, 0, e), q.matmul(x, 1, e)), dim=-1)
@@ -212,8 +217,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         q = self.quant_method
-        if (  # int8-kernel experts: the whole layer in one C call
-            q is not None and self.tp is None and all(isinstance(b, GGUFTensor) and b.int8 for b in q.blocks)
+        if (  # int8-kernel experts with SiLU or the clamped SwiGLU: the whole layer in one C call
+            q is not None
+            and self.tp is None
+            and self.activation == "silu"
+            and all(isinstance(b, GGUFTensor) and b.int8 for b in q.blocks)
         ):
             bias = (self.w13_bias, self.w2_bias)
             out = ops.gguf_moe(x, weights, ids, q.blocks, self.inter, *bias, self.swiglu_limit, self.swiglu_alpha)

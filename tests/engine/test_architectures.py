@@ -5,7 +5,9 @@ Mistral (a sliding window shorter than the prompt), Qwen3 (per-head q/k RMSNorm,
 hidden_size / heads), Phi-3 (fused q/k/v and gate/up tensors, a sliding window), Phi-4-mini (LongRoPE, rotary on
 3/4 of each head, a tied head), SmolLM3 (a layer without
 rotary), Granite (multipliers), Gemma 2 (soft caps, pre/post norms, GeGLU, alternating windows) and Gemma 3
-(q/k norms, a rope base per layer kind, linear scaling), the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral
+(q/k norms, a rope base per layer kind, linear scaling), Gemma 4 (global layers with heads of their own size and
+values from their keys, proportional rope, per-layer embeddings, layers that read earlier layers' K/V; its 26B-A4B
+shape's experts beside the dense MLP), the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral
 and gpt-oss (attention sinks, biases, a clamped SwiGLU, YaRN; MXFP4 experts), the hybrids LFM2 (conv states beside
 the KV cache) and Qwen3.5 (Gated DeltaNet states, gated attention with partial rotary); each feature shown to
 matter. The
@@ -67,6 +69,7 @@ FEATURES = {
             }
         },
     ],
+    "gemma4_moe": [{"top_k_experts": 1}],
     "qwen3_moe": [{"norm_topk_prob": False}, {"num_experts_per_tok": 1}],
     "qwen2_moe": [{"norm_topk_prob": True}],
     "mixtral": [{"num_experts_per_tok": 1}],
@@ -99,7 +102,12 @@ GGUF_EDITS = {
     "gemma2": {"query_pre_attn_scalar": 16, "tie_word_embeddings": True},
 }
 # checkpoints whose converter takes the vocabulary from a SentencePiece tokenizer.model, with its tokenizer class
-SENTENCEPIECE = {"phi3": "LlamaTokenizer", "gemma2": "GemmaTokenizer", "gemma4": "GemmaTokenizer"}
+SENTENCEPIECE = {
+    "phi3": "LlamaTokenizer",
+    "gemma2": "GemmaTokenizer",
+    "gemma4": "GemmaTokenizer",
+    "gemma4_moe": "GemmaTokenizer",
+}
 
 
 def hf_greedy(model, prompt: list[int], n: int = 16) -> tuple[list[int], list[float]]:
@@ -156,6 +164,7 @@ def test_tiny_random_model_matches_transformers(name, llm, tmp_path):
         "gemma2",
         "gemma3",
         "gemma4",
+        "gemma4_moe",
         "qwen3_moe",
         "qwen2_moe",
         "mixtral",
@@ -286,9 +295,11 @@ HF_OF_GGUF = {
 }
 
 
-def load_dequantized(ref_model, gguf) -> set[str]:
+def load_dequantized(ref_model, gguf, names: dict | None = None) -> set[str]:
     """Copies every quantized tensor of the GGUF file, dequantized by gguf-py, into the transformers model (the
-    reference for a quantized file); returns the kinds of tensor that were quantized."""
+    reference for a quantized file; `names`: HF_OF_GGUF's entries another architecture names otherwise); returns
+    the kinds of tensor that were quantized."""
+    hf = HF_OF_GGUF | (names or {})
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
@@ -300,7 +311,7 @@ def load_dequantized(ref_model, gguf) -> set[str]:
             w = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(list(reversed(t.shape.tolist()))).copy())
             if not t.name.startswith("blk."):
                 quantized.add(t.name.split(".")[0])
-                params[HF_OF_GGUF[t.name.split(".")[0]]].copy_(w)
+                params[hf[t.name.split(".")[0]]].copy_(w)
                 continue
             layer, kind = t.name.split(".")[1:3]
             quantized.add(kind)
@@ -310,20 +321,29 @@ def load_dequantized(ref_model, gguf) -> set[str]:
                 part = slice(0, inter) if kind == "ffn_gate_exps" else slice(inter, 2 * inter)
                 params[prefix + "mlp.experts.gate_up_proj"][:, part].copy_(w)
             else:
-                params[prefix + HF_OF_GGUF[kind]].copy_(w)
+                params[prefix + hf[kind]].copy_(w)
     return quantized
 
 
 @pytest.mark.slow
-def test_quantized_gemma4_gguf_matches_its_dequantized_weights(llm, tmp_path):
-    """A Gemma 4 GGUF quantized to Q8_0 by llama.cpp's converter (its per-layer embedding table too), served on its
-    blocks: the tokens of transformers given the file's tensors dequantized by gguf-py."""
+@pytest.mark.parametrize(
+    "name, kinds",
+    [
+        ("gemma4", {"attn_q", "ffn_down", "inp_gate", "proj", "per_layer_token_embd"}),
+        ("gemma4_moe", {"attn_q", "ffn_down", "ffn_gate_up_exps", "ffn_down_exps"}),
+    ],
+)
+def test_quantized_gemma4_gguf_matches_its_dequantized_weights(name, kinds, llm, tmp_path):
+    """A Gemma 4 GGUF quantized to Q8_0 by llama.cpp's converter (its per-layer embedding table too; the 26B-A4B
+    shape's experts, gate and up in one tensor of blocks), served on its blocks: the tokens of transformers given
+    the file's tensors dequantized by gguf-py."""
     if llama_cpp.converter() is None:
         pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
-    tokenizer = sentencepiece_tokenizer(tmp_path / "hf", SENTENCEPIECE["gemma4"])
-    ref_model = save_tiny_model("gemma4", tmp_path / "hf", tokenizer, vocab_size=len(tokenizer))
+    tokenizer = sentencepiece_tokenizer(tmp_path / "hf", SENTENCEPIECE[name])
+    ref_model = save_tiny_model(name, tmp_path / "hf", tokenizer, vocab_size=len(tokenizer))
     gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
-    assert {"attn_q", "ffn_down", "inp_gate", "proj", "per_layer_token_embd"} <= load_dequantized(ref_model, gguf)
+    experts = {"ffn_gate_up_exps": "experts.gate_up_proj", "ffn_down_exps": "experts.down_proj"}
+    assert kinds <= load_dequantized(ref_model, gguf, experts)
     ours = make_llm(model=str(gguf))
     assert "Q8_0" in ours.engine.engine_core.executor.runner.weight_bytes
     prompt = tokenizer.encode(PROMPT)
@@ -445,9 +465,9 @@ def test_gemma4_multimodal_checkpoint_serves_its_language_model(llm, tmp_path):
     out = make_llm(model=str(tmp_path)).generate([prompt], GREEDY, use_tqdm=False)[0]
     assert_greedy_matches(out.outputs[0].token_ids, hf_greedy(ref_model, prompt))
     config = json.loads((tmp_path / "config.json").read_text())
-    config["text_config"]["enable_moe_block"] = True
+    config["text_config"]["attention_bias"] = True  # a field that would change the output, not built: refused
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="enable_moe_block .the 26B-A4B mixture of experts. is not supported"):
+    with pytest.raises(ValueError, match="Gemma 4 with attention_bias true is not supported"):
         make_llm(model=str(tmp_path))
 
 

@@ -101,7 +101,16 @@ def test_killed_rank_fails_the_engine_with_a_clear_error(tp3):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name,kv_heads",
-    [("llama3", 2), ("qwen2", 1), ("qwen3_moe", 2), ("gpt_oss", 2), ("lfm2", 2), ("qwen3_5", 2), ("gemma4", 2)],
+    [
+        ("llama3", 2),
+        ("qwen2", 1),
+        ("qwen3_moe", 2),
+        ("gpt_oss", 2),
+        ("lfm2", 2),
+        ("qwen3_5", 2),
+        ("gemma4", 2),
+        ("gemma4_moe", 2),
+    ],
 )
 def test_tp2_tiny_models_match_tp1(name, kv_heads, llm, tmp_path):
     """llama3: 4 query / 2 KV heads, one KV head per rank; qwen2 (q/k/v biases): one KV head,
@@ -110,7 +119,8 @@ def test_tp2_tiny_models_match_tp1(name, kv_heads, llm, tmp_path):
     slice of the conv channels (and of their states); qwen3_5: each rank's key and value heads of the DeltaNet
     (its slice of q | k | v channels in the convolution, of A_log and dt_bias), of the gated attention's heads;
     gemma4: a KV head of each local and global layer per rank (blocks of two sizes), the shared layers reading them,
-    the per-layer embeddings' table split by vocabulary rows, their small projections whole on each rank."""
+    the per-layer embeddings' table split by vocabulary rows, their small projections whole on each rank;
+    gemma4_moe: half of every GeGLU expert's rows, the router whole on each rank."""
     save_tiny_model(name, tmp_path, llm.tokenizer, num_key_value_heads=kv_heads)
     prompts = [llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12), [1, 2, 3]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
