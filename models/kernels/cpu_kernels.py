@@ -62,7 +62,7 @@ SIGNATURES = {
     "gguf_r16_isa": [],
     "gguf_q8_isa": [],
     "gguf_q8_linear": [_p, _i, _i, _p, _i, _p, _i, _i, _i, _i, _i, _i],
-    "gguf_q8_moe": [_p, _i, _i, _p, _p, _i, _p, _i, _p, _i, _p, _i, _i, _i, _p, _p, _f, _f, _p, _i],
+    "gguf_q8_moe": [_p, _i, _i, _p, _p, _i, _p, _i, _p, _i, _p, _i, _i, _i, _p, _p, _f, _f, _i, _p, _i],
     "gguf_repack_r16": [_i, _p, _i, _i, _p],
     "gguf_r16_bytes": [_i, _i, _i],
     "gguf_r16_dequantize_rows": [_i, _p, _i, _p, _i, _p, _i, _i],

@@ -334,13 +334,14 @@ def gguf_moe(
     b2: torch.Tensor | None,
     swiglu_limit: float | None,
     swiglu_alpha: float,
+    geglu: bool = False,
 ) -> torch.Tensor | None:
     """A mixture-of-experts layer's routed experts in one C call (csrc/gguf_linear.c, gguf_q8_moe: the AVX2 int8
     kernels, expert by expert): x float32 [T, hidden], weights float32 [T, k], ids int64 [T, k]; `blocks` the gate,
     up and down GGUFTensors of every expert (E * rows rows each); b13 float32 [E, 2 * inter], b2 [E, hidden] or
-    None; the clamped SwiGLU where `swiglu_limit`. Returns float32 [T, hidden] (the experts' weighted sum), or None
-    where the C path does not take it (no compiler, another type or dtype, a CPU without AVX2): the caller's loop
-    then."""
+    None; the clamped SwiGLU where `swiglu_limit`, GELU_tanh(gate) up where `geglu` (Gemma 4), else SiLU. Returns
+    float32 [T, hidden] (the experts' weighted sum), or None where the C path does not take it (no compiler,
+    another type or dtype, a CPU without AVX2): the caller's loop then."""
     lib = _gguf_lib()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
@@ -352,7 +353,7 @@ def gguf_moe(
         x.data_ptr(), x.shape[0], x.shape[1], ids.data_ptr(), weights.data_ptr(), ids.shape[1],
         gate.data.data_ptr(), int(gate.qtype), up.data.data_ptr(), int(up.qtype), down.data.data_ptr(),
         int(down.qtype), gate.rows // inter, inter, None if b13 is None else b13.data_ptr(),
-        None if b2 is None else b2.data_ptr(), swiglu_limit or 0.0, swiglu_alpha, out.data_ptr(),
+        None if b2 is None else b2.data_ptr(), swiglu_limit or 0.0, swiglu_alpha, int(geglu), out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     return out if status == 0 else None

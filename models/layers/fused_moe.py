@@ -217,14 +217,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         q = self.quant_method
-        if (  # int8-kernel experts with SiLU or the clamped SwiGLU: the whole layer in one C call
-            q is not None
-            and self.tp is None
-            and self.activation == "silu"
-            and all(isinstance(b, GGUFTensor) and b.int8 for b in q.blocks)
+        if (  # int8-kernel experts: the whole layer in one C call
+            q is not None and self.tp is None and all(isinstance(b, GGUFTensor) and b.int8 for b in q.blocks)
         ):
-            bias = (self.w13_bias, self.w2_bias)
-            out = ops.gguf_moe(x, weights, ids, q.blocks, self.inter, *bias, self.swiglu_limit, self.swiglu_alpha)
+            bias, act = (self.w13_bias, self.w2_bias), (self.swiglu_limit, self.swiglu_alpha)
+            out = ops.gguf_moe(x, weights, ids, q.blocks, self.inter, *bias, *act, self.activation == "gelu_tanh")
             if out is not None:
                 return out
         top_k = ids.shape[1]

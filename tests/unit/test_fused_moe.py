@@ -164,24 +164,25 @@ def test_gpt_oss_mxfp4_experts_on_their_blocks():
 
 
 @pytest.mark.parametrize(
-    "qtypes, limit",
+    "qtypes, limit, activation",
     [
-        ((GGMLQuantizationType.Q8_0,) * 3, None),
-        ((GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K), None),
-        ((GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0), None),
-        ((GGMLQuantizationType.MXFP4,) * 3, 0.3),
+        ((GGMLQuantizationType.Q8_0,) * 3, None, "silu"),
+        ((GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K), None, "silu"),
+        ((GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0), None, "silu"),
+        ((GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K), None, "gelu_tanh"),
+        ((GGMLQuantizationType.MXFP4,) * 3, 0.3, "silu"),
     ],
-    ids=["q8_0", "q4_k_m", "mixed", "mxfp4_gpt_oss"],
+    ids=["q8_0", "q4_k_m", "mixed", "q4_k_m_geglu", "mxfp4_gpt_oss"],
 )
 @pytest.mark.parametrize("tokens", [1, 5, 64, 300])
-def test_one_call_experts_equal_the_per_expert_loop(qtypes, limit, tokens, monkeypatch):
+def test_one_call_experts_equal_the_per_expert_loop(qtypes, limit, activation, tokens, monkeypatch):
     """With int8 activations (the default, an AVX2 CPU), a step's routed experts run in one C call
     (ops.gguf_moe): the result equals FusedMoE's loop over the experts, which calls the same int8 kernel per
-    projection, bit for bit with SiLU (to float rounding with gpt-oss's clamped SwiGLU and biases, which the loop
-    computes in torch): the tokens grouped by expert in the same order, each expert's gate and up (a K-quant gate
-    and up share one activation quantization), the activation, down, the weighted sum. 256-wide rows so that the
-    K-quants' super-blocks fit; 300 tokens stand for a prompt's chunk (more than 8 rows per expert: the kernel's
-    tiled loop)."""
+    projection, bit for bit with SiLU and GeGLU (Gemma 4's experts; to float rounding with gpt-oss's clamped
+    SwiGLU and biases, which the loop computes in torch): the tokens grouped by expert in the same order, each
+    expert's gate and up (a K-quant gate and up share one activation quantization), the activation, down, the
+    weighted sum. 256-wide rows so that the K-quants' super-blocks fit; 300 tokens stand for a prompt's chunk (more
+    than 8 rows per expert: the kernel's tiled loop)."""
     from models.kernels import cpu_kernels
     from models.kernels import ops as kernel_ops
     from models.quantization.gguf import int8_activations
@@ -202,6 +203,7 @@ def test_one_call_experts_equal_the_per_expert_loop(qtypes, limit, tokens, monke
                                 num_experts_per_tok=3)
         )  # fmt: skip
         block = SparseMoeBlock(config, None, GGUFConfig())
+        block.experts.activation = activation
         torch.manual_seed(tokens)
         shapes = [(inter, hidden), (inter, hidden), (hidden, inter)]
         for proj, (qtype, (rows, cols)) in enumerate(zip(qtypes, shapes)):

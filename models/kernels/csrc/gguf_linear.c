@@ -1210,7 +1210,9 @@ int gguf_q8_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, in
 #endif
 }
 
-void silu_and_mul_float(const float *gate_up, float *out, int num_tokens, int inter, int num_threads); /* layer_ops.c */
+/* layer_ops.c's */
+void silu_and_mul_float(const float *gate_up, float *out, int num_tokens, int inter, int num_threads);
+void gelu_tanh_and_mul_float(const float *gate_up, float *out, int num_tokens, int inter, int num_threads);
 
 /* o += (d + bias) w, each product rounded before the sum (no fused multiply-add), as torch's index_add_ of the
  * weighted outputs sums them in fused_moe.py's loop */
@@ -1223,7 +1225,8 @@ __attribute__((optimize("fp-contract=off"))) static void moe_accumulate(float *o
  * that tokens chose (in expert order, as models/layers/fused_moe.py's loop), its tokens' rows of x gathered,
  * gate and up (activations quantized once where the two types share a group), the activation, down, then
  * out[t] += topw (down + b2) for each of its tokens. SiLU(gate) up, or with `limit` > 0 gpt-oss's clamped SwiGLU
- * (clamp(up, -l, l) + 1) g sigmoid(alpha g) with g = min(gate, l) (vLLM's "swigluoai").
+ * (clamp(up, -l, l) + 1) g sigmoid(alpha g) with g = min(gate, l) (vLLM's "swigluoai"), or with `geglu` GELU_tanh(gate)
+ * up (Gemma 4's experts).
  *
  * x, out float32 [T, hidden]; ids int64 [T, top_k] (expert of each choice), topw float32 [T, top_k]; w_gate,
  * w_up: every expert's [inter, hidden] stacked (E * inter rows of GGUF blocks of t_gate, t_up), w_down [hidden,
@@ -1231,8 +1234,8 @@ __attribute__((optimize("fp-contract=off"))) static void moe_accumulate(float *o
  * (nothing written) for a type or shape the int8 kernels do not take, or without AVX2. */
 int gguf_q8_moe(const float *x, int T, int hidden, const int64_t *ids, const float *topw, int top_k,
                 const uint8_t *w_gate, int t_gate, const uint8_t *w_up, int t_up, const uint8_t *w_down, int t_down,
-                int num_experts, int inter, const float *b13, const float *b2, float limit, float alpha, float *out,
-                int num_threads) {
+                int num_experts, int inter, const float *b13, const float *b2, float limit, float alpha, int geglu,
+                float *out, int num_threads) {
 #if defined(__x86_64__)
     if (!has_avx2() || !q8_type(t_gate) || !q8_type(t_up) || !q8_type(t_down) || T < 1 ||
         hidden % block_weights(t_gate) || hidden % block_weights(t_up) || inter % block_weights(t_down))
@@ -1270,7 +1273,9 @@ int gguf_q8_moe(const float *x, int T, int hidden, const int64_t *ids, const flo
         if (b13) /* gate_up + bias first, as the loop adds it before the activation */
             for (int i = 0; i < n; i++)
                 for (int j = 0; j < 2 * inter; j++) gu[(size_t)i * 2 * inter + j] += b13[(size_t)e * 2 * inter + j];
-        if (limit <= 0.f) /* layer_ops.c's SiLU, so that the result is the per-expert loop's bit for bit */
+        if (geglu) /* layer_ops.c's activations, so that the result is the per-expert loop's bit for bit */
+            gelu_tanh_and_mul_float(gu, h, n, inter, num_threads);
+        else if (limit <= 0.f)
             silu_and_mul_float(gu, h, n, inter, num_threads);
         for (int i = 0; i < n && limit > 0.f; i++) { /* gpt-oss's clamped SwiGLU */
             const float *g = gu + (size_t)i * 2 * inter, *u = g + inter;
@@ -1293,7 +1298,7 @@ int gguf_q8_moe(const float *x, int T, int hidden, const int64_t *ids, const flo
 #else
     (void)x, (void)T, (void)hidden, (void)ids, (void)topw, (void)top_k, (void)w_gate, (void)t_gate, (void)w_up;
     (void)t_up, (void)w_down, (void)t_down, (void)num_experts, (void)inter, (void)b13, (void)b2, (void)limit;
-    (void)alpha, (void)out, (void)num_threads;
+    (void)alpha, (void)geglu, (void)out, (void)num_threads;
     return -1;
 #endif
 }
