@@ -12,7 +12,7 @@ norms) with Gemma 4's differences:
   wide;
 - per-layer embeddings (PLE, the E2B/E4B models): a second table gives each token a small vector per layer,
   mixed with a projection of the token's embedding, that each layer gates into its residual stream at its end;
-- each layer's output is multiplied by a learned `layer_scalar`.
+- each layer's output is multiplied by a learned `layer_scalar`;
 - the 26B-A4B's layers add a mixture of experts beside the dense MLP, both fed from the residual stream: a router
   (softmax top-k of the RMS-normalised stream, renormalised, then scaled per expert) and GeGLU experts, each
   branch with norms of its own, summed before the post-feedforward norm.
