@@ -180,13 +180,15 @@ def qwen3_moe_tensors(layers: int, seed: int = 0):
 SHAPES = {"gpt-oss-20b": (gpt_oss_config, gpt_oss_tensors), "qwen3-30b-a3b": (qwen3_moe_config, qwen3_moe_tensors)}
 
 
-def write_checkpoint(hf: Path, config: dict, shards) -> None:
-    """A Hugging Face directory: SmolLM2's tokenizer, `config`, and each dict of `shards` as one safetensors file
-    under model.safetensors.index.json (written last: its presence means the directory is whole)."""
+def write_checkpoint(hf: Path, config: dict, shards, tokenizer: bool = True) -> None:
+    """A Hugging Face directory: SmolLM2's tokenizer (unless `tokenizer` is False: the caller writes its own),
+    `config`, and each dict of `shards` as one safetensors file under model.safetensors.index.json (written last: its
+    presence means the directory is whole)."""
     from safetensors.torch import save_file
 
     hf.mkdir(parents=True, exist_ok=True)
-    load_tokenizer(default_model_path()).save_pretrained(hf)
+    if tokenizer:
+        load_tokenizer(default_model_path()).save_pretrained(hf)
     (hf / "config.json").write_text(json.dumps(config, indent=2))
     weight_map = {}
     for n, shard in enumerate(shards):

@@ -157,14 +157,15 @@ def run_against_torch_native(meta, q, k, v, block_size, num_blocks, window=None,
 CASES = [
     (group, d, dtype)
     for dtype in (torch.bfloat16, torch.float32)
-    for group, d in ((1, 64), (3, 64), (8, 64), (3, 128), (8, 128), (3, 40), (4, 256))
+    for group, d in ((1, 64), (3, 64), (8, 64), (3, 128), (8, 128), (3, 40), (4, 256), (8, 512))
 ]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_cpu_kernel_matches_torch_native_on_random_batches(case):
     """Random steps: decodes, long chunks after cached prefixes, fresh prompts; GQA groups 1 / 3 / 4 / 8,
-    head_dim 64 / 128 (the AVX-512 and AVX2 sizes), 256 (AVX2 for float32: Gemma 3) and an odd 40 (portable),
+    head_dim 64 / 128 (the AVX-512 and AVX2 sizes), 256 (AVX2 for float32: Gemma 3), an odd 40 and 512 (portable;
+    Gemma 4's global layers, 8 query heads a KV head),
     block sizes 16 / 32, both dtypes."""
     group, d, dtype = CASES[case]
     rng = random.Random(case)

@@ -47,7 +47,7 @@
 #include <immintrin.h>
 #endif
 
-#define MAX_HEAD_DIM 256
+#define MAX_HEAD_DIM 512 /* Gemma 4's global layers */
 #define QT 8         /* query positions per task */
 #define MAX_ROWS 64  /* query rows per task: group size * QT positions, at most */
 #define CHUNK 16     /* keys per online-softmax step */
