@@ -112,8 +112,7 @@ class Gemma4Router(nn.Module):
 
 class Gemma4DecoderLayer(nn.Module):
     """Pre- and post-norms around attention and the GeGLU MLP (and beside it the experts, in the 26B-A4B), then
-    (with PLE) the layer's per-layer input gated
-    in, then the whole residual stream scaled by `layer_scalar`."""
+    (with PLE) the layer's per-layer input gated in, then the whole residual stream scaled by `layer_scalar`."""
 
     def __init__(self, config, shape: ModelShape, backend, tp, quant_config, index: int):
         super().__init__()
@@ -245,7 +244,7 @@ class Gemma4ForCausalLM(nn.Module):
         for i in range(self.pp.start_layer, self.pp.end_layer):
             layer, j = self.layers[i], i - self.pp.start_layer
             target = self.kv_sharing[i]
-            kv = self.layers[i](
+            kv = layer(
                 residual,
                 None if ple is None else ple[:, i],
                 rope[layer.kind],

@@ -561,7 +561,8 @@ def _unpermute(rows: int, heads: int) -> torch.Tensor:
 def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
     """(Hugging Face parameter name, tensor) for every tensor of the file, in file order.
 
-    Float tensors (F32/F16/BF16) come as float32 [out, in] (torch order). Quantized ones come as
+    Float tensors come as float32 [out, in] (torch order), except that with `quantized` a matrix keeps its
+    F16/BF16 (as a checkpoint's bfloat16 tensors do; GGUFLinearMethod serves it 16-bit). Quantized ones come as
     `GGUFTensor`s of their raw blocks when `quantized`, else dequantized to float32 (gguf-py's
     dequantize). Data is copied out of the memory map, so nothing keeps the file mapped. q/k rows are
     put back in the Hugging Face order where the converter permuted them (PERMUTED), and Gemma's norms back
@@ -607,8 +608,9 @@ def iter_gguf_weights(path: str, quantized: bool) -> Iterator[tuple[str, torch.T
                     }[qtype]
                 )
                 .reshape(info.shape)
-                .float()
             )
+            if not quantized or qtype == GGMLQuantizationType.F32 or len(info.shape) < 2:
+                w = w.float()
         elif quantized:
             w = GGUFTensor(qtype, torch.from_numpy(np.array(data).reshape(rows, -1)), info.shape[-1])
         else:

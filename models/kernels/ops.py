@@ -192,19 +192,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (F.rms_norm(x.float(), x.shape[-1:], eps=eps) * weight.float()).to(x.dtype)
 
 
+def _small_rows_lib(x: torch.Tensor, weight: torch.Tensor):
+    """The C kernels' library where x [M, K] (M <= SMALL_M, rows contiguous) and a contiguous weight suit the
+    weight-streaming linears of csrc/linear.c, else None."""
+    if x.dim() == 2 and x.shape[0] <= SMALL_M and x.stride(-1) == 1 and weight.is_contiguous():
+        return _lib(x)
+    return None
+
+
+def linear_half(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ weight [N, K]^T, weight float16 or bfloat16 (a GGUF file's F16 / BF16 matrix kept
+    16-bit) -> float32 [M, N]: the product with the weight's exact values, float32 sums.
+
+    Up to SMALL_M rows on the CPU the C kernel streams the 16-bit weight, widening it in registers (half the
+    bytes of a float32 copy; models/kernels/csrc/linear.c); otherwise, or where the kernel cannot run, torch on
+    a transient float32 copy (prompts are compute-bound, the copy is a small part of them).
+    """
+    if (lib := _small_rows_lib(x, weight)) is not None:
+        y = x.new_empty(x.shape[0], weight.shape[0])
+        if (
+            lib.linear_half(
+                x.data_ptr(),
+                0,
+                x.stride(0),
+                weight.data_ptr(),
+                int(weight.dtype == torch.bfloat16),
+                y.data_ptr(),
+                0,
+                x.shape[0],
+                weight.shape[0],
+                weight.shape[1],
+                torch.get_num_threads(),
+            )
+            == 0
+        ):
+            return y
+    return F.linear(x, weight.to(x.dtype))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], as F.linear.
 
     Raises nothing new: shapes torch would reject are handed to torch.
     """
-    if (
-        x.dtype == torch.bfloat16
-        and x.dim() == 2
-        and x.shape[0] <= SMALL_M
-        and x.stride(-1) == 1
-        and weight.is_contiguous()
-        and (lib := _lib(x)) is not None
-    ):
+    if x.dtype == torch.bfloat16 and (lib := _small_rows_lib(x, weight)) is not None:
         y = x.new_empty(x.shape[0], weight.shape[0])
         if (
             lib.linear_bf16(

@@ -49,6 +49,7 @@ R16_TYPES = (
 )
 # floating-point types, converted to the model dtype at load
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 # rows of x up to which the portable kernel beats dequantize-then-GEMM on weights kept as blocks
 PORTABLE_MAX_ROWS = 8
 # the AVX2 int8 kernel (8 rows of x at a time over L1-sized weight tiles) takes every row count, prompts included, as
@@ -248,7 +249,8 @@ class GGUFLinearMethod:
         self.shards[shard_id] = loaded
 
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
-        """Stacks the loaded projections into segments (float ones in `dtype`) and, for bfloat16
+        """Stacks the loaded projections into segments (float ones in `dtype`, but F16 and BF16 ones kept 16-bit
+        under float32: half the bytes, the same values) and, for bfloat16
         activations, repacks the quantized ones for the VNNI kernel (float32 activations keep the blocks:
         int8_activations() or the exact float path); probes AMX (amx_tiles). Raises ValueError when a projection
         is missing, for a bad MINIVLLM_GGUF_ACTIVATIONS or MINIVLLM_GGUF_KERNEL, or for MINIVLLM_GGUF_KERNEL=amx
@@ -261,12 +263,12 @@ class GGUFLinearMethod:
         start = 0
         for i in range(len(self.output_sizes)):
             w = self.shards.pop(i)
-            if not isinstance(w, GGUFTensor):
-                w = w.to(dtype)
+            if not isinstance(w, GGUFTensor) and not (dtype == torch.float32 and w.dtype in HALF_DTYPES):
+                w = w.to(dtype)  # F16 / BF16 under float32 activations stay 16-bit: ops.linear_half
             last = self.segments[-1][1] if self.segments else None
             if isinstance(w, GGUFTensor) and isinstance(last, GGUFTensor) and last.qtype == w.qtype:
                 last.data = torch.cat([last.data, w.data])
-            elif isinstance(w, torch.Tensor) and isinstance(last, torch.Tensor):
+            elif isinstance(w, torch.Tensor) and isinstance(last, torch.Tensor) and last.dtype == w.dtype:
                 self.segments[-1] = (self.segments[-1][0], torch.cat([last, w]))
             else:
                 self.segments.append((start, w))
@@ -300,7 +302,10 @@ def _matmul(x: torch.Tensor, w: "GGUFTensor | torch.Tensor", out: torch.Tensor |
     """x @ w^T into `out` (or a new tensor)."""
     if isinstance(w, GGUFTensor):
         return w.matmul(x, out)
-    y = ops.linear(x.to(w.dtype), w)  # a float weight (F16/BF16/F32 in the file) in the model dtype
+    if x.dtype == torch.float32 and w.dtype in HALF_DTYPES:  # an F16 / BF16 weight kept 16-bit
+        y = ops.linear_half(x, w)
+    else:
+        y = ops.linear(x.to(w.dtype), w)  # a float weight (F16/BF16/F32 in the file) in the model dtype
     return y.to(x.dtype) if out is None else out.copy_(y)
 
 

@@ -64,6 +64,22 @@ def requantize(src, dst, qtype: T) -> dict[str, np.ndarray]:
     return weights
 
 
+def _greedy_reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' 12 greedy tokens after `prompt` and each step's top-2 logit gap."""
+    with torch.inference_mode():
+        ref = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            min_new_tokens=12,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return ref.sequences[0, len(prompt) :].tolist(), [
+        float(t.topk(2).values[0, 0] - t.topk(2).values[0, 1]) for t in ref.logits
+    ]
+
+
 HF_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -86,18 +102,30 @@ def test_each_type_gives_the_dequantized_models_tokens(qtype, converted, llm, tm
             module = ref_model.model.layers[layer].get_submodule(HF_NAMES[kind])
             module.weight.copy_(torch.from_numpy(w))
     prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)
-    with torch.inference_mode():
-        ref = ref_model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=12,
-            min_new_tokens=12,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = ref.sequences[0, len(prompt) :].tolist()
-    gaps = [float(t.topk(2).values[0, 0] - t.topk(2).values[0, 1]) for t in ref.logits]
+    expected = _greedy_reference(ref_model, prompt)
     ours = make_llm(model=str(tmp_path / f"{qtype.name}.gguf"))  # float32 activations: the exact portable path
     assert qtype.name in ours.engine.engine_core.executor.runner.weight_bytes
     out = ours.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    assert_greedy_matches(out[0].outputs[0].token_ids, (tokens, gaps))
+    assert_greedy_matches(out[0].outputs[0].token_ids, expected)
+
+
+@pytest.mark.parametrize("outtype, dtype", [("f16", torch.float16), ("bf16", torch.bfloat16)])
+def test_16_bit_files_are_served_16_bit(outtype, dtype, converted, llm, tmp_path):
+    """A GGUF written by llama.cpp's converter in F16 (or BF16) keeps its matrices 16-bit under float32
+    activations, as llama.cpp does (half the resident bytes of a float32 copy; ops.linear_half), and gives the
+    tokens of transformers on the same 16-bit-rounded weights."""
+    hf_dir, _ = converted
+    gguf = llama_cpp.convert(hf_dir, tmp_path / f"{outtype}.gguf", outtype=outtype)
+    ref_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            if p.dim() == 2:  # the converter keeps vectors (norms) F32
+                p.copy_(p.to(dtype).float())
+    prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)
+    expected = _greedy_reference(ref_model, prompt)
+    ours = make_llm(model=str(gguf))
+    formats = ours.engine.engine_core.executor.runner.weight_bytes
+    assert set(formats) >= {str(dtype).removeprefix("torch.")}, formats
+    assert "float32" not in formats or formats["float32"] < sum(formats.values()) / 10, formats
+    out = ours.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert_greedy_matches(out[0].outputs[0].token_ids, expected)

@@ -100,6 +100,20 @@ def test_small_batch_bf16_linear(m, n, k):
         torch.testing.assert_close(ops.linear(x, w, bias).float(), expect, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("wdtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9])
+@pytest.mark.parametrize("n,k", [(1536, 8960), (577, 1539), (3, 5)])
+def test_half_weight_linear_is_the_float32_product(wdtype, m, n, k):
+    """A GGUF F16 / BF16 matrix kept 16-bit against float32 activations: the float32 product with the weight's
+    exact values (the kernel up to SMALL_M rows, in tiles of 4 x 2 with K not a multiple of 8; torch beyond)."""
+    torch.manual_seed(m)
+    x = torch.randn(m, k + 8)[:, :k]  # rows with a stride, as views give
+    w = (torch.randn(n, k) / k**0.5).to(wdtype)
+    out = ops.linear_half(x, w)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    torch.testing.assert_close(out, F.linear(x, w.float()), atol=1e-5, rtol=1e-5)
+
+
 def test_bf16_logits_refine_the_top_candidates():
     """A bfloat16 LM head's top logits are float32-exact (the greedy choice is the float32 one); the
     others keep the GEMM's bfloat16 rounding."""
