@@ -42,7 +42,7 @@ class EngineConfig:
     dtype: str = setting(
         "auto",
         "activations, and weights unless they stay quantized: auto = bfloat16 on CUDA "
-        "and on CPUs with AVX512-BF16 or AMX, float32 on other CPUs",
+        "and on CPUs with AVX512-BF16 or AMX, float32 on other CPUs and for a GGUF's blocks on a CPU without AMX",
         choices=DTYPES,
     )
     quantization: str | None = setting(

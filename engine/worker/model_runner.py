@@ -65,7 +65,8 @@ class ModelRunner:
     ):
         self.config, self.device = config, device
         if config.dtype == "auto":
-            self.dtype, why = auto_dtype(self.device)
+            blocks = is_gguf(model_dir) and config.quantization != "none" and (group is None or group.tp is None)
+            self.dtype, why = auto_dtype(self.device, gguf_blocks=blocks)
             logger.info("dtype %s (auto: %s; --dtype overrides)", str(self.dtype).removeprefix("torch."), why)
         else:
             self.dtype = DTYPES[config.dtype]
@@ -500,16 +501,27 @@ class ModelRunner:
         return done
 
 
-def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return set()
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+def auto_dtype(device: torch.device, gguf_blocks: bool = False) -> tuple[torch.dtype, str]:
     """The model dtype for dtype "auto", and why: bfloat16 on CUDA, and on a CPU with native bfloat16
     arithmetic (AVX512-BF16 or AMX, vLLM-CPU's rule); float32 on other CPUs, where bfloat16 would be
-    emulated and slower."""
+    emulated and slower. `gguf_blocks`: a GGUF model computed on its quantized blocks, which takes float32 on a
+    CPU without AMX, as llama.cpp computes: the quantized kernels take float32 activations as fast as bfloat16
+    ones, and only float32 runs a decode step's layer as one C call (batch-1 decode of the default model 1.9x
+    faster than in bfloat16 on an AMD EPYC with AVX512-BF16; 64 concurrent requests and prompts 12% slower:
+    docs/benchmarks.md); with AMX, bfloat16 for the tiles."""
     if device.type == "cuda":
         return torch.bfloat16, "CUDA"
-    flags = set()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    flags = cpu_flags()
+    if gguf_blocks and "amx_bf16" not in flags:
+        return torch.float32, "GGUF blocks on a CPU without AMX: llama.cpp's float32 activations"
     native = sorted(flags & {"avx512_bf16", "amx_bf16"})
     if native:
         return torch.bfloat16, f"the CPU has {' and '.join(native)}"

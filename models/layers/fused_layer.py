@@ -23,6 +23,8 @@ from models.layers.mlp import SwiGLUMLP
 from models.quantization.gguf import GGUFLinearMethod, GGUFTensor
 
 MAX_SEGMENTS = 3
+# LayerLinear.kernel: the kernel of a segment (decoder_layer.c's gguf_linear, gguf_q8_linear, gguf_r16_linear)
+KERNEL_EXACT, KERNEL_INT8, KERNEL_R16 = 0, 1, 2
 # the most rows a call takes: a decode step's (a prompt's chunk gains nothing from one call per layer)
 DECODE_MAX_ROWS = 64
 
@@ -35,7 +37,7 @@ class LayerLinear(ctypes.Structure):
         ("data", ctypes.c_void_p * MAX_SEGMENTS),
         ("type", ctypes.c_int * MAX_SEGMENTS),
         ("rows", ctypes.c_int * MAX_SEGMENTS),
-        ("int8", ctypes.c_int * MAX_SEGMENTS),
+        ("kernel", ctypes.c_int * MAX_SEGMENTS),
         ("bias", ctypes.c_void_p),
     ]
 
@@ -66,12 +68,12 @@ class LayerDesc(ctypes.Structure):
 
 def _segments(module) -> list[GGUFTensor] | None:
     """The stacked GGUF weights of a ColumnParallelLinear / RowParallelLinear that are all blocks the CPU kernels
-    take, unrepacked (float32 bias allowed), else None."""
+    take, as the file has them or repacked to R16 (float32 bias allowed), else None."""
     method = module.quant_method
     if not isinstance(method, GGUFLinearMethod) or getattr(module, "tp", None) is not None:
         return None
     segments = [w for _, w in method.segments]
-    if not 1 <= len(segments) <= MAX_SEGMENTS or any(not isinstance(w, GGUFTensor) or w.r16 for w in segments):
+    if not 1 <= len(segments) <= MAX_SEGMENTS or any(not isinstance(w, GGUFTensor) for w in segments):
         return None
     bias = getattr(module, "bias", None)
     if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
@@ -84,7 +86,8 @@ def _linear(module, segments: list[GGUFTensor]) -> LayerLinear:
     bias = getattr(module, "bias", None)
     desc = LayerLinear(n=len(segments), bias=None if bias is None else bias.data_ptr())
     for i, w in enumerate(segments):
-        desc.data[i], desc.type[i], desc.rows[i], desc.int8[i] = w.data.data_ptr(), int(w.qtype), w.rows, w.int8
+        kernel = KERNEL_R16 if w.r16 else KERNEL_INT8 if w.int8 else KERNEL_EXACT
+        desc.data[i], desc.type[i], desc.rows[i], desc.kernel[i] = w.data.data_ptr(), int(w.qtype), w.rows, kernel
     return desc
 
 

@@ -74,12 +74,13 @@ Q8_TYPES = (
 
 
 # MINIVLLM_GGUF_KERNEL: which kernel family quantized linears take. auto: AMX tiles from AMX_MIN_ROWS rows where the
-# probe passes, else the AVX512-VNNI kernel on repacked weights (bfloat16) or the AVX2 int8 / portable kernels on
-# blocks; vnni: never AMX; amx: AMX tiles for every row count of repacked weights (refused at load where AMX cannot
-# run); portable: the exact float32 kernel on blocks, no repacking, no int8 activations (the reference). The AMX
-# kernel (models/kernels/csrc/gguf_amx.c) dequantizes the weights to bfloat16 tiles: W4A16, as vLLM-CPU's AMX
-# kernel for int4 checkpoints computes
-GGUF_KERNELS = ("auto", "portable", "vnni", "amx")
+# probe passes, else the AVX512-VNNI kernel on repacked weights (bfloat16 activations, and float32 ones unless
+# MINIVLLM_GGUF_ACTIVATIONS=float) or the AVX2 int8 / portable kernels on blocks; vnni: never AMX; amx: AMX tiles for
+# every row count of repacked weights (refused at load where AMX cannot run); avx2: the AVX2 int8 kernel on the
+# file's blocks, no repacking (what a CPU without AVX512-VNNI runs); portable: the exact float32 kernel on blocks, no
+# repacking, no int8 activations (the reference). The AMX kernel (models/kernels/csrc/gguf_amx.c) dequantizes the
+# weights to bfloat16 tiles: W4A16, as vLLM-CPU's AMX kernel for int4 checkpoints computes
+GGUF_KERNELS = ("auto", "portable", "vnni", "amx", "avx2")
 # rows of x from which repacked weights take the AMX tiles by default: at 8 the tiles and the VNNI kernel were even,
 # at 16 the tiles 1.75-2.6x faster, on every shape of the default model and the 1B shape (an Emerald Rapids Xeon, 2
 # threads: docs/benchmarks.md); fewer rows are memory-bound and keep the VNNI kernel
@@ -112,7 +113,7 @@ def amx_tiles() -> bool:
     weights to bfloat16). Where the probe fails on a CPU that has AMX, logs one line naming why and keeps the
     VNNI kernel. Raises ValueError when MINIVLLM_GGUF_KERNEL=amx and AMX cannot run, naming why."""
     mode, lib = gguf_kernel(), cpu_kernels.load()
-    if lib is None or mode in ("portable", "vnni") or (mode == "auto" and activations_mode() == "float"):
+    if lib is None or mode in ("portable", "vnni", "avx2") or (mode == "auto" and activations_mode() == "float"):
         if lib is not None:
             lib.gguf_amx_enable(0)
         return False
@@ -190,9 +191,9 @@ class GGUFTensor:
         return GGUFTensor(self.qtype, self.data[rows].contiguous(), self.cols)
 
     def repack(self) -> None:
-        """Repacks to R16 where the CPU and the type allow it, unless MINIVLLM_GGUF_KERNEL=portable (else keeps
-        the blocks)."""
-        if self.r16 or gguf_kernel() == "portable":
+        """Repacks to R16 where the CPU and the type allow it, unless MINIVLLM_GGUF_KERNEL=portable or avx2 (else
+        keeps the blocks)."""
+        if self.r16 or gguf_kernel() in ("portable", "avx2"):
             return
         packed = ops.gguf_repack_r16(self.data, self.qtype, self.cols)
         if packed is not None:
@@ -206,8 +207,8 @@ class GGUFTensor:
     @property
     def kernel_rows(self) -> int:
         """Rows of x up to which blocks take the C kernel rather than dequantizing for torch's GEMM (every row
-        count for the int8 kernel)."""
-        return sys.maxsize if self.int8 else PORTABLE_MAX_ROWS
+        count for the int8 and R16 kernels)."""
+        return sys.maxsize if self.int8 or self.r16 else PORTABLE_MAX_ROWS
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, cols] @ W^T -> [M, rows] in x's dtype (into `out` if given). Q8_TYPES blocks take the AVX2 int8
@@ -250,9 +251,11 @@ class GGUFLinearMethod:
 
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
         """Stacks the loaded projections into segments (float ones in `dtype`, but F16 and BF16 ones kept 16-bit
-        under float32: half the bytes, the same values) and, for bfloat16
-        activations, repacks the quantized ones for the VNNI kernel (float32 activations keep the blocks:
-        int8_activations() or the exact float path); probes AMX (amx_tiles). Raises ValueError when a projection
+        under float32: half the bytes, the same values) and repacks the quantized ones for the AVX512-VNNI kernel
+        where the CPU has it (int16 activations per 32; under float32 too, where it measured as fast as the AVX2
+        int8 kernel at one row and 1.3-1.8x faster at 64-512: docs/benchmarks.md), except with
+        MINIVLLM_GGUF_ACTIVATIONS=float, which keeps the blocks for the exact float32 kernel; probes AMX
+        (amx_tiles). Raises ValueError when a projection
         is missing, for a bad MINIVLLM_GGUF_ACTIVATIONS or MINIVLLM_GGUF_KERNEL, or for MINIVLLM_GGUF_KERNEL=amx
         where AMX cannot run (read here, at load, rather than at a request's first step)."""
         int8_activations()
@@ -276,7 +279,7 @@ class GGUFLinearMethod:
         for _, w in self.segments:
             if isinstance(w, GGUFTensor):
                 w.rows = w.data.shape[0]
-                if dtype == torch.bfloat16:
+                if dtype == torch.bfloat16 or activations_mode() == "int8":
                     w.repack()
 
     @property

@@ -5,9 +5,11 @@ import torch
 
 from engine import SamplingParams
 from models.kernels import cpu_kernels
-from models.layers.fused_layer import FusedDecoderLayer
-from models.quantization.gguf import int8_activations
+from models.layers.fused_layer import KERNEL_EXACT, KERNEL_INT8, KERNEL_R16, FusedDecoderLayer
+from models.quantization.gguf import amx_tiles, gguf_kernel, int8_activations
 from tests.engines import make_llm
+
+CACHED = (gguf_kernel, amx_tiles, int8_activations)
 
 
 def _generate(llm, prompts, fused: bool, params):
@@ -25,19 +27,26 @@ def _generate(llm, prompts, fused: bool, params):
             layer.fused = f
 
 
-@pytest.mark.parametrize("activations, kv_cache_dtype", [("float", "auto"), ("int8", "auto"), ("float", "fp8")])
-def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kv_cache_dtype, monkeypatch):
+@pytest.mark.parametrize(
+    "activations, kernel, kv_cache_dtype",
+    [("float", "auto", "auto"), ("int8", "auto", "auto"), ("int8", "avx2", "auto"), ("float", "auto", "fp8")],
+)
+def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel, kv_cache_dtype, monkeypatch):
     """Greedy tokens and their logprobs, bit for bit, over decode steps of 1 and 8 rows and prompts of 6 to 400
     tokens (fused prefill steps up to the layer's max_rows), while the fused path really ran: it calls the same
-    kernels in the same order. With the exact float kernels (the suite's setting), with int8 activations (the
-    default: the int8 kernel takes up to 64 rows), and over an fp8 KV cache."""
+    kernels in the same order. With the exact float kernels (the suite's setting), with the default (weights
+    repacked for the AVX512-VNNI kernel where the CPU has it, else the AVX2 int8 kernel: up to 64 rows), with the
+    AVX2 int8 kernel on the file's blocks forced, and over an fp8 KV cache."""
     if activations == "int8":
         if not cpu_kernels.load().gguf_q8_isa():
             pytest.skip("the CPU has no AVX2")
         monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
-        int8_activations.cache_clear()
+        monkeypatch.setenv("MINIVLLM_GGUF_KERNEL", kernel)
+        for cached in CACHED:
+            cached.cache_clear()
     if activations == "int8" or kv_cache_dtype != "auto":
         llm = make_llm(kv_cache_dtype=kv_cache_dtype)
+    r16 = activations == "int8" and kernel == "auto" and bool(cpu_kernels.load().gguf_r16_isa())
     calls = []
     real = FusedDecoderLayer.__call__
 
@@ -60,8 +69,12 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kv_cac
         layers = llm.engine.engine_core.executor.runner.model.layers
         assert all(isinstance(layer.fused, FusedDecoderLayer) for layer in layers)
         assert {layer.fused.max_rows for layer in layers} == {64 if activations == "int8" else 8}
+        kinds = {layer.fused.desc.qkv.kernel[0] for layer in layers}
+        assert kinds == {KERNEL_R16 if r16 else KERNEL_INT8 if activations == "int8" else KERNEL_EXACT}, kinds
     finally:
-        int8_activations.cache_clear()  # the suite's setting again once the variable is restored
+        monkeypatch.undo()
+        for cached in CACHED:  # the suite's settings again once the variables are restored
+            cached.cache_clear()
 
 
 def test_a_bfloat16_model_runs_op_by_op(prompts):
@@ -83,3 +96,22 @@ def test_long_steps_are_declined(llm):
         residual = torch.zeros(rows, layer.input_layernorm.weight.shape[0])
         rope = (torch.zeros(rows, 32), torch.zeros(rows, 32))
         assert layer.fused(residual, None, rope, (torch.zeros(1),) * 2, None) is None
+
+
+def test_auto_dtype_is_float32_for_gguf_blocks_without_amx(monkeypatch):
+    """dtype auto: a GGUF model on its blocks takes float32 (and so the one-call layer) on a CPU without AMX, as
+    llama.cpp computes; bfloat16 where AMX tiles run, and for other models on AVX512-BF16 (vLLM-CPU's rule)."""
+    from engine.worker import model_runner
+
+    cpu = torch.device("cpu")
+    for flags, blocks, want in [
+        ({"avx2", "avx512_bf16"}, True, torch.float32),
+        ({"avx2", "avx512_bf16", "amx_bf16"}, True, torch.bfloat16),
+        ({"avx2", "avx512_bf16"}, False, torch.bfloat16),
+        ({"avx2"}, False, torch.float32),
+    ]:
+        monkeypatch.setattr(model_runner, "cpu_flags", lambda flags=flags: flags)
+        assert model_runner.auto_dtype(cpu, gguf_blocks=blocks)[0] == want, (flags, blocks)
+    monkeypatch.setattr(model_runner, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    runner = make_llm(dtype="auto").engine.engine_core.executor.runner
+    assert runner.dtype == torch.float32

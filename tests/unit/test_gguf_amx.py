@@ -93,7 +93,7 @@ def test_forcing_setting_and_fallback(monkeypatch, caplog):
             "quantized linears run on AVX512-VNNI"
         ]
         monkeypatch.setattr(lib, "gguf_amx_probe", real_probe)
-        for mode in ("vnni", "portable"):
+        for mode in ("vnni", "portable", "avx2"):
             fresh({"MINIVLLM_GGUF_KERNEL": mode})
             assert gguf_quant.amx_tiles() is False
         fresh({"MINIVLLM_GGUF_KERNEL": "portable", "MINIVLLM_GGUF_ACTIVATIONS": "int8"})

@@ -769,9 +769,14 @@ AVX2 static inline __m256i fifth_bits32(const uint8_t *p) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
-/* the 8 int32 sums over 4 bytes each of a * b: a unsigned, b signed */
+/* the 8 int32 sums over 4 bytes each of a * b: a unsigned, b signed. With AVX512-VNNI (the build is -march=native)
+ * one vpdpbusd, llama.cpp's choice too; the same sums, as no int16 pair sum saturates for the callers' codes. */
 AVX2 static inline __m256i dot_u8_i8(__m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
 }
 
 /* the same with both signed: |a| against b with a's sign */
