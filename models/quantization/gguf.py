@@ -52,6 +52,12 @@ FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # rows of x up to which the portable kernel beats dequantize-then-GEMM on weights kept as blocks
 PORTABLE_MAX_ROWS = 8
+# under float32 activations a weight of up to this many bytes is repacked for the AVX512-VNNI kernel (int16
+# activations), a larger one keeps its blocks for the AVX2 int8 kernel: at one row a large weight streams from DRAM,
+# and the int8 kernel on blocks read the Llama-3.2-1B shape's MLP weights (14-19 MB) 1.1-1.2x faster (batch-1
+# decode 25 against 31 ms), where the R16 kernel was 1.3-1.5x faster on the small ones from one row and 1.4-1.8x on
+# all from 8 rows (AMD EPYC with AVX512-VNNI, 2 threads: docs/benchmarks.md, scripts/bench_gguf_kernels.py)
+R16_FLOAT32_MAX_BYTES = 8 << 20
 # the AVX2 int8 kernel (8 rows of x at a time over L1-sized weight tiles) takes every row count, prompts included, as
 # llama.cpp runs them on int8 activations: at 512 rows it ran Qwen3.5-2B's Q4_K and Q6_K shapes 1.2-1.7x faster than
 # dequantizing the weight for torch's float32 GEMM, and was even with that on the default model's Q4_1 shapes (AVX2
@@ -252,8 +258,8 @@ class GGUFLinearMethod:
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
         """Stacks the loaded projections into segments (float ones in `dtype`, but F16 and BF16 ones kept 16-bit
         under float32: half the bytes, the same values) and repacks the quantized ones for the AVX512-VNNI kernel
-        where the CPU has it (int16 activations per 32; under float32 too, where it measured as fast as the AVX2
-        int8 kernel at one row and 1.3-1.8x faster at 64-512: docs/benchmarks.md), except with
+        where the CPU has it (int16 activations per 32; under float32 those of up to R16_FLOAT32_MAX_BYTES, the
+        larger ones keeping their blocks for the AVX2 int8 kernel, faster at one row), except with
         MINIVLLM_GGUF_ACTIVATIONS=float, which keeps the blocks for the exact float32 kernel; probes AMX
         (amx_tiles). Raises ValueError when a projection
         is missing, for a bad MINIVLLM_GGUF_ACTIVATIONS or MINIVLLM_GGUF_KERNEL, or for MINIVLLM_GGUF_KERNEL=amx
@@ -279,7 +285,8 @@ class GGUFLinearMethod:
         for _, w in self.segments:
             if isinstance(w, GGUFTensor):
                 w.rows = w.data.shape[0]
-                if dtype == torch.bfloat16 or activations_mode() == "int8":
+                small = w.data.nbytes <= R16_FLOAT32_MAX_BYTES
+                if dtype == torch.bfloat16 or (activations_mode() == "int8" and small):
                     w.repack()
 
     @property

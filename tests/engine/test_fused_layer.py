@@ -71,6 +71,8 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel
         assert {layer.fused.max_rows for layer in layers} == {64 if activations == "int8" else 8}
         kinds = {layer.fused.desc.qkv.kernel[0] for layer in layers}
         assert kinds == {KERNEL_R16 if r16 else KERNEL_INT8 if activations == "int8" else KERNEL_EXACT}, kinds
+        if r16:  # the 30 MB LM head is over R16_FLOAT32_MAX_BYTES: it keeps its blocks for the int8 kernel
+            assert set(llm.engine.engine_core.executor.runner.weight_bytes) >= {"Q4_1 (R16)", "Q8_0"}
     finally:
         monkeypatch.undo()
         for cached in CACHED:  # the suite's settings again once the variables are restored
