@@ -514,8 +514,8 @@ def auto_dtype(device: torch.device, gguf_blocks: bool = False) -> tuple[torch.d
     arithmetic (AVX512-BF16 or AMX, vLLM-CPU's rule); float32 on other CPUs, where bfloat16 would be
     emulated and slower. `gguf_blocks`: a GGUF model computed on its quantized blocks, which takes float32 on a
     CPU without AMX, as llama.cpp computes: the quantized kernels take float32 activations as fast as bfloat16
-    ones, and only float32 runs a decode step's layer as one C call (batch-1 decode of the default model 1.9x
-    faster than in bfloat16 on an AMD EPYC with AVX512-BF16; 64 concurrent requests and prompts 12% slower:
+    ones, and only float32 runs a decode step's layer as one C call (batch-1 decode of the default model 1.4x
+    faster than in bfloat16 on an AMD EPYC with AVX512-BF16; 64 concurrent requests 18% and prompts 11% slower:
     docs/benchmarks.md); with AMX, bfloat16 for the tiles."""
     if device.type == "cuda":
         return torch.bfloat16, "CUDA"
