@@ -1,11 +1,11 @@
 """lm-evaluation-harness as a client: `lm_eval --model local-completions` against the server scores the
 local tasks in tests/data/lm_eval (a multiple_choice task, which needs prompt logprobs through echo, and
 a generate_until task) the same as `lm_eval --model hf` on the same model in float32: a server with float32
-activations on the GGUF's quantized weights, in the default arithmetic (prompt and decode rows quantized to int8
-per 32, as llama.cpp computes, on CPUs with AVX2), within one item of the 20 multiple-choice ones (0.05: the echoed
-prompts' logprobs come from int8 products, which can flip one near-tied choice, as they moved the default model's
-perplexity by +0.26%: docs/benchmarks.md); a server with bfloat16 activations (the default on CPUs with
-AVX512-BF16) within 0.03."""
+activations on the GGUF's quantized weights, in the default arithmetic (prompt and decode rows quantized to int16
+per 32 on CPUs with AVX512-VNNI, to int8 per 32 as llama.cpp computes on the others with AVX2), within one item of
+the 20 multiple-choice ones (0.05: the echoed prompts' logprobs come from int8 products, which can flip one
+near-tied choice, as they moved the default model's perplexity by +0.26%: docs/benchmarks.md); a server with
+bfloat16 activations (what `--dtype auto` picks for a GGUF on a CPU with AMX) within 0.03."""
 
 import glob
 import json
