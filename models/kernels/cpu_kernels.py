@@ -58,7 +58,7 @@ SIGNATURES = {
     },
     "attention_isa": [],
     "linear_bf16": [_p, _i, _p, _p, _p, _i, _i, _i, _i],
-    "linear_half": [_p, _i, _i, _p, _i, _p, _i, _i, _i, _i, _i],
+    "linear_half": [_p, _i, _p, _i, _p, _i, _i, _i, _i],
     "gguf_linear": [_p, _i, _i, _p, _i, _p, _i, _i, _i, _i, _i, _i],
     "gguf_dequantize": [_i, _p, _i, _i, _p, _i, _i],
     "gguf_r16_isa": [],

@@ -208,17 +208,15 @@ def linear_half(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     bytes of a float32 copy; models/kernels/csrc/linear.c); otherwise, or where the kernel cannot run, torch on
     a transient float32 copy (prompts are compute-bound, the copy is a small part of them).
     """
-    if (lib := _small_rows_lib(x, weight)) is not None:
+    if x.dtype == torch.float32 and (lib := _small_rows_lib(x, weight)) is not None:
         y = x.new_empty(x.shape[0], weight.shape[0])
         if (
             lib.linear_half(
                 x.data_ptr(),
-                0,
                 x.stride(0),
                 weight.data_ptr(),
                 int(weight.dtype == torch.bfloat16),
                 y.data_ptr(),
-                0,
                 x.shape[0],
                 weight.shape[0],
                 weight.shape[1],

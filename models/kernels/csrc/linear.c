@@ -105,9 +105,9 @@ int linear_bf16(const bf16 *x, int x_stride, const bf16 *w, const bf16 *bias, bf
 /* ---- 16-bit weights against float32 activations: AVX2 + F16C ----
  *
  * y = x W^T for W float16 or bfloat16 [N, K] (a GGUF file's F16 / BF16 tensors, kept 16-bit as llama.cpp keeps
- * them rather than widened to float32 copies twice the size) and x [M, K] float32 or bfloat16: each weight is
- * widened to float32 in registers (exact) and multiplied with the float32 activation, float32 sums; so y is the
- * float32 product with W's values, as torch's on a float32 copy of W (up to summation order). Few rows: the same
+ * them rather than widened to float32 copies twice the size) and x [M, K] float32, y [M, N] float32: each weight is
+ * widened to float32 in registers (exact) and multiplied with the activation, float32 sums; so y is the float32
+ * product with W's values, as torch's on a float32 copy of W (up to summation order). Few rows: the same
  * weight-streaming scheme as above, 4 rows of W at a time against 2 rows of x (8 accumulators in the 16 ymm
  * registers). Returns -1 where AVX2, FMA or F16C is missing (the caller widens W for torch). */
 #if defined(__x86_64__)
@@ -118,16 +118,8 @@ AVX2F16 static inline __m256 load8_w(const uint16_t *p, int w_bf16) {
     return w_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
 }
 
-AVX2F16 static inline __m256 load8_x(const void *x, int x_bf16, size_t i) {
-    return x_bf16 ? load8_w((const uint16_t *)x + i, 1) : _mm256_loadu_ps((const float *)x + i);
-}
-
 AVX2F16 static inline float w_at(const uint16_t *w, int w_bf16, size_t i) {
     return w_bf16 ? bf16_to_f32(w[i]) : _cvtsh_ss(w[i]);
-}
-
-static inline float x_at(const void *x, int x_bf16, size_t i) {
-    return x_bf16 ? bf16_to_f32(((const bf16 *)x)[i]) : ((const float *)x)[i];
 }
 
 AVX2F16 static inline float hsum256(__m256 v) {
@@ -140,21 +132,21 @@ AVX2F16 static inline float hsum256(__m256 v) {
  * accumulators stay in registers; K in steps of 32 (one cache line of each W row, prefetched PREFETCH_ROWS rows
  * ahead), then of 8, then single columns */
 #define HALF_TILE(MM)                                                                                              \
-    AVX2F16 static void half_tile_##MM(const void *x, int x_bf16, int x_stride, const uint16_t *w, int w_bf16,     \
-                                       void *y, int y_bf16, int N, int K, int n0, int nn, int m0) {                \
+    AVX2F16 static void half_tile_##MM(const float *x, int x_stride, const uint16_t *w, int w_bf16, float *y,      \
+                                       int N, int K, int n0, int nn, int m0) {                                     \
         __m256 acc[4][MM];                                                                                         \
         for (int i = 0; i < 4; i++)                                                                                \
             for (int j = 0; j < MM; j++) acc[i][j] = _mm256_setzero_ps();                                          \
         const uint16_t *wr[4];                                                                                     \
         for (int i = 0; i < 4; i++) wr[i] = w + (size_t)(n0 + (i < nn ? i : 0)) * K;                               \
-        size_t xr[MM];                                                                                             \
-        for (int j = 0; j < MM; j++) xr[j] = (size_t)(m0 + j) * x_stride;                                          \
+        const float *xr[MM];                                                                                       \
+        for (int j = 0; j < MM; j++) xr[j] = x + (size_t)(m0 + j) * x_stride;                                      \
         int k = 0;                                                                                                 \
         for (; k + 32 <= K; k += 32) {                                                                             \
             for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(wr[i] + k + PREFETCH_ROWS * (size_t)K), _MM_HINT_T0); \
             for (int kk = k; kk < k + 32; kk += 8) {                                                               \
                 __m256 a[MM];                                                                                      \
-                for (int j = 0; j < MM; j++) a[j] = load8_x(x, x_bf16, xr[j] + kk);                                \
+                for (int j = 0; j < MM; j++) a[j] = _mm256_loadu_ps(xr[j] + kk);                                   \
                 for (int i = 0; i < 4; i++) {                                                                      \
                     const __m256 wv = load8_w(wr[i] + kk, w_bf16);                                                 \
                     for (int j = 0; j < MM; j++) acc[i][j] = _mm256_fmadd_ps(wv, a[j], acc[i][j]);                 \
@@ -164,17 +156,13 @@ AVX2F16 static inline float hsum256(__m256 v) {
         for (; k + 8 <= K; k += 8)                                                                                 \
             for (int i = 0; i < 4; i++) {                                                                          \
                 const __m256 wv = load8_w(wr[i] + k, w_bf16);                                                      \
-                for (int j = 0; j < MM; j++) acc[i][j] = _mm256_fmadd_ps(wv, load8_x(x, x_bf16, xr[j] + k), acc[i][j]); \
+                for (int j = 0; j < MM; j++) acc[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[j] + k), acc[i][j]); \
             }                                                                                                      \
         for (int j = 0; j < MM; j++)                                                                               \
             for (int i = 0; i < nn; i++) {                                                                         \
                 float v = hsum256(acc[i][j]);                                                                      \
-                for (int c = k; c < K; c++) v += w_at(wr[i], w_bf16, c) * x_at(x, x_bf16, xr[j] + c);              \
-                const size_t o = (size_t)(m0 + j) * N + n0 + i;                                                    \
-                if (y_bf16)                                                                                        \
-                    ((bf16 *)y)[o] = f32_to_bf16(v);                                                               \
-                else                                                                                               \
-                    ((float *)y)[o] = v;                                                                           \
+                for (int c = k; c < K; c++) v += w_at(wr[i], w_bf16, c) * xr[j][c];                                \
+                y[(size_t)(m0 + j) * N + n0 + i] = v;                                                              \
             }                                                                                                      \
     }
 HALF_TILE(1)
@@ -186,8 +174,8 @@ static int has_f16c(void) {
 }
 #endif
 
-int linear_half(const void *x, int x_bf16, int x_stride, const uint16_t *w, int w_bf16, void *y, int y_bf16, int M,
-                int N, int K, int num_threads) {
+int linear_half(const float *x, int x_stride, const uint16_t *w, int w_bf16, float *y, int M, int N, int K,
+                int num_threads) {
 #if defined(__x86_64__)
     if (has_f16c()) {
         const int groups = (N + 3) / 4;
@@ -198,16 +186,15 @@ int linear_half(const void *x, int x_bf16, int x_stride, const uint16_t *w, int 
                 const int n0 = 4 * g, nn = N - n0 < 4 ? N - n0 : 4;
                 for (int m0 = 0; m0 < M; m0 += 2) {
                     if (M - m0 == 1)
-                        half_tile_1(x, x_bf16, x_stride, w, w_bf16, y, y_bf16, N, K, n0, nn, m0);
+                        half_tile_1(x, x_stride, w, w_bf16, y, N, K, n0, nn, m0);
                     else
-                        half_tile_2(x, x_bf16, x_stride, w, w_bf16, y, y_bf16, N, K, n0, nn, m0);
+                        half_tile_2(x, x_stride, w, w_bf16, y, N, K, n0, nn, m0);
                 }
             }
         }
         return 0;
     }
 #endif
-    (void)x, (void)x_bf16, (void)x_stride, (void)w, (void)w_bf16, (void)y, (void)y_bf16, (void)M, (void)N, (void)K;
-    (void)num_threads;
+    (void)x, (void)x_stride, (void)w, (void)w_bf16, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
     return -1;
 }
