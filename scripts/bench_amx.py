@@ -13,7 +13,8 @@ speed-up. One JSON line per shape and M.
 With --engine MODEL.gguf, the whole engine instead (one kernel family per process: run it once per
 MINIVLLM_GGUF_KERNEL, and with --quantization none for torch's bfloat16 linears): W64 output tok/s (the 64 requests
 of scripts/data/workload.jsonl, greedy, EOS ignored), pp512 prompt tok/s and batch-1 ms per output token, best of
---repeats, prefix cache reset before each timed run. One JSON line.
+--repeats, prefix cache reset before each timed run. One JSON line. --dtype float32 runs float32 activations;
+--requests N --max-tokens T the first N requests with T output tokens each (the 1B shape's 32 x 128).
 
     MINIVLLM_GGUF_KERNEL=vnni OMP_NUM_THREADS=2 taskset -c 0,1 python scripts/bench_amx.py --engine model.gguf
 """
@@ -56,16 +57,25 @@ def best_ms(fn, repeats: int) -> float:
     return 1e3 * min(times)
 
 
-def engine_bench(model: str, tokenizer: str | None, quantization: str | None, repeats: int) -> dict:
-    """W64 output tok/s, pp512 prompt tok/s and batch-1 ms per token of the engine (bfloat16) on `model`."""
+def engine_bench(
+    model: str,
+    tokenizer: str | None,
+    quantization: str | None,
+    repeats: int,
+    dtype: str = "bfloat16",
+    requests: int = 64,
+    max_tokens: int | None = None,
+) -> dict:
+    """W64 output tok/s (the first `requests` of the workload, `max_tokens` each if given), pp512 prompt tok/s and
+    batch-1 ms per token of the engine in `dtype` on `model`."""
     from bench_common import DEFAULT_WORKLOAD, load_jsonl
 
     from engine import LLM, SamplingParams
     from engine.worker.host_memory import wait_for_prefault
 
-    llm = LLM(model=model, tokenizer=tokenizer, dtype="bfloat16", quantization=quantization, max_num_seqs=64)
+    llm = LLM(model=model, tokenizer=tokenizer, dtype=dtype, quantization=quantization, max_num_seqs=64)
     wait_for_prefault()
-    reqs = load_jsonl(DEFAULT_WORKLOAD)
+    reqs = load_jsonl(DEFAULT_WORKLOAD, requests, max_tokens)
 
     def timed(prompts: list[list[int]], max_tokens: list[int]) -> float:
         llm.reset_prefix_cache()
@@ -78,6 +88,7 @@ def engine_bench(model: str, tokenizer: str | None, quantization: str | None, re
         "model": Path(model).name,
         "kernel": os.environ.get("MINIVLLM_GGUF_KERNEL", "auto"),
         "quantization": quantization or "gguf",
+        "dtype": dtype,
         "threads": torch.get_num_threads(),
     }
     prompt512 = [(reqs[0].prompt_token_ids * 8)[:512]]
@@ -86,7 +97,7 @@ def engine_bench(model: str, tokenizer: str | None, quantization: str | None, re
     one = [reqs[1].prompt_token_ids]
     row["batch1_ms"] = round(1e3 * min((timed(one, [65]) - timed(one, [1])) / 64 for _ in range(repeats)), 2)
     out = sum(r.max_tokens for r in reqs)
-    row["w64_tok_s"] = round(
+    row[f"w{len(reqs)}_tok_s"] = round(
         out / min(timed([r.prompt_token_ids for r in reqs], [r.max_tokens for r in reqs]) for _ in range(repeats)), 1
     )
     return row
@@ -100,9 +111,25 @@ def main() -> None:
     parser.add_argument("--engine", metavar="GGUF", help="the whole engine on this model instead (see above)")
     parser.add_argument("--quantization", choices=["gguf", "none"], help="--engine: as the server's flag")
     parser.add_argument("--tokenizer", help="--engine: a tokenizer directory, if not the model's")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="--engine: activations")
+    parser.add_argument("--requests", type=int, default=64, help="--engine: the first N requests of the workload")
+    parser.add_argument("--max-tokens", type=int, help="--engine: output tokens per request (default the workload's)")
     args = parser.parse_args()
     if args.engine:
-        print(json.dumps(engine_bench(args.engine, args.tokenizer, args.quantization, args.repeats)), flush=True)
+        print(
+            json.dumps(
+                engine_bench(
+                    args.engine,
+                    args.tokenizer,
+                    args.quantization,
+                    args.repeats,
+                    args.dtype,
+                    args.requests,
+                    args.max_tokens,
+                )
+            ),
+            flush=True,
+        )
         return
     lib = cpu_kernels.load()
     status = lib.gguf_amx_probe()
