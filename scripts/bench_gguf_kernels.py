@@ -1,12 +1,13 @@
 """The quantized linears' kernels under float32 activations, one shape at a time, in one run: the AVX2 int8 kernel
 on the file's blocks (`gguf_q8_linear`: activations to int8 per 32, or per 256 for the K-quants, llama.cpp's
-arithmetic) against the AVX512-VNNI kernel on R16-repacked weights (`gguf_r16_linear`: int16 activations per 32),
-which float32 activations take where the CPU has AVX512-VNNI and BF16 (models/quantization/gguf.py).
+arithmetic) against the AVX512-VNNI kernels on R16-repacked weights (`gguf_r16_linear_i8`: int8 activations per 32,
+`vpdpbusd`, the default; `gguf_r16_linear`: int16 per 32, `vpdpwssd`, MINIVLLM_GGUF_ACTIVATIONS=int16), which
+float32 activations take where the CPU has AVX512-VNNI and BF16 (models/quantization/gguf.py).
 
 For each weight shape of scripts/bench_amx.py (the default model's Q4_1 linears and Q8_0 LM head, the 1B shape's
 Q4_K and Q6_K), random blocks with sane scales (speed does not depend on values) and float32 activations of M rows:
-milliseconds per call of each kernel, best of --repeats after a warm-up, GMAC/s and the R16 speed-up. One JSON
-line per shape and M.
+milliseconds per call of each kernel, best of --repeats after a warm-up, GMAC/s and the R16 kernels' speed-ups
+over the blocks. One JSON line per shape and M.
 
     OMP_NUM_THREADS=2 taskset -c 0,1 python scripts/bench_gguf_kernels.py --rows 1 8 64 512
 """
@@ -48,10 +49,12 @@ def main() -> None:
             row = {"shape": name, "type": qtype.name, "N": N, "K": K, "M": M}
             row["int8_ms"] = best_ms(lambda: ops.gguf_linear(x, raw, qtype, N, K, False, y, True), args.repeats)
             row["r16_ms"] = best_ms(lambda: ops.gguf_linear(x, r16, qtype, N, K, True, y), args.repeats)
-            for key in ("int8", "r16"):
+            row["r16_i8_ms"] = best_ms(lambda: ops.gguf_linear(x, r16, qtype, N, K, True, y, True), args.repeats)
+            for key in ("int8", "r16", "r16_i8"):
                 row[f"{key}_gmacs"] = round(M * N * K / row[f"{key}_ms"] / 1e6, 1)
                 row[f"{key}_ms"] = round(row[f"{key}_ms"], 4)
             row["r16_vs_int8"] = round(row["int8_ms"] / row["r16_ms"], 2)
+            row["r16_i8_vs_int8"] = round(row["int8_ms"] / row["r16_i8_ms"], 2)
             print(json.dumps(row), flush=True)
 
 

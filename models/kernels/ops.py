@@ -403,11 +403,12 @@ def gguf_linear(
     or writes into `out` (a [M, rows] view whose rows may be a wider tensor's, e.g. one projection's
     columns of a fused output).
 
-    R16 weights run the AVX512-VNNI kernel (activations quantized to int16 per 32: a relative error near
-    1e-5); blocks run the portable C kernel in float32, or with `int8_activations` (Q4_0, Q4_1, Q5_0, Q5_1,
-    Q8_0, Q4_K, Q5_K and Q6_K blocks, a CPU with AVX2: gguf_q8_isa) the AVX2 kernel on activations quantized
-    to int8 per 32 (per 256 for the K-quants: Q8_K), as llama.cpp computes. Raises ValueError for a type (or, int8, a
-    shape or CPU) the kernels do not take.
+    R16 weights run the AVX512-VNNI kernel, on activations quantized to int16 per 32 (vpdpwssd: a relative error
+    near 1e-5), or with `int8_activations` to int8 per 32 (vpdpbusd, twice the multiply-adds per instruction:
+    llama.cpp's Q8_0 arithmetic); blocks run the portable C kernel in float32, or with `int8_activations`
+    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks, a CPU with AVX2: gguf_q8_isa) the AVX2 kernel on
+    activations quantized to int8 per 32 (per 256 for the K-quants: Q8_K), as llama.cpp computes. Raises ValueError
+    for a type (or, int8, a shape or CPU) the kernels do not take.
     """
     lib = _gguf_lib()
     y = x.new_empty(x.shape[0], rows) if out is None else out
@@ -424,7 +425,10 @@ def gguf_linear(
         rows,
         cols,
     )
-    fn = lib.gguf_r16_linear if r16 else lib.gguf_q8_linear if int8_activations else lib.gguf_linear
+    if r16:
+        fn = lib.gguf_r16_linear_i8 if int8_activations else lib.gguf_r16_linear
+    else:
+        fn = lib.gguf_q8_linear if int8_activations else lib.gguf_linear
     status = fn(*args, torch.get_num_threads())
     if status != 0:
         raise ValueError(f"ggml type {qtype} with rows of {cols} weights has no kernel")

@@ -24,7 +24,7 @@ from models.quantization.gguf import GGUFLinearMethod, GGUFTensor
 
 MAX_SEGMENTS = 3
 # LayerLinear.kernel: the kernel of a segment (decoder_layer.c's gguf_linear, gguf_q8_linear, gguf_r16_linear)
-KERNEL_EXACT, KERNEL_INT8, KERNEL_R16 = 0, 1, 2
+KERNEL_EXACT, KERNEL_INT8, KERNEL_R16, KERNEL_R16_INT8 = 0, 1, 2, 3
 # the most rows a call takes: a decode step's (a prompt's chunk gains nothing from one call per layer)
 DECODE_MAX_ROWS = 64
 
@@ -86,7 +86,10 @@ def _linear(module, segments: list[GGUFTensor]) -> LayerLinear:
     bias = getattr(module, "bias", None)
     desc = LayerLinear(n=len(segments), bias=None if bias is None else bias.data_ptr())
     for i, w in enumerate(segments):
-        kernel = KERNEL_R16 if w.r16 else KERNEL_INT8 if w.int8 else KERNEL_EXACT
+        if w.r16:
+            kernel = KERNEL_R16_INT8 if w.int8 else KERNEL_R16
+        else:
+            kernel = KERNEL_INT8 if w.int8 else KERNEL_EXACT
         desc.data[i], desc.type[i], desc.rows[i], desc.kernel[i] = w.data.data_ptr(), int(w.qtype), w.rows, kernel
     return desc
 

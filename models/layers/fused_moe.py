@@ -217,9 +217,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         q = self.quant_method
-        if (  # int8-kernel experts: the whole layer in one C call
-            q is not None and self.tp is None and all(isinstance(b, GGUFTensor) and b.int8 for b in q.blocks)
-        ):
+        blocks = q is not None and all(isinstance(b, GGUFTensor) and b.int8 and not b.r16 for b in q.blocks)
+        if blocks and self.tp is None:  # int8-kernel experts: the whole layer in one C call
             bias, act = (self.w13_bias, self.w2_bias), (self.swiglu_limit, self.swiglu_alpha)
             out = ops.gguf_moe(x, weights, ids, q.blocks, self.inter, *bias, *act, self.activation == "gelu_tanh")
             if out is not None:

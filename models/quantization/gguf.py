@@ -52,11 +52,13 @@ FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # rows of x up to which the portable kernel beats dequantize-then-GEMM on weights kept as blocks
 PORTABLE_MAX_ROWS = 8
-# under float32 activations a weight of up to this many bytes is repacked for the AVX512-VNNI kernel (int16
-# activations), a larger one keeps its blocks for the AVX2 int8 kernel: at one row a large weight streams from DRAM,
-# and the int8 kernel on blocks read the Llama-3.2-1B shape's MLP weights (14-19 MB) 1.1-1.2x faster (batch-1
-# decode 25 against 31 ms), where the R16 kernel was 1.3-1.5x faster on the small ones from one row and 1.4-1.8x on
-# all from 8 rows (AMD EPYC with AVX512-VNNI, 2 threads: docs/benchmarks.md, scripts/bench_gguf_kernels.py)
+# under float32 activations a Q8_0 weight over this many bytes keeps its blocks for the AVX2 int8 kernel, every other
+# repacks for the AVX512-VNNI kernel: at one row a large weight streams from DRAM, and the VNNI kernel on int8
+# activations read large Q8_0 weights at 26-30 GB/s against the blocks' 36-45 (the default model's 30 MB LM head),
+# the other R16 types as fast as or faster than their blocks (Q4_K 32-39 GB/s against 29-37, Q6_K 32-37 against
+# 28-34, prefetching whole records), and 1.3-2.5x faster from a few rows; the Llama-3.2-1B shape's batch-1 decode
+# took 17-24 ms all repacked against 23-28 with its >8 MiB weights on blocks (AMD EPYC with AVX512-VNNI, 2 threads:
+# docs/benchmarks.md)
 R16_FLOAT32_MAX_BYTES = 8 << 20
 # the AVX2 int8 kernel (8 rows of x at a time over L1-sized weight tiles) takes every row count, prompts included, as
 # llama.cpp runs them on int8 activations: at 512 rows it ran Qwen3.5-2B's Q4_K and Q6_K shapes 1.2-1.7x faster than
@@ -87,6 +89,8 @@ Q8_TYPES = (
 # repacking, no int8 activations (the reference). The AMX kernel (models/kernels/csrc/gguf_amx.c) dequantizes the
 # weights to bfloat16 tiles: W4A16, as vLLM-CPU's AMX kernel for int4 checkpoints computes
 GGUF_KERNELS = ("auto", "portable", "vnni", "amx", "avx2")
+# MINIVLLM_GGUF_ACTIVATIONS's values (activations_mode)
+ACTIVATION_MODES = ("int8", "int16", "float")
 # rows of x from which repacked weights take the AMX tiles by default: at 8 the tiles and the VNNI kernel were even,
 # at 16 the tiles 1.75-2.6x faster, on every shape of the default model and the 1B shape (an Emerald Rapids Xeon, 2
 # threads: docs/benchmarks.md); fewer rows are memory-bound and keep the VNNI kernel
@@ -135,12 +139,24 @@ def amx_tiles() -> bool:
 
 
 def activations_mode() -> str:
-    """MINIVLLM_GGUF_ACTIVATIONS: "int8" (default) or "float" (read by the cached int8_activations and amx_tiles,
-    so once per process). Raises ValueError for another value."""
+    """MINIVLLM_GGUF_ACTIVATIONS: "int8" (default), "int16" or "float" (read by the cached int8_activations,
+    r16_int8 and amx_tiles, so once per process). int8: every quantized kernel quantizes the activations to int8
+    per 32, as llama.cpp; int16: the VNNI kernel on repacked weights keeps int16 activations (the blocks' AVX2
+    kernel int8); float: the exact float32 kernel on blocks (bfloat16 activations still take the VNNI kernel, on
+    int16). Raises ValueError for another value."""
     mode = os.environ.get("MINIVLLM_GGUF_ACTIVATIONS", "int8")
-    if mode not in ("int8", "float"):
-        raise ValueError(f"MINIVLLM_GGUF_ACTIVATIONS={mode!r}: expected 'int8' or 'float'")
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"MINIVLLM_GGUF_ACTIVATIONS={mode!r}: expected one of {', '.join(ACTIVATION_MODES)}")
     return mode
+
+
+@functools.cache
+def r16_int8() -> bool:
+    """Whether the AVX512-VNNI kernel on repacked (R16) weights quantizes the activations to int8 per 32
+    (gguf_r16_linear_i8: vpdpbusd, 64 multiply-adds per instruction, llama.cpp's Q8_0 activations) rather than
+    int16 (vpdpwssd, 32): with MINIVLLM_GGUF_ACTIVATIONS=int8, the default (read once). 1.4-1.8x faster from 64
+    rows and 1.3-1.5x at one row; perplexity in docs/benchmarks.md. Raises ValueError for a bad value."""
+    return activations_mode() == "int8"
 
 
 @functools.cache
@@ -207,8 +223,9 @@ class GGUFTensor:
 
     @property
     def int8(self) -> bool:
-        """Whether few-row products take the AVX2 int8 kernel (blocks of Q8_TYPES, int8_activations())."""
-        return not self.r16 and self.qtype in Q8_TYPES and int8_activations()
+        """Whether products quantize the activations to int8: repacked weights where r16_int8(), blocks of
+        Q8_TYPES (the AVX2 int8 kernel) where int8_activations()."""
+        return r16_int8() if self.r16 else self.qtype in Q8_TYPES and int8_activations()
 
     @property
     def kernel_rows(self) -> int:
@@ -258,13 +275,14 @@ class GGUFLinearMethod:
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
         """Stacks the loaded projections into segments (float ones in `dtype`, but F16 and BF16 ones kept 16-bit
         under float32: half the bytes, the same values) and repacks the quantized ones for the AVX512-VNNI kernel
-        where the CPU has it (int16 activations per 32; under float32 those of up to R16_FLOAT32_MAX_BYTES, the
-        larger ones keeping their blocks for the AVX2 int8 kernel, faster at one row), except with
-        MINIVLLM_GGUF_ACTIVATIONS=float, which keeps the blocks for the exact float32 kernel; probes AMX
-        (amx_tiles). Raises ValueError when a projection
+        where the CPU has it (int8 activations per 32, or int16 with MINIVLLM_GGUF_ACTIVATIONS=int16; under
+        float32 Q8_0 weights over R16_FLOAT32_MAX_BYTES keep their blocks for the AVX2 int8 kernel, faster at one
+        row), except with MINIVLLM_GGUF_ACTIVATIONS=float, which keeps the blocks for the exact float32 kernel;
+        probes AMX (amx_tiles). Raises ValueError when a projection
         is missing, for a bad MINIVLLM_GGUF_ACTIVATIONS or MINIVLLM_GGUF_KERNEL, or for MINIVLLM_GGUF_KERNEL=amx
         where AMX cannot run (read here, at load, rather than at a request's first step)."""
         int8_activations()
+        r16_int8()
         amx_tiles()
         missing = [i for i in range(len(self.output_sizes)) if i not in self.shards]
         if missing:
@@ -285,8 +303,8 @@ class GGUFLinearMethod:
         for _, w in self.segments:
             if isinstance(w, GGUFTensor):
                 w.rows = w.data.shape[0]
-                small = w.data.nbytes <= R16_FLOAT32_MAX_BYTES
-                if dtype == torch.bfloat16 or (activations_mode() == "int8" and small):
+                large_q8 = w.qtype == GGMLQuantizationType.Q8_0 and w.data.nbytes > R16_FLOAT32_MAX_BYTES
+                if dtype == torch.bfloat16 or (activations_mode() != "float" and not large_q8):
                     w.repack()
 
     @property

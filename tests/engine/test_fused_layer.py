@@ -5,11 +5,11 @@ import torch
 
 from engine import SamplingParams
 from models.kernels import cpu_kernels
-from models.layers.fused_layer import KERNEL_EXACT, KERNEL_INT8, KERNEL_R16, FusedDecoderLayer
-from models.quantization.gguf import amx_tiles, gguf_kernel, int8_activations
+from models.layers.fused_layer import KERNEL_EXACT, KERNEL_INT8, KERNEL_R16, KERNEL_R16_INT8, FusedDecoderLayer
+from models.quantization.gguf import amx_tiles, gguf_kernel, int8_activations, r16_int8
 from tests.engines import make_llm
 
-CACHED = (gguf_kernel, amx_tiles, int8_activations)
+CACHED = (gguf_kernel, amx_tiles, int8_activations, r16_int8)
 
 
 def _generate(llm, prompts, fused: bool, params):
@@ -29,24 +29,32 @@ def _generate(llm, prompts, fused: bool, params):
 
 @pytest.mark.parametrize(
     "activations, kernel, kv_cache_dtype",
-    [("float", "auto", "auto"), ("int8", "auto", "auto"), ("int8", "avx2", "auto"), ("float", "auto", "fp8")],
+    [
+        ("float", "auto", "auto"),
+        ("int8", "auto", "auto"),
+        ("int16", "auto", "auto"),
+        ("int8", "avx2", "auto"),
+        ("float", "auto", "fp8"),
+    ],
 )
 def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel, kv_cache_dtype, monkeypatch):
     """Greedy tokens and their logprobs, bit for bit, over decode steps of 1 and 8 rows and prompts of 6 to 400
     tokens (fused prefill steps up to the layer's max_rows), while the fused path really ran: it calls the same
     kernels in the same order. With the exact float kernels (the suite's setting), with the default (weights
-    repacked for the AVX512-VNNI kernel where the CPU has it, else the AVX2 int8 kernel: up to 64 rows), with the
-    AVX2 int8 kernel on the file's blocks forced, and over an fp8 KV cache."""
-    if activations == "int8":
+    repacked for the AVX512-VNNI kernel on int8 activations where the CPU has it, else the AVX2 int8 kernel: up to
+    64 rows), with the VNNI kernel's int16 activations, with the AVX2 int8 kernel on the file's blocks forced, and
+    over an fp8 KV cache."""
+    quantized = activations in ("int8", "int16")
+    if quantized:
         if not cpu_kernels.load().gguf_q8_isa():
             pytest.skip("the CPU has no AVX2")
-        monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
+        monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", activations)
         monkeypatch.setenv("MINIVLLM_GGUF_KERNEL", kernel)
         for cached in CACHED:
             cached.cache_clear()
-    if activations == "int8" or kv_cache_dtype != "auto":
+    if quantized or kv_cache_dtype != "auto":
         llm = make_llm(kv_cache_dtype=kv_cache_dtype)
-    r16 = activations == "int8" and kernel == "auto" and bool(cpu_kernels.load().gguf_r16_isa())
+    r16 = quantized and kernel == "auto" and bool(cpu_kernels.load().gguf_r16_isa())
     calls = []
     real = FusedDecoderLayer.__call__
 
@@ -68,10 +76,14 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel
                 assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
         layers = llm.engine.engine_core.executor.runner.model.layers
         assert all(isinstance(layer.fused, FusedDecoderLayer) for layer in layers)
-        assert {layer.fused.max_rows for layer in layers} == {64 if activations == "int8" else 8}
+        assert {layer.fused.max_rows for layer in layers} == {64 if quantized else 8}
         kinds = {layer.fused.desc.qkv.kernel[0] for layer in layers}
-        assert kinds == {KERNEL_R16 if r16 else KERNEL_INT8 if activations == "int8" else KERNEL_EXACT}, kinds
-        if r16:  # the 30 MB LM head is over R16_FLOAT32_MAX_BYTES: it keeps its blocks for the int8 kernel
+        if r16:
+            want = KERNEL_R16_INT8 if activations == "int8" else KERNEL_R16
+        else:
+            want = KERNEL_INT8 if quantized else KERNEL_EXACT
+        assert kinds == {want}, kinds
+        if r16:  # the 30 MB Q8_0 LM head is over R16_FLOAT32_MAX_BYTES: it keeps its blocks for the int8 kernel
             assert set(llm.engine.engine_core.executor.runner.weight_bytes) >= {"Q4_1 (R16)", "Q8_0"}
     finally:
         monkeypatch.undo()

@@ -1,7 +1,7 @@
 """The GGUF kernels (models/kernels/csrc/gguf_linear.c) against gguf-py's numpy dequantize, for every
 supported type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K..Q6_K, IQ4_XS, MXFP4), on random blocks: exact
-dequantization (blocks and R16), the portable path to float rounding, and the R16 VNNI kernel (its six types)
-within the bound its int16 activations allow."""
+dequantization (blocks and R16), the portable path to float rounding, and the R16 VNNI kernels (their six types)
+within the bound their int16 activations allow, or on int8 activations to float rounding."""
 
 import numpy as np
 import pytest
@@ -109,6 +109,44 @@ def test_linear_bfloat16(qtype, path, M):
         assert torch.equal(wide[:, 5 : 5 + rows], y) and not wide[:, :5].any() and not wide[:, 5 + rows :].any()
 
 
+def rounded_int8(x: torch.Tensor, group: int) -> np.ndarray:
+    """x rounded as the int8 kernels do: per `group` values, scale max|x| / 127 (float32), round to nearest."""
+    M = x.shape[0]
+    xb = x.float().numpy().reshape(M, -1, group)  # in float32, as the kernel (ties matter)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    codes = np.rint(xb * (np.float32(127) / amax)).astype(np.float64)
+    return (codes * (amax / np.float32(127)).astype(np.float64)).reshape(M, -1)
+
+
+@pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI + BF16 (R16 kernels)")
+@pytest.mark.parametrize("qtype", R16_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 17, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_r16_int8_activations(qtype, M, dtype):
+    """gguf_r16_linear_i8 (vpdpbusd) is the dequantized weights' product with the activations rounded to int8 per
+    32 (llama.cpp's Q8_0 activations), to float rounding: the offsets (mins, Q4_0's -8, Q8_0's -128, Q6_K's -32)
+    meet the rounded activations' sums. Row counts past its 8-row pass and a strided output included."""
+    rows, cols = shape(qtype)
+    raw = random_blocks(qtype, rows, cols, seed=300 + M)
+    w = reference(raw, qtype, cols).astype(np.float64)
+    x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M)).to(dtype)
+    x += torch.linspace(-1, 3, cols).to(dtype)  # a nonzero mean per block, so an exact-sum offset term shows
+    xq = rounded_int8(x, 32)
+    y_ref = xq @ w.T
+    r16 = ops.gguf_repack_r16(raw, qtype, cols)
+    wide = torch.zeros(M, rows + 10, dtype=dtype)
+    with amx_rows(0):
+        y = ops.gguf_linear(x, r16, qtype, rows, cols, r16=True, int8_activations=True)
+        ops.gguf_linear(x, r16, qtype, rows, cols, r16=True, out=wide[:, 5 : 5 + rows], int8_activations=True)
+    bound = 1e-5 * (np.abs(xq) @ np.abs(w.T)) + 1e-6
+    if dtype == torch.bfloat16:
+        bound += np.abs(y_ref) * 2.0**-8
+    err = np.abs(y.double().numpy() - y_ref)
+    assert (err <= bound).all(), f"max excess {(err - bound).max()}"
+    assert np.abs(y.double().numpy() - x.double().numpy() @ w.T).max() > 1e-3  # not the int16 path
+    assert torch.equal(wide[:, 5 : 5 + rows], y) and not wide[:, :5].any() and not wide[:, 5 + rows :].any()
+
+
 def test_gguf_tensor_repacks_for_bfloat16_only_where_the_cpu_can():
     raw = random_blocks(T.Q4_1, 20, 64)
     t = GGUFTensor(T.Q4_1, raw.clone(), 64)
@@ -142,10 +180,7 @@ def test_linear_int8_activations(qtype, M, dtype):
     x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M)).to(dtype)
     x += torch.linspace(-1, 3, cols).to(dtype)  # a nonzero mean per block, so an exact-sum offset term shows
     group = 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 32  # K-quants meet llama.cpp's Q8_K: one scale per 256
-    xb = x.float().numpy().reshape(M, -1, group)  # rounded as the kernel does, in float32 (ties matter)
-    amax = np.abs(xb).max(-1, keepdims=True)
-    codes = np.rint(xb * (np.float32(127) / amax)).astype(np.float64)
-    xq = (codes * (amax / np.float32(127)).astype(np.float64)).reshape(M, cols)
+    xq = rounded_int8(x, group)
     y_ref = xq @ w.T
     y = ops.gguf_linear(x, raw, qtype, rows, cols, r16=False, int8_activations=True).double().numpy()
     bound = 1e-5 * (np.abs(xq) @ np.abs(w.T)) + 1e-6

@@ -22,7 +22,8 @@ typedef struct {
     int n;
     const uint8_t *data[3];
     int type[3], rows[3];
-    int kernel[3];     /* 0: the exact float32 kernel, 1: gguf_q8_linear (int8 activations), 2: gguf_r16_linear */
+    int kernel[3];     /* 0: the exact float32 kernel, 1: gguf_q8_linear (int8 activations), 2: gguf_r16_linear,
+                          3: gguf_r16_linear_i8 */
     const float *bias; /* float32 [sum rows], or NULL */
 } LayerLinear;
 
@@ -41,6 +42,8 @@ int gguf_q8_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, in
                    int y_stride, int M, int N, int K, int num_threads);
 int gguf_r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
                     int y_stride, int M, int N, int K, int num_threads);
+int gguf_r16_linear_i8(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                       int y_stride, int M, int N, int K, int num_threads);
 void add_rms_norm_float(float *residual, const float *delta, const float *weight, float *out, int num_tokens,
                         int hidden, float eps, int num_threads);
 void rotary_float(float *x, int num_tokens, int heads, int stride, int D, const float *cos_t, const float *sin_t,
@@ -72,7 +75,10 @@ static int layer_linear(const LayerLinear *w, const float *x, int K, float *y, i
     const int N = out_rows(w);
     for (int s = 0, at = 0; s < w->n; at += w->rows[s], s++) {
         int (*const kernel)(const void *, int, int, const uint8_t *, int, void *, int, int, int, int, int, int) =
-            w->kernel[s] == 2 ? gguf_r16_linear : w->kernel[s] == 1 ? gguf_q8_linear : gguf_linear;
+            w->kernel[s] == 3   ? gguf_r16_linear_i8
+            : w->kernel[s] == 2 ? gguf_r16_linear
+            : w->kernel[s] == 1 ? gguf_q8_linear
+                                : gguf_linear;
         const int rc = kernel(x, 0, K, w->data[s], w->type[s], y + at, 0, N, M, w->rows[s], K, nt);
         if (rc != 0) return rc;
     }

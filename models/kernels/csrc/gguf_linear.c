@@ -489,28 +489,58 @@ int gguf_r16_dequantize_rows(int type, const uint8_t *w, int K, const int64_t *i
  * int32 feeds each. Sums of 16 products stay in int32 (255 * 32767 * 16 < 2^31); each group of 32
  * then takes its float scales. The offsets use exact float sums of x. */
 typedef struct {
-    int Kp;         /* K rounded up to 64 (zero padded) */
-    int16_t *xq;    /* [M, Kp] codes, (x0, x2, x1, x3) per 4 */
-    float *xd;      /* [M, Kp / 32] the scale of each block of 32 */
-    float *xsum;    /* [M, Kp / 16] float sums of x per 16 */
+    int Kp;      /* K rounded up to 64 (zero padded) */
+    void *xq;    /* [M, Kp] codes: int16, (x0, x2, x1, x3) per 4; or int8 in order (the int8 kernels below) */
+    float *xd;   /* [M, Kp / 32] the scale of each block of 32 */
+    float *xsum; /* [M, Kp / 16] sums of x per 16: exact (int16), of the rounded x (int8) */
 } Acts;
+
+/* values k0..k0 + 31 of row m of x into v (zeros past K); returns their largest magnitude */
+static float load_block32(const void *x, int x_bf16, int x_stride, int K, int m, int k0, float *v) {
+    float amax = 0.f;
+    for (int i = 0; i < 32; i++) {
+        v[i] = k0 + i < K ? load_x(x, x_bf16, (size_t)m * x_stride + k0 + i) : 0.f;
+        amax = v[i] > amax ? v[i] : (-v[i] > amax ? -v[i] : amax);
+    }
+    return amax;
+}
 
 static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K, int m) {
     const int Kp = a->Kp;
     for (int k0 = 0; k0 < Kp; k0 += 32) {
-        float v[32], amax = 0.f;
-        for (int i = 0; i < 32; i++) {
-            v[i] = k0 + i < K ? load_x(x, x_bf16, (size_t)m * x_stride + k0 + i) : 0.f;
-            amax = v[i] > amax ? v[i] : (-v[i] > amax ? -v[i] : amax);
-        }
+        float v[32];
+        const float amax = load_block32(x, x_bf16, x_stride, K, m, k0, v);
         float *xsum = a->xsum + (size_t)m * (Kp / 16) + k0 / 16;
         xsum[0] = xsum[1] = 0.f;
         for (int i = 0; i < 32; i++) xsum[i / 16] += v[i];
         const float id = amax > 0.f ? 32767.f / amax : 0.f;
         a->xd[(size_t)m * (Kp / 32) + k0 / 32] = amax / 32767.f;
-        int16_t *q = a->xq + (size_t)m * Kp + k0;
+        int16_t *q = (int16_t *)a->xq + (size_t)m * Kp + k0;
         static const int order[4] = {0, 2, 1, 3};
         for (int i = 0; i < 32; i++) q[(i & ~3) + order[i & 3]] = (int16_t)__builtin_lrintf(v[i] * id);
+    }
+}
+
+/* R16 against int8 activations (gguf_r16_linear_i8): each row of x quantized per 32 values to int8
+ * with a float scale amax / 127 (llama.cpp's Q8_0 activations), in natural order: one broadcast int32 (4
+ * activations) meets a code register (codes k..k+3 of 16 rows, unsigned) in one _mm512_dpbusd_epi32, 64
+ * multiply-adds where _mm512_dpwssd_epi32 does 32, and the codes need no split into words. Sums of 32 products stay
+ * in int32 (255 * 127 * 32 < 2^31). The offsets (Q4_1's min, the -8, -128 and -32 of Q4_0, Q8_0 and Q6_K, the
+ * K-quants' mins) meet the rounded activations' sums, as llama.cpp's Q8_1: the output is then the dequantized
+ * weights' exact product with the rounded activations, where the exact sums would leave the unsigned codes' larger
+ * error (codes 0..255 against -128..127 for Q8_0). */
+static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_stride, int K, int m) {
+    const int Kp = a->Kp;
+    for (int k0 = 0; k0 < Kp; k0 += 32) {
+        float v[32];
+        const float amax = load_block32(x, x_bf16, x_stride, K, m, k0, v);
+        const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
+        a->xd[(size_t)m * (Kp / 32) + k0 / 32] = d;
+        int8_t *q = (int8_t *)a->xq + (size_t)m * Kp + k0;
+        int sum[2] = {0, 0};
+        for (int i = 0; i < 32; i++) q[i] = (int8_t)__builtin_lrintf(v[i] * id), sum[i / 16] += q[i];
+        float *xsum = a->xsum + (size_t)m * (Kp / 16) + k0 / 16;
+        xsum[0] = d * (float)sum[0], xsum[1] = d * (float)sum[1];
     }
 }
 
@@ -543,118 +573,167 @@ static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K,
             _mm512_mask_storeu_ps((float *)y + at, keep, v);                                              \
     } while (0)
 
-/* One group of 16 rows of a 32-weight TYPE against MM rows of x: y[m0 + j][n0 + r] for r < nr */
-#define R16_GROUP(TYPE, MM)                                                                                 \
-    VNNI_BF16 static void r16_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nb, int m0, void *y, \
-                                                  int y_bf16, int y_stride, int n0, int nr) {            \
-        const int Kp = a->Kp, cb = r16_code_bytes(TYPE), rec_bytes = r16_record_bytes(TYPE);            \
-        __m512 acc[MM]; /* the scaled dot products and the offsets' terms, summed together */            \
-        for (int j = 0; j < MM; j++) acc[j] = _mm512_setzero_ps();                                       \
-        for (int b = 0; b < nb; b++) {                                                                   \
-            const uint8_t *rec = grp + (size_t)b * rec_bytes;                                            \
+/* the 32 codes' int32 dot products of 16 rows (wq; w02, w13 their words for int16) with row `row` of x from         \
+ * column k, codes 0..15 in i0 and 16..31 in i1: int8 activations (I8) in one _mm512_dpbusd_epi32 per 4 codes,       \
+ * int16 ones in two _mm512_dpwssd_epi32 (DOT4) */                                                                   \
+#define R16_DOT32(I8, a, row, k, wq, w02, w13, i0, i1)                                                               \
+    do {                                                                                                             \
+        if (I8) {                                                                                                    \
+            const int8_t *xq = (const int8_t *)(a)->xq + (row) * (a)->Kp + (k);                                      \
+            i0 = _mm512_setzero_si512(), i1 = i0;                                                                    \
+            for (int p = 0; p < 4; p++) {                                                                            \
+                i0 = _mm512_dpbusd_epi32(i0, wq[p], _mm512_set1_epi32(*(const int32_t *)(xq + 4 * p)));              \
+                i1 = _mm512_dpbusd_epi32(i1, wq[p + 4], _mm512_set1_epi32(*(const int32_t *)(xq + 16 + 4 * p)));     \
+            }                                                                                                        \
+        } else {                                                                                                     \
+            const int16_t *xq = (const int16_t *)(a)->xq + (row) * (a)->Kp + (k);                                    \
+            __m512i a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;                                          \
+            for (int p = 0; p < 4; p++) {                                                                            \
+                DOT4(a0, b0, w02[p], w13[p], xq + 4 * p);                                                            \
+                DOT4(a1, b1, w02[p + 4], w13[p + 4], xq + 16 + 4 * p);                                               \
+            }                                                                                                        \
+            i0 = _mm512_add_epi32(a0, b0), i1 = _mm512_add_epi32(a1, b1);                                            \
+        }                                                                                                            \
+    } while (0)
+
+/* the scales of sub-block jb (32 weights) of a super-block record whose scales start at sc, for the 16 rows (d,
+ * dmin: the super-block's): s0 and s1 of its codes 0..15 and 16..31, mn its min (Q6_K: d, its -32 offset is the
+ * caller's) */
+#define R16K_SCALES(TYPE, sc, d, dmin, jb, s0, s1, mn)                                                        \
+    do {                                                                                                  \
+        if (TYPE == Q6_K) {                                                                               \
+            s0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                \
+                                      _mm_loadu_si128((const __m128i *)((sc) + 32 + 32 * (jb))))));       \
+            s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                \
+                                      _mm_loadu_si128((const __m128i *)((sc) + 48 + 32 * (jb))))));       \
+            mn = dmin;                                                                                    \
+        } else {                                                                                          \
+            s0 = s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                           \
+                                           _mm_loadu_si128((const __m128i *)((sc) + 64 + 16 * (jb))))));  \
+            mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                             \
+                                         _mm_loadu_si128((const __m128i *)((sc) + 192 + 16 * (jb))))));   \
+        }                                                                                                 \
+    } while (0)
+
+/* acc += a sub-block's int32 sums i0 (codes 0..15) and i1 (16..31) of 16 rows with x's block scale xd and its sums
+ * xs[0..1] per 16, the weights' scales s0, s1 and min mn (R16K_SCALES) */
+#define R16K_ACC(TYPE, acc, i0, i1, xd, xs, s0, s1, mn)                                                       \
+    do {                                                                                                  \
+        if (TYPE == Q6_K) { /* w = s (q - 32) per 16 */                                                   \
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(s0, xd), acc);                     \
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(s1, xd), acc);                     \
+            acc = _mm512_fmadd_ps(s0, _mm512_set1_ps(-32.f * (xs)[0]), acc);                               \
+            acc = _mm512_fmadd_ps(s1, _mm512_set1_ps(-32.f * (xs)[1]), acc);                               \
+        } else { /* w = s q - mn per 32 */                                                                \
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_mul_ps(s0, xd), acc); \
+            acc = _mm512_fnmadd_ps(mn, _mm512_set1_ps((xs)[0] + (xs)[1]), acc);                           \
+        }                                                                                                 \
+    } while (0)
+
+/* prefetches record sb + 2 of a super-block type, an eighth per sub-block jb: codes, high bits and scales alike */
+#define R16K_PREFETCH(rec, rec_bytes, jb)                                                                     \
+    for (int l = (jb) * (rec_bytes) / 8; l < ((jb) + 1) * (rec_bytes) / 8; l += 64)                       \
+    _mm_prefetch((const char *)((rec) + 2 * (rec_bytes) + l), _MM_HINT_T0)
+
+/* One group of 16 rows of a 32-weight TYPE against MM rows of x: y[m0 + j][n0 + r] for r < nr; NAME r16_group       \
+ * (int16 activations) or r16b_group (int8, I8) */                                                                   \
+#define R16_GROUP_OF(NAME, I8, TYPE, MM)                                                                             \
+    VNNI_BF16 static void NAME##_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nb, int m0, void *y, int y_bf16, \
+                                               int y_stride, int n0, int nr) {                                       \
+        const int Kp = a->Kp, cb = r16_code_bytes(TYPE), rec_bytes = r16_record_bytes(TYPE);                         \
+        __m512 acc[MM]; /* the scaled dot products and the offsets' terms, summed together */                        \
+        for (int j = 0; j < MM; j++) acc[j] = _mm512_setzero_ps();                                                   \
+        for (int b = 0; b < nb; b++) {                                                                               \
+            const uint8_t *rec = grp + (size_t)b * rec_bytes;                                                        \
             for (int l = 0; l < rec_bytes; l += 64) _mm_prefetch((const char *)(rec + 4 * rec_bytes + l), _MM_HINT_T0); \
-            __m512i wq[8]; /* wq[p]: codes 4p..4p+3, wq[p + 4]: codes 16 + 4p.. */                       \
-            r16_codes32(TYPE, rec, wq);                                                                  \
-            __m512i w02[8], w13[8];                                                                      \
-            SPLIT_WORDS(wq, w02, w13)                                                                    \
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb)));           \
-            const __m512 m = TYPE == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb + 32))) \
-                                          : _mm512_mul_ps(d, _mm512_set1_ps(TYPE == Q4_0 ? -8.f : -128.f)); \
-            for (int j = 0; j < MM; j++) {                                                               \
-                const size_t row = (size_t)(m0 + j);                                                     \
-                const int16_t *xq = a->xq + row * Kp + 32 * b;                                           \
-                __m512i a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;                         \
-                for (int p = 0; p < 4; p++) {                                                            \
-                    DOT4(a0, b0, w02[p], w13[p], xq + 4 * p);                                            \
-                    DOT4(a1, b1, w02[p + 4], w13[p + 4], xq + 16 + 4 * p);                               \
-                }                                                                                        \
-                const __m512i i0 = _mm512_add_epi32(a0, b0), i1 = _mm512_add_epi32(a1, b1);              \
-                const float *xs = a->xsum + row * (Kp / 16) + 2 * b;                                     \
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)),                   \
-                                         _mm512_mul_ps(d, _mm512_set1_ps(a->xd[row * (Kp / 32) + b])), acc[j]); \
-                acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[0] + xs[1]), acc[j]);                      \
-            }                                                                                            \
-        }                                                                                                \
-        const __mmask16 keep = (__mmask16)((1u << nr) - 1);                                              \
-        for (int j = 0; j < MM; j++) STORE16(acc[j], m0 + j);                                            \
+            __m512i wq[8], w02[8], w13[8]; /* wq[p]: codes 4p..4p+3, wq[p + 4]: codes 16 + 4p.. */                   \
+            r16_codes32(TYPE, rec, wq);                                                                              \
+            if (!I8) SPLIT_WORDS(wq, w02, w13)                                                                       \
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb)));                       \
+            const __m512 m = TYPE == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb + 32)))    \
+                                          : _mm512_mul_ps(d, _mm512_set1_ps(TYPE == Q4_0 ? -8.f : -128.f));          \
+            for (int j = 0; j < MM; j++) {                                                                           \
+                const size_t row = (size_t)(m0 + j);                                                                 \
+                __m512i i0, i1;                                                                                      \
+                R16_DOT32(I8, a, row, 32 * b, wq, w02, w13, i0, i1);                                                 \
+                const float *xs = a->xsum + row * (Kp / 16) + 2 * b;                                                 \
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)),                               \
+                                         _mm512_mul_ps(d, _mm512_set1_ps(a->xd[row * (Kp / 32) + b])), acc[j]);      \
+                acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[0] + xs[1]), acc[j]);                                  \
+            }                                                                                                        \
+        }                                                                                                            \
+        const __mmask16 keep = (__mmask16)((1u << nr) - 1);                                                          \
+        for (int j = 0; j < MM; j++) STORE16(acc[j], m0 + j);                                                        \
     }
 
-/* One group of 16 rows of a super-block TYPE against MM rows of x */
-#define R16K_GROUP(TYPE, MM)                                                                                \
-    VNNI_BF16 static void r16_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y, \
-                                                  int y_bf16, int y_stride, int n0, int nr) {            \
-        const int Kp = a->Kp, cb = r16_codes_end(TYPE), rec_bytes = r16_record_bytes(TYPE);             \
-        __m512 acc[MM];                                                                                  \
-        for (int j = 0; j < MM; j++) acc[j] = _mm512_setzero_ps();                                       \
-        for (int sb = 0; sb < nsb; sb++) {                                                               \
-            const uint8_t *rec = grp + (size_t)sb * rec_bytes, *sc = rec + cb;                           \
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));                   \
-            const __m512 dmin = TYPE == Q6_K ? d : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32))); \
-            for (int jb = 0; jb < 8; jb++) {                                                             \
-                const uint8_t *codes = rec + 256 * jb;                                                   \
-                for (int l = 0; l < 256; l += 64) _mm_prefetch((const char *)(codes + 2 * rec_bytes + l), _MM_HINT_T0); \
-                __m512i wq[8];                                                                           \
-                r16k_codes(TYPE, rec, jb, wq);                                                           \
-                __m512i w02[8], w13[8];                                                                  \
-                SPLIT_WORDS(wq, w02, w13)                                                                \
-                __m512 s0, s1, mn;                                                                       \
-                if (TYPE == Q6_K) {                                                                      \
-                    s0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                       \
-                                              _mm_loadu_si128((const __m128i *)(sc + 32 + 32 * jb)))));  \
-                    s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                       \
-                                              _mm_loadu_si128((const __m128i *)(sc + 48 + 32 * jb)))));  \
-                    mn = dmin;                                                                           \
-                } else {                                                                                 \
-                    s0 = s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                  \
-                                                   _mm_loadu_si128((const __m128i *)(sc + 64 + 16 * jb))))); \
-                    mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                    \
-                                                 _mm_loadu_si128((const __m128i *)(sc + 192 + 16 * jb))))); \
-                }                                                                                        \
-                const int k0 = 256 * sb + 32 * jb;                                                       \
-                for (int j = 0; j < MM; j++) {                                                           \
-                    const size_t row = (size_t)(m0 + j);                                                 \
-                    const int16_t *xq = a->xq + row * Kp + k0;                                           \
-                    __m512i a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;                     \
-                    for (int p = 0; p < 4; p++) {                                                        \
-                        DOT4(a0, b0, w02[p], w13[p], xq + 4 * p);                                        \
-                        DOT4(a1, b1, w02[p + 4], w13[p + 4], xq + 16 + 4 * p);                           \
-                    }                                                                                    \
-                    const __m512i i0 = _mm512_add_epi32(a0, b0), i1 = _mm512_add_epi32(a1, b1);          \
-                    const __m512 xd = _mm512_set1_ps(a->xd[row * (Kp / 32) + k0 / 32]);                  \
-                    const float *xs = a->xsum + row * (Kp / 16) + k0 / 16;                               \
-                    if (TYPE == Q6_K) { /* w = s (q - 32) per 16 */                                      \
-                        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(s0, xd), acc[j]); \
-                        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(s1, xd), acc[j]); \
-                        acc[j] = _mm512_fmadd_ps(s0, _mm512_set1_ps(-32.f * xs[0]), acc[j]);             \
-                        acc[j] = _mm512_fmadd_ps(s1, _mm512_set1_ps(-32.f * xs[1]), acc[j]);             \
-                    } else { /* w = s q - mn per 32 */                                                    \
-                        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)),           \
-                                                 _mm512_mul_ps(s0, xd), acc[j]);                         \
-                        acc[j] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(xs[0] + xs[1]), acc[j]);            \
-                    }                                                                                    \
-                }                                                                                        \
-            }                                                                                            \
-        }                                                                                                \
-        const __mmask16 keep = (__mmask16)((1u << nr) - 1);                                              \
-        for (int j = 0; j < MM; j++) STORE16(acc[j], m0 + j);                                            \
+/* One group of 16 rows of a super-block TYPE against MM rows of x */                                                \
+#define R16K_GROUP_OF(NAME, I8, TYPE, MM)                                                                            \
+    VNNI_BF16 static void NAME##_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y, int y_bf16, \
+                                               int y_stride, int n0, int nr) {                                       \
+        const int Kp = a->Kp, cb = r16_codes_end(TYPE), rec_bytes = r16_record_bytes(TYPE);                          \
+        __m512 acc[MM];                                                                                              \
+        for (int j = 0; j < MM; j++) acc[j] = _mm512_setzero_ps();                                                   \
+        for (int sb = 0; sb < nsb; sb++) {                                                                           \
+            const uint8_t *rec = grp + (size_t)sb * rec_bytes, *sc = rec + cb;                                       \
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));                               \
+            const __m512 dmin = TYPE == Q6_K ? d : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));  \
+            for (int jb = 0; jb < 8; jb++) {                                                                         \
+                R16K_PREFETCH(rec, rec_bytes, jb);                                                                   \
+                __m512i wq[8], w02[8], w13[8];                                                                       \
+                r16k_codes(TYPE, rec, jb, wq);                                                                       \
+                if (!I8) SPLIT_WORDS(wq, w02, w13)                                                                   \
+                __m512 s0, s1, mn;                                                                                   \
+                R16K_SCALES(TYPE, sc, d, dmin, jb, s0, s1, mn);                                                      \
+                const int k0 = 256 * sb + 32 * jb;                                                                   \
+                for (int j = 0; j < MM; j++) {                                                                       \
+                    const size_t row = (size_t)(m0 + j);                                                             \
+                    __m512i i0, i1;                                                                                  \
+                    R16_DOT32(I8, a, row, k0, wq, w02, w13, i0, i1);                                                 \
+                    const __m512 xd = _mm512_set1_ps(a->xd[row * (Kp / 32) + k0 / 32]);                              \
+                    R16K_ACC(TYPE, acc[j], i0, i1, xd, a->xsum + row * (Kp / 16) + k0 / 16, s0, s1, mn);             \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        const __mmask16 keep = (__mmask16)((1u << nr) - 1);                                                          \
+        for (int j = 0; j < MM; j++) STORE16(acc[j], m0 + j);                                                        \
     }
 
-#define R16_MM 4 /* rows of x per pass over a group's codes */
+#define R16_MM 4  /* rows of x per pass over a group's codes, int16 activations */
+#define R16B_MM 8 /* the same, int8: no word split, so twice as many rows fit the registers */
+#define R16_GROUP(TYPE, MM) R16_GROUP_OF(r16_group, 0, TYPE, MM)
+#define R16K_GROUP(TYPE, MM) R16K_GROUP_OF(r16_group, 0, TYPE, MM)
+#define R16B_GROUP(TYPE, MM) R16_GROUP_OF(r16b_group, 1, TYPE, MM)
+#define R16BK_GROUP(TYPE, MM) R16K_GROUP_OF(r16b_group, 1, TYPE, MM)
 #define INSTANCES(G, TYPE) G(TYPE, 1) G(TYPE, 2) G(TYPE, 3) G(TYPE, 4)
+#define INSTANCES8(G, TYPE) INSTANCES(G, TYPE) G(TYPE, 5) G(TYPE, 6) G(TYPE, 7) G(TYPE, 8)
 INSTANCES(R16_GROUP, Q4_0)
 INSTANCES(R16_GROUP, Q4_1)
 INSTANCES(R16_GROUP, Q8_0)
 INSTANCES(R16K_GROUP, Q4_K)
 INSTANCES(R16K_GROUP, Q5_K)
 INSTANCES(R16K_GROUP, Q6_K)
+INSTANCES8(R16B_GROUP, Q4_0)
+INSTANCES8(R16B_GROUP, Q4_1)
+INSTANCES8(R16B_GROUP, Q8_0)
+INSTANCES8(R16BK_GROUP, Q4_K)
+INSTANCES8(R16BK_GROUP, Q5_K)
+INSTANCES8(R16BK_GROUP, Q6_K)
 
 typedef void (*r16_group_fn)(const Acts *, const uint8_t *, int, int, void *, int, int, int, int);
-static r16_group_fn r16_group(int type, int mm) {
+static int r16_type_index(int type) {
+    return type == Q4_0 ? 0 : type == Q4_1 ? 1 : type == Q8_0 ? 2 : type == Q4_K ? 3 : type == Q5_K ? 4 : 5;
+}
+/* the kernel for `type` and mm rows: int16 activations (1 <= mm <= R16_MM) or int8 (i8, mm <= R16B_MM) */
+static r16_group_fn r16_group(int type, int mm, int i8) {
 #define FNS(T) {r16_group_##T##_1, r16_group_##T##_2, r16_group_##T##_3, r16_group_##T##_4}
     static const r16_group_fn fns[6][R16_MM] = {FNS(Q4_0), FNS(Q4_1), FNS(Q8_0), FNS(Q4_K), FNS(Q5_K), FNS(Q6_K)};
 #undef FNS
-    const int t = type == Q4_0 ? 0 : type == Q4_1 ? 1 : type == Q8_0 ? 2 : type == Q4_K ? 3 : type == Q5_K ? 4 : 5;
-    return fns[t][mm - 1];
+#define FNS(T)                                                                                                      \
+    {r16b_group_##T##_1, r16b_group_##T##_2, r16b_group_##T##_3, r16b_group_##T##_4,                                 \
+     r16b_group_##T##_5, r16b_group_##T##_6, r16b_group_##T##_7, r16b_group_##T##_8}
+    static const r16_group_fn fns8[6][R16B_MM] = {FNS(Q4_0), FNS(Q4_1), FNS(Q8_0), FNS(Q4_K), FNS(Q5_K), FNS(Q6_K)};
+#undef FNS
+    return i8 ? fns8[r16_type_index(type)][mm - 1] : fns[r16_type_index(type)][mm - 1];
 }
 
 static int has_vnni_bf16(void) {
@@ -673,10 +752,8 @@ int gguf_r16_isa(void) {
 #endif
 }
 
-/* y = x W^T for W in R16 (N real rows). Needs AVX512-VNNI (and BF16 for bfloat16 y): returns -1
- * without them (the caller dequantizes instead), or for a type without R16. */
-int gguf_r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
-                    int y_stride, int M, int N, int K, int num_threads) {
+static int r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                      int y_stride, int M, int N, int K, int num_threads, int int8) {
 #if defined(__x86_64__)
     if (gguf_r16_bytes(type, 1, K) < 0 || !has_vnni_bf16()) return -1;
     const int amx = gguf_amx_r16_linear(x, x_bf16, x_stride, w, type, y, y_bf16, y_stride, M, N, K, num_threads);
@@ -684,18 +761,19 @@ int gguf_r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, i
     const int nb = K / block_weights(type), groups = (N + 15) / 16;
     const size_t group_bytes = (size_t)nb * r16_record_bytes(type);
     Acts a = {.Kp = (K + 63) / 64 * 64};
-    a.xq = malloc(sizeof(int16_t) * (size_t)M * a.Kp);
+    a.xq = malloc((int8 ? 1 : sizeof(int16_t)) * (size_t)M * a.Kp);
     a.xd = malloc(sizeof(float) * (size_t)M * (a.Kp / 32));
     a.xsum = malloc(sizeof(float) * (size_t)M * (a.Kp / 16));
+    const int step = int8 ? R16B_MM : R16_MM;
     _Pragma("omp parallel num_threads(num_threads)") {
         _Pragma("omp for schedule(static)")
-        for (int m = 0; m < M; m++) prepare_row(&a, x, x_bf16, x_stride, K, m);
+        for (int m = 0; m < M; m++) (int8 ? prepare_row8 : prepare_row)(&a, x, x_bf16, x_stride, K, m);
         _Pragma("omp for schedule(static)")
         for (int g = 0; g < groups; g++) {
             const int nr = N - 16 * g < 16 ? N - 16 * g : 16;
-            for (int m0 = 0; m0 < M; m0 += R16_MM) {
-                const int mm = M - m0 < R16_MM ? M - m0 : R16_MM;
-                r16_group(type, mm)(&a, w + g * group_bytes, nb, m0, y, y_bf16, y_stride, 16 * g, nr);
+            for (int m0 = 0; m0 < M; m0 += step) {
+                const int mm = M - m0 < step ? M - m0 : step;
+                r16_group(type, mm, int8)(&a, w + g * group_bytes, nb, m0, y, y_bf16, y_stride, 16 * g, nr);
             }
         }
     }
@@ -703,9 +781,24 @@ int gguf_r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, i
     return 0;
 #else
     (void)x, (void)x_bf16, (void)x_stride, (void)w, (void)type, (void)y, (void)y_bf16, (void)y_stride, (void)M;
-    (void)N, (void)K, (void)num_threads;
+    (void)N, (void)K, (void)num_threads, (void)int8;
     return -1;
 #endif
+}
+
+/* y = x W^T for W in R16 (N real rows), x quantized to int16 per 32. Needs AVX512-VNNI (and BF16 for bfloat16 y):
+ * returns -1 without them (the caller dequantizes instead), or for a type without R16. From AMX_MIN_ROWS rows
+ * where gguf_amx_enable turned the tiles on, the AMX kernel instead. */
+int gguf_r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                    int y_stride, int M, int N, int K, int num_threads) {
+    return r16_linear(x, x_bf16, x_stride, w, type, y, y_bf16, y_stride, M, N, K, num_threads, 0);
+}
+
+/* The same with x quantized to int8 per 32 (vpdpbusd: llama.cpp's Q8_0 activations, twice the multiply-adds per
+ * instruction). */
+int gguf_r16_linear_i8(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                       int y_stride, int M, int N, int K, int num_threads) {
+    return r16_linear(x, x_bf16, x_stride, w, type, y, y_bf16, y_stride, M, N, K, num_threads, 1);
 }
 
 /* ---- Q8: int8 activations against the file's blocks, AVX2 (llama.cpp's ggml_vec_dot_*_q8_0 / _q8_1 / _q8_K) ----
