@@ -529,23 +529,39 @@ static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K,
  * K-quants' mins) meet the rounded activations' sums, as llama.cpp's Q8_1: the output is then the dequantized
  * weights' exact product with the rounded activations, where the exact sums would leave the unsigned codes' larger
  * error (codes 0..255 against -128..127 for Q8_0). */
-static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_stride, int K, int m) {
-    const int Kp = a->Kp;
-    for (int k0 = 0; k0 < Kp; k0 += 32) {
-        float v[32];
-        const float amax = load_block32(x, x_bf16, x_stride, K, m, k0, v);
-        const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
-        a->xd[(size_t)m * (Kp / 32) + k0 / 32] = d;
-        int8_t *q = (int8_t *)a->xq + (size_t)m * Kp + k0;
-        int sum[2] = {0, 0};
-        for (int i = 0; i < 32; i++) q[i] = (int8_t)__builtin_lrintf(v[i] * id), sum[i / 16] += q[i];
-        float *xsum = a->xsum + (size_t)m * (Kp / 16) + k0 / 16;
-        xsum[0] = d * (float)sum[0], xsum[1] = d * (float)sum[1];
-    }
-}
-
 #if defined(__x86_64__)
 #define VNNI_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,f16c")))
+
+/* row m of x to int8 codes per 32 (scale max|x| / 127, rounded to nearest even), their scales and the rounded
+ * values' sums per 16, with AVX-512: 32 values per step, zeros past K */
+VNNI_BF16 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_stride, int K, int m) {
+    const int Kp = a->Kp;
+    for (int k0 = 0; k0 < Kp; k0 += 32) {
+        const int n = K - k0 < 0 ? 0 : K - k0 > 32 ? 32 : K - k0;
+        const __mmask16 m0 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+        const __mmask16 m1 = n >= 32 ? 0xFFFF : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
+        __m512 v0, v1;
+        if (x_bf16) {
+            const bf16 *p = (const bf16 *)x + (size_t)m * x_stride + k0;
+            v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, p)), 16));
+            v1 = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, p + 16)), 16));
+        } else {
+            const float *p = (const float *)x + (size_t)m * x_stride + k0;
+            v0 = _mm512_maskz_loadu_ps(m0, p), v1 = _mm512_maskz_loadu_ps(m1, p + 16);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float id = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+        int8_t *q = (int8_t *)a->xq + (size_t)m * Kp + k0;
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(q1));
+        a->xd[(size_t)m * (Kp / 32) + k0 / 32] = d;
+        float *xsum = a->xsum + (size_t)m * (Kp / 16) + k0 / 16;
+        xsum[0] = d * (float)_mm512_reduce_add_epi32(q0), xsum[1] = d * (float)_mm512_reduce_add_epi32(q1);
+    }
+}
 
 /* the 16 rows' dot products of codes k..k+3 (one lane per row, split into the words (c0, c2) in w02 and
  * (c1, c3) in w13) with activations xq[k..k+3], stored (x0, x2, x1, x3): a += w02 . (x0, x2) and
