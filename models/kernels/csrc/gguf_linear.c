@@ -25,11 +25,14 @@
  *                     (FP4_VALUES): w = 2^(e - 128) FP4_VALUES[q] (ggml's e8m0_to_fp32_half)
  * The IQ4 types' and MXFP4's codes are table indices: their value is table[q] (min 0) instead of q.
  *
- * Two kernels:
- *  - portable C on the file's blocks (float32 activations, CPUs without AVX512-VNNI/BF16, and the
+ * Three kernels:
+ *  - portable C on the file's blocks (MINIVLLM_GGUF_ACTIVATIONS=float, CPUs without AVX2, and the
  *    reference): a row unpacked, then sum_g scale_g sum_{k in g} x q + min_g sum_{k in g} x in float32;
  *  - AVX512-VNNI on "R16" weights (below): the blocks of 16 rows interleaved at load, so that one
- *    instruction multiplies codes of 16 rows at once, with int16 activations.
+ *    instruction multiplies codes of 16 rows at once, with int8 activations (gguf_r16_linear_i8, the
+ *    default) or int16 ones (gguf_r16_linear);
+ *  - AVX2 on the file's blocks with int8 activations (gguf_q8_linear, llama.cpp's arithmetic), for the
+ *    types without R16 and CPUs without AVX512-VNNI.
  * Threads split W's rows. x [M, K] float32 or bfloat16 (rows x_stride apart), y [M, N] float32 or
  * bfloat16 (rows y_stride apart). Functions return -1 for a type they do not know (nothing written).
  */
