@@ -592,9 +592,9 @@ VNNI_BF16 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_str
             _mm512_mask_storeu_ps((float *)y + at, keep, v);                                              \
     } while (0)
 
-/* the 32 codes' int32 dot products of 16 rows (wq; w02, w13 their words for int16) with row `row` of x from         \
- * column k, codes 0..15 in i0 and 16..31 in i1: int8 activations (I8) in one _mm512_dpbusd_epi32 per 4 codes,       \
- * int16 ones in two _mm512_dpwssd_epi32 (DOT4) */                                                                   \
+/* the 32 codes' int32 dot products of 16 rows (wq; w02, w13 their words for int16) with row `row` of x from
+ * column k, codes 0..15 in i0 and 16..31 in i1: int8 activations (I8) in one _mm512_dpbusd_epi32 per 4 codes,
+ * int16 ones in two _mm512_dpwssd_epi32 (DOT4) */
 #define R16_DOT32(I8, a, row, k, wq, w02, w13, i0, i1)                                                               \
     do {                                                                                                             \
         if (I8) {                                                                                                    \
@@ -654,8 +654,8 @@ VNNI_BF16 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_str
     for (int l = (jb) * (rec_bytes) / 8; l < ((jb) + 1) * (rec_bytes) / 8; l += 64)                       \
     _mm_prefetch((const char *)((rec) + 2 * (rec_bytes) + l), _MM_HINT_T0)
 
-/* One group of 16 rows of a 32-weight TYPE against MM rows of x: y[m0 + j][n0 + r] for r < nr; NAME r16_group       \
- * (int16 activations) or r16b_group (int8, I8) */                                                                   \
+/* One group of 16 rows of a 32-weight TYPE against MM rows of x: y[m0 + j][n0 + r] for r < nr; NAME r16_group
+ * (int16 activations) or r16b_group (int8, I8) */
 #define R16_GROUP_OF(NAME, I8, TYPE, MM)                                                                             \
     VNNI_BF16 static void NAME##_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nb, int m0, void *y, int y_bf16, \
                                                int y_stride, int n0, int nr) {                                       \
@@ -685,7 +685,7 @@ VNNI_BF16 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_str
         for (int j = 0; j < MM; j++) STORE16(acc[j], m0 + j);                                                        \
     }
 
-/* One group of 16 rows of a super-block TYPE against MM rows of x */                                                \
+/* One group of 16 rows of a super-block TYPE against MM rows of x */
 #define R16K_GROUP_OF(NAME, I8, TYPE, MM)                                                                            \
     VNNI_BF16 static void NAME##_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y, int y_bf16, \
                                                int y_stride, int n0, int nr) {                                       \
