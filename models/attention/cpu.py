@@ -4,9 +4,9 @@ In torch, attention over a paged cache needs a gathered (copied), padded K/V bat
 costs more than the model's matmuls at batch 64. `models/kernels/csrc/paged_attention.c` writes the step's
 new K/V into the cache and reads every K/V row in place through the block table, as vLLM's CPU
 kernels do, with an online softmax (one pass over K and V), all query heads of a GQA group per K/V
-load, AVX512-BF16 dot products (bfloat16) or AVX2 (float32) where the CPU has them, and split keys when
-the step has too few (sequence, kv head) tasks for the threads (batch 1). The cache is "HND" per layer,
-[num_blocks, num_kv_heads, block_size, head_dim], so one head's keys of a block are contiguous.
+load, AVX512-BF16 dot products (bfloat16 and quantized caches) or AVX2 (float32) where the CPU has them,
+and split keys when the step has too few (sequence, kv head) tasks for the threads (batch 1). The cache is
+"HND" per layer, [num_blocks, num_kv_heads, block_size, head_dim], so one head's keys of a block are contiguous.
 """
 
 import os
@@ -18,16 +18,18 @@ from models.kernels import cpu_kernels
 
 
 def kernel_isa(dtype: torch.dtype = torch.bfloat16) -> str:
-    """The path the kernel takes on this CPU for a cache in `dtype`: "avx512bf16" (bfloat16), "avx2"
-    (float32, and the quantized caches' storage dtypes: int8 and fp8 rows turned into float32 per chunk), or
-    "portable" (on a CPU without the extension). `MINIVLLM_CPU_ISA=portable` forces the portable C path."""
+    """The path the kernel takes on this CPU for a cache in `dtype` (head_dim 64 or 128): "avx512bf16" (bfloat16,
+    and the quantized caches' storage dtypes, int8 and fp8 rows turned into bfloat16 per chunk, queries rounded to
+    bfloat16 under float32 activations), "avx2" (float32, and the quantized caches as float32 rows on a CPU without
+    AVX512-BF16), or "portable" (on a CPU without either). `MINIVLLM_CPU_ISA=portable` forces the portable C
+    path."""
     lib = cpu_kernels.load()
     if lib is None or os.environ.get("MINIVLLM_CPU_ISA") == "portable":
         return "portable"
     isa = lib.attention_isa()
-    if dtype == torch.bfloat16 and isa & 1:
-        return "avx512bf16"
     quantized = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+    if (dtype == torch.bfloat16 or dtype in quantized) and isa & 1:
+        return "avx512bf16"
     return "avx2" if (dtype == torch.float32 or dtype in quantized) and isa & 2 else "portable"
 
 

@@ -24,9 +24,11 @@
  * ISA. bfloat16 with head_dim 64 or 128 takes an AVX-512 path when the CPU has AVX512-BF16 (checked at
  * run time; `isa` 0 forces the portable path): scores from _mm512_dpbf16_ps over keys transposed into
  * bfloat16 pairs (16 scores per register, no horizontal sums), a vector exp, and accumulators kept in
- * registers for blocks of up to RB query rows. float32 with head_dim 64, 128 or 256 takes an AVX2 path (keys read in
- * place, eight scores per register, a vector exp); so do quantized caches of those head sizes, each chunk's keys and
- * values first turned into float rows (int8 times its scale; fp8 through float16 with F16C). The portable path is
+ * registers for blocks of up to RB query rows; so do quantized caches of those head sizes, each chunk's keys and
+ * values first turned into bfloat16 rows (queries rounded to bfloat16 under float32 activations). float32 with
+ * head_dim 64, 128 or 256 takes an AVX2 path (keys read in place, eight scores per register, a vector exp); so do
+ * quantized caches on a CPU without AVX512-BF16 (or of head_dim 256), each chunk turned into float rows (int8 times
+ * its scale; fp8 through float16 with F16C). The portable path is
  * plain C that the compiler vectorizes, for other head sizes, soft caps and CPUs without those extensions.
  * Accumulation is float32 throughout.
  *
@@ -35,8 +37,8 @@
  * scales, one per 32 values: x = q * scale, scale = max|x| / 127), kvq 2 = fp8 e4m3 ("fn": max 448, no
  * infinities), kvq 3 = fp8 e5m2 (max 57344); fp8 values saturate at the format's largest finite value, as
  * vLLM's conversions do, and round to nearest even. The new K/V are quantized as they are written; each
- * chunk of 16 keys is dequantized into the same small float32 buffer the portable path uses for bfloat16,
- * so the cache is read in place, never copied whole.
+ * chunk of 16 keys is dequantized into a small per-thread buffer, so the cache is read in place, never copied
+ * whole.
  */
 #include <math.h>
 #include <omp.h>
@@ -52,6 +54,7 @@
 #define MAX_ROWS 64  /* query rows per task: group size * QT positions, at most */
 #define CHUNK 16     /* keys per online-softmax step */
 #define MIN_PART 256 /* keys per partition when a task's keys are split */
+#define AVX_BF16 2   /* a quantized cache's chunks dequantized to bfloat16 for the AVX512-BF16 step (1: float, AVX2) */
 /* "minus infinity" for masked scores and empty maxima: finite, because -ffast-math assumes no infinities */
 #define NEG_INF (-1e30f)
 #define IS_NEG_INF(x) ((x) <= 0.5f * NEG_INF)
@@ -225,6 +228,26 @@ static void chunk_portable_uint8_t(Task *tk, const uint8_t *kp, const uint8_t *v
 }
 
 #if defined(__x86_64__)
+/* Values d..d+7 of a quantized row r (D int8 or fp8 codes, then int8's D / 32 scales) in float32, with AVX2 and
+ * F16C: int8 times its per-32 scale; fp8 through float16, whose bits it is moved into: e5m2 is a float16's top byte,
+ * e4m3's exponent and mantissa sit 8 exponent steps low (times 2^8 after the conversion, subnormals included).
+ * Exact: every value is representable on the way. */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 kvq_row8(const uint8_t *r, int D, int d, int kvq) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)(r + d));
+    if (kvq == 1) {
+        float scale;
+        memcpy(&scale, r + D + d / 32 * sizeof(float), sizeof(float));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(scale));
+    }
+    if (kvq == 2) {
+        const __m128i w = _mm_cvtepu8_epi16(b);
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                       _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+        return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+    }
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8));
+}
+
 /* e^r for |r| <= ln 2 / 2: the degree-6 Taylor polynomial of the vector exps, in FMADD's width */
 #define EXP_TAYLOR6(FMADD, SET1, r)                                                                                \
     FMADD(FMADD(FMADD(FMADD(FMADD(FMADD(SET1(1.f / 720), r, SET1(1.f / 120)), r, SET1(1.f / 24)), r, SET1(1.f / 6)), \
@@ -381,6 +404,29 @@ static int cpu_has_avx512bf16(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
 }
+
+/* kvq_load into bfloat16 rows [n, D] (D % 16 == 0): kvq_row8's float32 values rounded to bfloat16 (int8: 2^-9
+ * relative, under its own step of max / 127; fp8 exactly, its 3 or 2 mantissa bits within bfloat16's 7) */
+AVX512BF16 static void kvq_load_bf16(const uint8_t *src, int n, int D, int row, int kvq, bf16 *dst) {
+    for (int t = 0; t < n; t++) {
+        const uint8_t *r = src + (size_t)t * row;
+        for (int d = 0; d < D; d += 16) {
+            const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(kvq_row8(r, D, d, kvq)));
+            const __m512 v = _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(kvq_row8(r, D, d + 8, kvq)), 1));
+            _mm256_storeu_si256((__m256i *)(dst + (size_t)t * D + d), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+
+/* A chunk of a quantized cache on AVX512-BF16: its keys and values into bfloat16 rows (kvb holds 2 CHUNK rows of
+ * D), then the bfloat16 step. Through float rows and AVX2 instead, 16 keys x 3 query rows took 580-840 ns a chunk,
+ * more than a bfloat16 cache's chunk at twice the bytes. */
+AVX512BF16 static void chunk_avx512_q(Task *tk, const uint8_t *kp, const uint8_t *vp, int pos0, int n, bf16 *kvb) {
+    bf16 *vb = kvb + (size_t)CHUNK * tk->D;
+    kvq_load_bf16(kp, n, tk->D, tk->row, tk->kvq, kvb);
+    kvq_load_bf16(vp, n, tk->D, tk->row, tk->kvq, vb);
+    chunk_avx512(tk, kvb, vb, pos0, n);
+}
 #else
 static int cpu_has_avx512bf16(void) { return 0; }
 #endif
@@ -497,31 +543,10 @@ AVX2F static void chunk_avx2(Task *tk, const float *kp, const float *vp, int pos
     else chunk_avx2_256(tk, kp, vp, pos0, n);
 }
 
-/* kvq_load for AVX2 with F16C (D % 8 == 0): int8 times its per-32 scale; fp8 through float16, whose bits it
- * is moved into: e5m2 is a float16's top byte, e4m3's exponent and mantissa sit 8 exponent steps low (times
- * 2^8 after the conversion, subnormals included). Exact: every value is representable on the way. */
+/* kvq_load for AVX2 with F16C (D % 8 == 0) */
 AVX2F static void kvq_load_avx2(const uint8_t *src, int n, int D, int row, int kvq, float *dst) {
-    for (int t = 0; t < n; t++) {
-        const uint8_t *r = src + (size_t)t * row;
-        float *o = dst + (size_t)t * D;
-        for (int d = 0; d < D; d += 8) {
-            const __m128i b = _mm_loadl_epi64((const __m128i *)(r + d));
-            __m256 v;
-            if (kvq == 1) {
-                float scale;
-                memcpy(&scale, r + D + d / 32 * sizeof(float), sizeof(float));
-                v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(scale));
-            } else if (kvq == 2) {
-                const __m128i w = _mm_cvtepu8_epi16(b);
-                const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
-                                               _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
-                v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
-            } else {
-                v = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8));
-            }
-            _mm256_storeu_ps(o + d, v);
-        }
-    }
+    for (int t = 0; t < n; t++)
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + (size_t)t * D + d, kvq_row8(src + (size_t)t * row, D, d, kvq));
 }
 
 /* A chunk of a quantized cache on AVX2: its keys and values into float rows (kvf holds 2 CHUNK rows of D), then
@@ -539,29 +564,46 @@ static int cpu_has_avx2f(void) { return 0; }
 /* The SIMD paths this CPU takes: bit 0 = AVX512-BF16 (bfloat16 caches), bit 1 = AVX2 (float32 caches). */
 int attention_isa(void) { return cpu_has_avx512bf16() | cpu_has_avx2f() << 1; }
 
-/* Asks for [p, p + bytes) in L1 ahead of use. A task's blocks lie wherever the block table put them, so
- * the hardware prefetchers cannot guess the next one: without this the kernel waited on DRAM latency
- * and streamed K/V at ~12 GB/s on this 2-core EPYC. */
-static inline void prefetch_bytes(const void *p, size_t bytes) {
+/* Asks for [p, p + bytes) in the L2 (hint T1) or the L1 (T0) ahead of use. */
+static inline void prefetch_l2(const void *p, size_t bytes) {
+    for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 2);
+}
+static inline void prefetch_l1(const void *p, size_t bytes) {
     for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
 }
 
-/* Runs keys [k_begin, k_end) of one task through its chunks, the next chunk's K and V prefetched while
- * the current one computes. */
+/* K and V bytes a task keeps in flight towards the L2 ahead of the chunk it computes */
+#define PREFETCH_BYTES (24 << 10)
+
+/* Runs keys [k_begin, k_end) of one task through its chunks. A task's blocks lie wherever the block table put them,
+ * so the hardware prefetchers cannot guess the next one: a cursor runs PREFETCH_BYTES of K and V ahead into the L2,
+ * a block table entry at a time, and the next chunk is asked into the L1. With only the next chunk asked for, the
+ * kernel waited on DRAM latency once a step's caches outgrew the L3 (W64 decode on this 2-core EPYC: 30 layers of
+ * 17 MB, 47 ms a step at 11 GB/s; 27.5 ms with the cursor). */
 #define RUN_KEYS(T)                                                                                    \
     static void run_keys_##T(Task *tk, const T *k_cache, const T *v_cache, const int32_t *table,       \
                              int k_begin, int k_end, int h, int num_kv_heads, int bs, int avx, float *kvf) { \
+        const size_t row_bytes = (size_t)tk->row * sizeof(T);                                          \
+        const int lead = PREFETCH_BYTES / (2 * row_bytes) > CHUNK ? PREFETCH_BYTES / (2 * row_bytes) : CHUNK; \
+        int pf = k_begin; /* keys before pf have been asked for */                                     \
         for (int t = k_begin; t < k_end;) {                                                            \
             const int off = t % bs;                                                                    \
             int n = bs - off < CHUNK ? bs - off : CHUNK;                                               \
             n = k_end - t < n ? k_end - t : n;                                                         \
             const size_t base = (((size_t)table[t / bs] * num_kv_heads + h) * bs + off) * tk->row;     \
+            for (const int ahead = t + lead < k_end ? t + lead : k_end; pf < ahead;) {                 \
+                const int poff = pf % bs, pn = bs - poff < ahead - pf ? bs - poff : ahead - pf;         \
+                const size_t at = (((size_t)table[pf / bs] * num_kv_heads + h) * bs + poff) * tk->row;  \
+                prefetch_l2(k_cache + at, pn * row_bytes);                                             \
+                prefetch_l2(v_cache + at, pn * row_bytes);                                             \
+                pf += pn;                                                                              \
+            }                                                                                          \
             const int next = t + n;                                                                    \
             if (next < k_end) {                                                                        \
                 const int noff = next % bs, nn = bs - noff < CHUNK ? bs - noff : CHUNK;                \
-                const size_t nbase = (((size_t)table[next / bs] * num_kv_heads + h) * bs + noff) * tk->row; \
-                prefetch_bytes(k_cache + nbase, (size_t)nn * tk->row * sizeof(T));                     \
-                prefetch_bytes(v_cache + nbase, (size_t)nn * tk->row * sizeof(T));                     \
+                const size_t at = (((size_t)table[next / bs] * num_kv_heads + h) * bs + noff) * tk->row; \
+                prefetch_l1(k_cache + at, nn * row_bytes);                                             \
+                prefetch_l1(v_cache + at, nn * row_bytes);                                             \
             }                                                                                          \
             CHUNK_DISPATCH_##T(tk, k_cache + base, v_cache + base, t, n, kvf, avx);                    \
             t += n;                                                                                    \
@@ -585,7 +627,8 @@ static inline void prefetch_bytes(const void *p, size_t bytes) {
 #if defined(__x86_64__)
 #define CHUNK_DISPATCH_uint8_t(tk, kp, vp, t, n, kvf, avx)                                             \
     do {                                                                                               \
-        if (avx) chunk_avx2_q(tk, kp, vp, t, n, kvf);                                                  \
+        if (avx == AVX_BF16) chunk_avx512_q(tk, kp, vp, t, n, (bf16 *)(kvf));                          \
+        else if (avx) chunk_avx2_q(tk, kp, vp, t, n, kvf);                                             \
         else chunk_portable_uint8_t(tk, kp, vp, t, n, kvf);                                            \
     } while (0)
 #else
@@ -595,11 +638,12 @@ RUN_KEYS(float)
 RUN_KEYS(bf16)
 RUN_KEYS(uint8_t)
 #define UNPERMUTE_float(tk, avx)
-#define UNPERMUTE_uint8_t(tk, avx)
 #if defined(__x86_64__)
 #define UNPERMUTE_bf16(tk, avx) if (avx) unpermute_acc(tk)
+#define UNPERMUTE_uint8_t(tk, avx) if (avx == AVX_BF16) unpermute_acc(tk)
 #else
 #define UNPERMUTE_bf16(tk, avx)
+#define UNPERMUTE_uint8_t(tk, avx)
 #endif
 
 /* The query positions of one tile: sequence s (tile_start[s] <= tile < tile_start[s + 1]), its q_len new
@@ -666,9 +710,11 @@ static inline float sink_inverse(const float *sinks, int head, float m, float l)
         if (D > MAX_HEAD_DIM || G * QT > MAX_ROWS || (kvq == 1 && D % 32)) return -1;                  \
         const int row = kvq ? kvq_row_bytes(D, kvq) : D; /* cache elements per row of a head */       \
         /* the SIMD chunk step: AVX512-BF16 for bfloat16, AVX2 for float32 and (through float rows) quantized */ \
-        const int avx = isa && softcap == 0.f &&                                                       \
-                        (sizeof(TC) == 2 ? (D == 64 || D == 128) && cpu_has_avx512bf16()               \
-                                         : (D == 64 || D == 128 || D == 256) && cpu_has_avx2f());      \
+        const int bf16_ok = (D == 64 || D == 128) && cpu_has_avx512bf16();                             \
+        const int avx = !isa || softcap != 0.f ? 0                                                     \
+                        : sizeof(TC) == 2      ? bf16_ok                                               \
+                        : sizeof(TC) == 1 && bf16_ok ? AVX_BF16                                        \
+                        : (D == 64 || D == 128 || D == 256) && cpu_has_avx2f();                        \
         /* 1. the new tokens' K/V into their slots (every read below may need them) */                 \
         _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
         for (int i = 0; i < num_tokens; i++) {                                                         \
@@ -699,7 +745,8 @@ static inline float sink_inverse(const float *sinks, int head, float m, float l)
         }                                                                                              \
         const size_t row_floats = (size_t)MAX_ROWS * D;                                                \
         /* per thread: acc, qf, a key and a value chunk; per unit when split: acc, m, l */             \
-        float *thread_ws = kernel_scratch(0, sizeof(float) * (size_t)num_threads * (2 * row_floats + 2 * CHUNK * D)); \
+        const size_t ws_floats = 3 * row_floats + 2 * CHUNK * D; /* acc, qf, bfloat16 queries, K/V chunk */ \
+        float *thread_ws = kernel_scratch(0, sizeof(float) * (size_t)num_threads * ws_floats);        \
         float *part_ws = parts > 1 ? kernel_scratch(1, sizeof(float) * (size_t)num_tasks * parts * (row_floats + 2 * MAX_ROWS)) \
                                    : NULL;                                                             \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
@@ -708,7 +755,8 @@ static inline float sink_inverse(const float *sinks, int head, float m, float l)
             const int h = task % num_kv_heads;                                                         \
             const Tile ti = tile_of(task / num_kv_heads, tile_start, query_start_loc);                 \
             const int s = ti.s, nq = ti.nq;                                                            \
-            float *ws = thread_ws + (size_t)omp_get_thread_num() * (2 * row_floats + 2 * CHUNK * D);   \
+            float *ws = thread_ws + (size_t)omp_get_thread_num() * ws_floats;                          \
+            bf16 *qb16 = (bf16 *)(ws + 2 * row_floats); /* queries rounded to bfloat16 (float32 q, AVX_BF16) */ \
             Task tk = {.R = nq * G, .G = G, .D = D, .row = row, .kvq = kvq,                             \
                        .first_pos = seq_lens[s] - ti.q_len + ti.j_first,                              \
                        .window = window, .scale = scale, .softcap = softcap, .acc = ws,                \
@@ -723,13 +771,17 @@ static inline float sink_inverse(const float *sinks, int head, float m, float l)
                 const T *qr = q + (tok0 + r / G) * q_stride + ((size_t)h * G + r % G) * D;             \
                 for (int d = 0; d < D; d++) tk.qf[(size_t)r * D + d] = TO_F32(qr[d]);                  \
                 tk.qb[r] = (const bf16 *)qr;                                                           \
+                if (sizeof(T) == 4 && avx == AVX_BF16) {                                               \
+                    for (int d = 0; d < D; d++) qb16[(size_t)r * D + d] = f32_to_bf16(tk.qf[(size_t)r * D + d]); \
+                    tk.qb[r] = qb16 + (size_t)r * D;                                                   \
+                }                                                                                      \
                 tk.m[r] = NEG_INF;                                                                     \
                 tk.l[r] = 0.f;                                                                         \
             }                                                                                          \
             memset(tk.acc, 0, sizeof(float) * tk.R * D);                                               \
             if (k_begin < k_end)                                                                       \
                 run_keys_##TC(&tk, k_cache, v_cache, block_tables + (size_t)s * max_blocks, k_begin,  \
-                              k_end, h, num_kv_heads, bs, avx, ws + 2 * row_floats);                   \
+                              k_end, h, num_kv_heads, bs, avx, ws + 3 * row_floats);                   \
             UNPERMUTE_##TC(&tk, avx);                                                                  \
             if (parts == 1) {                                                                          \
                 for (int r = 0; r < tk.R; r++) {                                                       \
