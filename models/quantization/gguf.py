@@ -60,6 +60,10 @@ PORTABLE_MAX_ROWS = 8
 # took 17-24 ms all repacked against 23-28 with its >8 MiB weights on blocks (AMD EPYC with AVX512-VNNI, 2 threads:
 # docs/benchmarks.md)
 R16_FLOAT32_MAX_BYTES = 8 << 20
+# such a weight also gets an R16 copy for steps of at least this many rows: the blocks' AVX2 kernel ran the default
+# model's LM head at 64 rows at 90 GMAC/s against the VNNI kernel's 255 (a W64 decode step's LM head 23 -> 9 ms), for
+# the copy's bytes (30 MB there) kept beside the blocks
+R16_COPY_MIN_ROWS = 4
 # the AVX2 int8 kernel (8 rows of x at a time over L1-sized weight tiles) takes every row count, prompts included, as
 # llama.cpp runs them on int8 activations: at 512 rows it ran Qwen3.5-2B's Q4_K and Q6_K shapes 1.2-1.7x faster than
 # dequantizing the weight for torch's float32 GEMM, and was even with that on the default model's Q4_1 shapes (AVX2
@@ -185,6 +189,7 @@ class GGUFTensor:
     cols: int
     rows: int = -1
     r16: bool = False
+    r16_copy: torch.Tensor | None = None  # add_r16_copy: the blocks' R16 form, for steps of R16_COPY_MIN_ROWS rows
 
     def __post_init__(self):
         if self.rows < 0:
@@ -221,6 +226,12 @@ class GGUFTensor:
         if packed is not None:
             self.data, self.r16 = packed, True
 
+    def add_r16_copy(self) -> None:
+        """Keeps an R16 copy beside the blocks (where the CPU and the type allow it) for matmuls of at least
+        R16_COPY_MIN_ROWS rows."""
+        if not self.r16 and gguf_kernel() not in ("portable", "avx2"):
+            self.r16_copy = ops.gguf_repack_r16(self.data, self.qtype, self.cols)
+
     @property
     def int8(self) -> bool:
         """Whether products quantize the activations to int8: repacked weights where r16_int8(), blocks of
@@ -238,6 +249,8 @@ class GGUFTensor:
         kernel where int8_activations(), at every M; other blocks (float32 activations, or a CPU without VNNI) the
         portable kernel for up to PORTABLE_MAX_ROWS rows, and for more the weight dequantized once for torch's GEMM,
         which is faster then."""
+        if self.r16_copy is not None and x.shape[0] >= R16_COPY_MIN_ROWS:
+            return ops.gguf_linear(x, self.r16_copy, self.qtype, self.rows, self.cols, True, out, r16_int8())
         if self.r16 or x.shape[0] <= self.kernel_rows:
             return ops.gguf_linear(x, self.data, self.qtype, self.rows, self.cols, self.r16, out, self.int8)
         y = ops.linear(x, ops.gguf_dequantize(self.data, self.qtype, self.cols, x.dtype))
@@ -277,10 +290,10 @@ class GGUFLinearMethod:
         under float32: half the bytes, the same values) and repacks the quantized ones for the AVX512-VNNI kernel
         where the CPU has it (int8 activations per 32, or int16 with MINIVLLM_GGUF_ACTIVATIONS=int16; under
         float32 Q8_0 weights over R16_FLOAT32_MAX_BYTES keep their blocks for the AVX2 int8 kernel, faster at one
-        row), except with MINIVLLM_GGUF_ACTIVATIONS=float, which keeps the blocks for the exact float32 kernel;
-        probes AMX (amx_tiles). Raises ValueError when a projection
-        is missing, for a bad MINIVLLM_GGUF_ACTIVATIONS or MINIVLLM_GGUF_KERNEL, or for MINIVLLM_GGUF_KERNEL=amx
-        where AMX cannot run (read here, at load, rather than at a request's first step)."""
+        row, with an R16 copy for steps of R16_COPY_MIN_ROWS rows), except with MINIVLLM_GGUF_ACTIVATIONS=float,
+        which keeps the blocks for the exact float32 kernel; probes AMX (amx_tiles). Raises ValueError when a
+        projection is missing, for a bad MINIVLLM_GGUF_ACTIVATIONS or MINIVLLM_GGUF_KERNEL, or for
+        MINIVLLM_GGUF_KERNEL=amx where AMX cannot run (read here, at load, rather than at a request's first step)."""
         int8_activations()
         r16_int8()
         amx_tiles()
@@ -306,10 +319,15 @@ class GGUFLinearMethod:
                 large_q8 = w.qtype == GGMLQuantizationType.Q8_0 and w.data.nbytes > R16_FLOAT32_MAX_BYTES
                 if dtype == torch.bfloat16 or (activations_mode() != "float" and not large_q8):
                     w.repack()
+                elif activations_mode() != "float":
+                    w.add_r16_copy()
 
     @property
     def nbytes(self) -> int:
-        return sum((w.data if isinstance(w, GGUFTensor) else w).nbytes for _, w in self.segments)
+        return sum(
+            w.data.nbytes + (0 if w.r16_copy is None else w.r16_copy.nbytes) if isinstance(w, GGUFTensor) else w.nbytes
+            for _, w in self.segments
+        )
 
     def formats(self) -> set[str]:
         return {
@@ -438,8 +456,8 @@ class GGUFConfig:
 
 
 def weight_summary(model: torch.nn.Module) -> tuple[dict[str, int], str]:
-    """Resident weight bytes of a model by format ("Q4_1 (R16)", "Q8_0", "bfloat16", ...), and a line for
-    the start-up log naming which layers run in which format."""
+    """Resident weight bytes of a model by format ("Q4_1 (R16)", "Q8_0", "Q8_0 (R16 copy)", "bfloat16", ...), and
+    a line for the start-up log naming which layers run in which format."""
     formats: dict[str, int] = {}
     where: dict[str, set[str]] = {}
     for name, module in model.named_modules():
@@ -455,6 +473,10 @@ def weight_summary(model: torch.nn.Module) -> tuple[dict[str, int], str]:
             )
             formats[key] = formats.get(key, 0) + (w.data if isinstance(w, GGUFTensor) else w).nbytes
             where.setdefault(key, set()).add(name.rpartition(".")[2])
+            if isinstance(w, GGUFTensor) and w.r16_copy is not None:
+                key = f"{w.qtype.name} (R16 copy)"
+                formats[key] = formats.get(key, 0) + w.r16_copy.nbytes
+                where.setdefault(key, set()).add(name.rpartition(".")[2])
     for name, p in model.named_parameters():
         if p.numel():  # norms, biases (quantized layers' placeholders are empty)
             key = str(p.dtype).removeprefix("torch.")
