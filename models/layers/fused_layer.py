@@ -4,9 +4,11 @@ At batch 1 a layer's arithmetic takes less time than the ~10 Python-level ops ar
 argument packing, new tensors, OpenMP threads waking for each kernel). `FusedDecoderLayer` describes a Llama-family
 layer's tensors to the C entry point once and then runs the whole layer (both norms, the four GGUF linears,
 rotary, paged attention, SiLU-and-mul) per call, with the same kernels the op-by-op path calls, so the output is
-the same; a quantized KV cache (--kv-cache-dtype) goes to the same attention kernel's quantized form. It is a
-hook with a null default: `build` returns None for a layer it cannot run (another device or dtype, a float
-checkpoint's weights, Qwen3's q/k norms, Granite's multipliers, soft caps, experts, tensor parallelism), and a
+the same; a quantized KV cache (--kv-cache-dtype) goes to the same attention kernel's quantized form. A bfloat16
+GGUF model computes its norms and MLP in float32 and q, k, v and the attention in bfloat16 (models/layers/
+attention.py): the call does the same (attn_bf16). It is a hook with a null default: `build` returns None for a
+layer it cannot run (another device or dtype, a float checkpoint's weights, Qwen3's q/k norms, Granite's
+multipliers, soft caps, experts, tensor parallelism, a qkv bias under bfloat16), and a
 call returns None for a step of more than DECODE_MAX_ROWS tokens, or more than the layer's GGUF kernels take
 without dequantizing (`max_rows`: the least GGUFTensor.kernel_rows of its weights); the layer then runs op by op.
 """
@@ -57,6 +59,7 @@ class LayerDesc(ctypes.Structure):
         ("window", ctypes.c_int),
         ("block_size", ctypes.c_int),
         ("kvq", ctypes.c_int),
+        ("attn_bf16", ctypes.c_int),
         ("input_norm", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
         ("qkv", LayerLinear),
@@ -95,17 +98,19 @@ def _linear(module, segments: list[GGUFTensor]) -> LayerLinear:
 
 
 class FusedDecoderLayer:
-    """A LlamaDecoderLayer (models/llama.py) run by one `decoder_layer_float` call per step.
+    """A LlamaDecoderLayer (models/llama.py) run by one `decoder_layer_float` call per step (attn_dtype: q, k, v's).
 
     __call__(residual, x, rope, kv_cache, meta) takes and returns what the layer's forward does: residual float32
     [T, hidden] updated in place, x the previous layer's MLP output [T, hidden] or None, rope float32 (cos, sin)
-    [T, head_dim // 2], kv_cache this layer's (k_cache, v_cache) (float32, or a --kv-cache-dtype's storage), meta
-    the step's AttentionMetadata; returns this layer's MLP output [T, hidden], or None (nothing done) when
-    T > max_rows or the kernels are off (ops.torch_ops()). Raises ValueError when a kernel refuses a shape.
+    [T, head_dim // 2], kv_cache this layer's (k_cache, v_cache) (the model dtype, or a --kv-cache-dtype's
+    storage), meta the step's AttentionMetadata; returns this layer's MLP output [T, hidden], or None (nothing
+    done) when T > max_rows or the kernels are off (ops.torch_ops()). Raises ValueError when a kernel refuses a
+    shape.
     """
 
-    def __init__(self, lib, desc: LayerDesc, backend: CPUBackend, keep: list[torch.Tensor], max_rows: int):
+    def __init__(self, lib, desc: LayerDesc, backend: CPUBackend, keep: list[torch.Tensor], max_rows: int, attn_dtype):
         self.lib, self.desc, self.backend, self.max_rows = lib, desc, backend, max_rows
+        self.attn_dtype = attn_dtype  # q, k, v and the attention's: the model dtype (norms and MLP in float32)
         self._keep = keep  # the tensors whose addresses `desc` holds
         self._desc_ref = ctypes.byref(desc)
 
@@ -120,7 +125,7 @@ class FusedDecoderLayer:
             lib is None
             or not isinstance(backend, CPUBackend)
             or backend.logits_soft_cap
-            or backend.dtype not in (None, torch.float32)
+            or backend.dtype not in (None, torch.float32, torch.bfloat16)
             or attn.q_norm is not None
             or attn.rotary_dim != attn.head_dim
             or attn.sinks is not None
@@ -133,7 +138,8 @@ class FusedDecoderLayer:
             return None
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         weights = [_segments(m) for m in modules]
-        if any(w is None for w in weights):
+        attn_bf16 = backend.dtype == torch.bfloat16
+        if any(w is None for w in weights) or (attn_bf16 and attn.qkv_proj.bias is not None):
             return None
         qkv, o, gate_up, down = (_linear(m, w) for m, w in zip(modules, weights))
         desc = LayerDesc(
@@ -148,6 +154,7 @@ class FusedDecoderLayer:
             window=backend.sliding_window or 0,
             block_size=backend.block_size,
             kvq=backend.kv_quant,
+            attn_bf16=int(attn_bf16),
             input_norm=norms[0].data_ptr(),
             post_norm=norms[1].data_ptr(),
             qkv=qkv,
@@ -156,7 +163,7 @@ class FusedDecoderLayer:
             down=down,
         )
         max_rows = min([DECODE_MAX_ROWS] + [w.kernel_rows for segments in weights for w in segments])
-        return cls(lib, desc, backend, list(norms), max_rows)
+        return cls(lib, desc, backend, list(norms), max_rows, torch.bfloat16 if attn_bf16 else torch.float32)
 
     def __call__(self, residual, x, rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
         rows = residual.shape[0]
@@ -166,7 +173,7 @@ class FusedDecoderLayer:
         if (
             rows > self.max_rows
             or not ops.kernels_enabled()
-            or k_cache.dtype != (STORAGE[self.backend.kv_quant] if self.backend.kv_quant else torch.float32)
+            or k_cache.dtype != (STORAGE[self.backend.kv_quant] if self.backend.kv_quant else self.attn_dtype)
             or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)
         ):
             return None

@@ -91,13 +91,32 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel
             cached.cache_clear()
 
 
-def test_a_bfloat16_model_runs_op_by_op(prompts):
-    """A bfloat16 model has no fused form: build says None, and the layer keeps False after a step."""
-    bf16 = make_llm(dtype="bfloat16")
-    bf16.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
-    assert all(layer.fused is False for layer in bf16.engine.engine_core.executor.runner.model.layers)
-    layer = next(iter(bf16.engine.engine_core.executor.runner.model.layers))
-    assert FusedDecoderLayer.build(layer) is None
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_bfloat16_model_fuses_its_layers_too(prompts, kv_cache_dtype, monkeypatch):
+    """A bfloat16 GGUF model computes its norms and MLP in float32 and q, k, v and the attention in bfloat16: its
+    fused layer (attn_bf16) gives the op-by-op layer's greedy tokens and logprobs bit for bit, over a bfloat16 and
+    an int8 cache, at decode steps of 1 and 8 rows, while it really ran."""
+    bf16 = make_llm(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+    calls = []
+    real = FusedDecoderLayer.__call__
+
+    def counted(self, *args):
+        out = real(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(FusedDecoderLayer, "__call__", counted)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    for batch in [prompts[:1], prompts]:
+        calls.clear()
+        fused = _generate(bf16, batch, True, params)
+        assert any(calls), "the fused layer never ran"
+        plain = _generate(bf16, batch, False, params)
+        for a, b in zip(fused, plain):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+    layers = bf16.engine.engine_core.executor.runner.model.layers
+    assert all(isinstance(layer.fused, FusedDecoderLayer) and layer.fused.desc.attn_bf16 for layer in layers)
 
 
 def test_long_steps_are_declined(llm):
@@ -113,7 +132,7 @@ def test_long_steps_are_declined(llm):
 
 
 def test_auto_dtype_is_float32_for_gguf_blocks_without_amx(monkeypatch):
-    """dtype auto: a GGUF model on its blocks takes float32 (and so the one-call layer) on a CPU without AMX, as
+    """dtype auto: a GGUF model on its blocks takes float32 on a CPU without AMX, as
     llama.cpp computes; bfloat16 where AMX tiles run, and for other models on AVX512-BF16 (vLLM-CPU's rule)."""
     from engine.worker import model_runner
 

@@ -1,6 +1,7 @@
 /* One Llama-family decoder layer in one call, for the few rows of a decode step on the CPU (float32 activations,
- * GGUF weights, a float32 or quantized (--kv-cache-dtype) paged KV cache): the sequence models/llama.py's
- * LlamaDecoderLayer runs op by op,
+ * GGUF weights, a float32 or quantized (--kv-cache-dtype) paged KV cache; or, for a bfloat16 model (attn_bf16), q, k,
+ * v and the attention in bfloat16 over a bfloat16 or quantized cache, as its op-by-op layer computes them): the
+ * sequence models/llama.py's LlamaDecoderLayer runs op by op,
  *
  *     h = RMSNorm(residual += x)               add_rms_norm_float
  *     q | k | v = h Wqkv^T (+ b)               gguf_r16_linear / gguf_q8_linear / gguf_linear, per segment
@@ -17,6 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16.h"
+
 /* one linear layer's weight: up to 3 stacked segments of GGUF blocks (q | k in Q4_K and v in Q6_K, say) */
 typedef struct {
     int n;
@@ -31,7 +34,8 @@ typedef struct {
     int hidden, num_heads, num_kv_heads, head_dim, inter;
     float eps, scale;
     int use_rope, window, block_size;
-    int kvq; /* the cache's quantization code (models/attention/kv_cache_dtype.py), 0 for float32 */
+    int kvq;       /* the cache's quantization code (models/attention/kv_cache_dtype.py), 0 for none */
+    int attn_bf16; /* q | k | v out of their linear, rotary, the attention and o_proj's input in bfloat16 */
     const float *input_norm, *post_norm; /* float32 [hidden] */
     LayerLinear qkv, o, gate_up, down;
 } LayerDesc;
@@ -49,6 +53,19 @@ void add_rms_norm_float(float *residual, const float *delta, const float *weight
 void rotary_float(float *x, int num_tokens, int heads, int stride, int D, const float *cos_t, const float *sin_t,
                   int num_threads);
 void silu_and_mul_float(const float *gate_up, float *out, int num_tokens, int inter, int num_threads);
+void rotary_bf16(bf16 *x, int num_tokens, int heads, int stride, int D, const float *cos_t, const float *sin_t,
+                 int num_threads);
+int paged_attention_bf16(const bf16 *q, int q_stride, const bf16 *k, int k_stride, const bf16 *v, int v_stride,
+                         bf16 *k_cache, bf16 *v_cache, const int64_t *slot_mapping, int num_tokens,
+                         const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
+                         bf16 *out, int num_seqs, int num_heads, int num_kv_heads, int D, int bs, int max_blocks,
+                         float scale, int window, float softcap, int num_threads, int isa, int kvq, const float *sinks);
+int paged_attention_bf16_q(const bf16 *q, int q_stride, const bf16 *k, int k_stride, const bf16 *v, int v_stride,
+                           uint8_t *k_cache, uint8_t *v_cache, const int64_t *slot_mapping, int num_tokens,
+                           const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
+                           bf16 *out, int num_seqs, int num_heads, int num_kv_heads, int D, int bs, int max_blocks,
+                           float scale, int window, float softcap, int num_threads, int isa, int kvq,
+                           const float *sinks);
 int paged_attention_float(const float *q, int q_stride, const float *k, int k_stride, const float *v, int v_stride,
                           float *k_cache, float *v_cache, const int64_t *slot_mapping, int num_tokens,
                           const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
@@ -70,8 +87,8 @@ static int out_rows(const LayerLinear *w) {
     return n;
 }
 
-/* y [M, out_rows(w)] = x [M, K] W^T (+ b) */
-static int layer_linear(const LayerLinear *w, const float *x, int K, float *y, int M, int nt) {
+/* y [M, out_rows(w)] = x [M, K] W^T (+ b), x and y float32 or (x_bf16, y_bf16) bfloat16; a bias needs float32 y */
+static int layer_linear(const LayerLinear *w, const void *x, int x_bf16, int K, void *y, int y_bf16, int M, int nt) {
     const int N = out_rows(w);
     for (int s = 0, at = 0; s < w->n; at += w->rows[s], s++) {
         int (*const kernel)(const void *, int, int, const uint8_t *, int, void *, int, int, int, int, int, int) =
@@ -79,18 +96,21 @@ static int layer_linear(const LayerLinear *w, const float *x, int K, float *y, i
             : w->kernel[s] == 2 ? gguf_r16_linear
             : w->kernel[s] == 1 ? gguf_q8_linear
                                 : gguf_linear;
-        const int rc = kernel(x, 0, K, w->data[s], w->type[s], y + at, 0, N, M, w->rows[s], K, nt);
+        void *ys = y_bf16 ? (void *)((bf16 *)y + at) : (void *)((float *)y + at);
+        const int rc = kernel(x, x_bf16, K, w->data[s], w->type[s], ys, y_bf16, N, M, w->rows[s], K, nt);
         if (rc != 0) return rc;
     }
+    if (w->bias && y_bf16) return -1;
     if (w->bias)
         for (int m = 0; m < M; m++)
-            for (int j = 0; j < N; j++) y[(size_t)m * N + j] += w->bias[j];
+            for (int j = 0; j < N; j++) ((float *)y)[(size_t)m * N + j] += w->bias[j];
     return 0;
 }
 
 /* residual float32 [M, hidden], updated in place; x_in [M, hidden] (the previous layer's MLP output, or NULL);
  * x_out [M, hidden] (this layer's MLP output, not yet added); cos_t, sin_t float32 [M, head_dim / 2]; the cache
- * (float32, or the bytes of a quantized one when L->kvq) and metadata as paged_attention_float[_q] take them.
+ * (float32, bfloat16 with L->attn_bf16, or the bytes of a quantized one when L->kvq) and metadata as
+ * paged_attention_{float,bf16}[_q] take them.
  * Returns 0, or the failing kernel's status (nothing is half-written then but this layer's own K/V slots and
  * residual). */
 int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, float *x_out, int M,
@@ -104,20 +124,33 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
     float *gu = o + (size_t)M * H, *act = gu + (size_t)M * 2 * L->inter;
     int rc;
     add_rms_norm_float(residual, x_in, L->input_norm, h, M, H, L->eps, nt);
-    if ((rc = layer_linear(&L->qkv, h, H, qkv, M, nt))) return rc;
-    if (L->use_rope) rotary_float(qkv, M, L->num_heads + L->num_kv_heads, qkv_n, D, cos_t, sin_t, nt);
-    rc = L->kvq ? paged_attention_float_q(qkv, qkv_n, qkv + nq, qkv_n, qkv + nq + nkv, qkv_n, k_cache, v_cache,
-                                          slot_mapping, M, block_tables, seq_lens, query_start_loc, attn, num_seqs,
-                                          L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
-                                          L->window, 0.f, nt, isa, L->kvq, NULL)
-                : paged_attention_float(qkv, qkv_n, qkv + nq, qkv_n, qkv + nq + nkv, qkv_n, k_cache, v_cache,
-                                        slot_mapping, M, block_tables, seq_lens, query_start_loc, attn, num_seqs,
-                                        L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
-                                        L->window, 0.f, nt, isa, 0, NULL);
+    if ((rc = layer_linear(&L->qkv, h, 0, H, qkv, L->attn_bf16, M, nt))) return rc;
+    if (L->attn_bf16) {
+        bf16 *q = (bf16 *)qkv, *a = (bf16 *)attn;
+        if (L->use_rope) rotary_bf16(q, M, L->num_heads + L->num_kv_heads, qkv_n, D, cos_t, sin_t, nt);
+        rc = L->kvq ? paged_attention_bf16_q(q, qkv_n, q + nq, qkv_n, q + nq + nkv, qkv_n, k_cache, v_cache,
+                                             slot_mapping, M, block_tables, seq_lens, query_start_loc, a, num_seqs,
+                                             L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
+                                             L->window, 0.f, nt, isa, L->kvq, NULL)
+                    : paged_attention_bf16(q, qkv_n, q + nq, qkv_n, q + nq + nkv, qkv_n, k_cache, v_cache,
+                                           slot_mapping, M, block_tables, seq_lens, query_start_loc, a, num_seqs,
+                                           L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
+                                           L->window, 0.f, nt, isa, 0, NULL);
+    } else {
+        if (L->use_rope) rotary_float(qkv, M, L->num_heads + L->num_kv_heads, qkv_n, D, cos_t, sin_t, nt);
+        rc = L->kvq ? paged_attention_float_q(qkv, qkv_n, qkv + nq, qkv_n, qkv + nq + nkv, qkv_n, k_cache, v_cache,
+                                              slot_mapping, M, block_tables, seq_lens, query_start_loc, attn,
+                                              num_seqs, L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks,
+                                              L->scale, L->window, 0.f, nt, isa, L->kvq, NULL)
+                    : paged_attention_float(qkv, qkv_n, qkv + nq, qkv_n, qkv + nq + nkv, qkv_n, k_cache, v_cache,
+                                            slot_mapping, M, block_tables, seq_lens, query_start_loc, attn, num_seqs,
+                                            L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
+                                            L->window, 0.f, nt, isa, 0, NULL);
+    }
     if (rc) return rc;
-    if ((rc = layer_linear(&L->o, attn, nq, o, M, nt))) return rc;
+    if ((rc = layer_linear(&L->o, attn, L->attn_bf16, nq, o, 0, M, nt))) return rc;
     add_rms_norm_float(residual, o, L->post_norm, h, M, H, L->eps, nt);
-    if ((rc = layer_linear(&L->gate_up, h, H, gu, M, nt))) return rc;
+    if ((rc = layer_linear(&L->gate_up, h, 0, H, gu, 0, M, nt))) return rc;
     silu_and_mul_float(gu, act, M, L->inter, nt);
-    return layer_linear(&L->down, act, L->inter, x_out, M, nt);
+    return layer_linear(&L->down, act, 0, L->inter, x_out, 0, M, nt);
 }
