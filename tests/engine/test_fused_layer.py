@@ -27,6 +27,29 @@ def _generate(llm, prompts, fused: bool, params):
             layer.fused = f
 
 
+def _assert_fused_equals_plain(llm, prompts, monkeypatch) -> None:
+    """Greedy tokens and their logprobs of decode steps of 1 and 8 rows, fused against op by op, bit for bit, while
+    the fused path really ran."""
+    calls = []
+    real = FusedDecoderLayer.__call__
+
+    def counted(self, *args):
+        out = real(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(FusedDecoderLayer, "__call__", counted)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    for batch in [prompts[:1], prompts]:  # 1-row and 8-row decode steps
+        calls.clear()
+        fused = _generate(llm, batch, True, params)
+        assert any(calls), "the fused layer never ran"
+        plain = _generate(llm, batch, False, params)
+        for a, b in zip(fused, plain):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+
+
 @pytest.mark.parametrize(
     "activations, kernel, kv_cache_dtype",
     [
@@ -55,25 +78,8 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel
     if quantized or kv_cache_dtype != "auto":
         llm = make_llm(kv_cache_dtype=kv_cache_dtype)
     r16 = quantized and kernel == "auto" and bool(cpu_kernels.load().gguf_r16_isa())
-    calls = []
-    real = FusedDecoderLayer.__call__
-
-    def counted(self, *args):
-        out = real(self, *args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(FusedDecoderLayer, "__call__", counted)
-    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
     try:
-        for batch in [prompts[:1], prompts]:  # 1-row and 8-row decode steps
-            calls.clear()
-            fused = _generate(llm, batch, True, params)
-            assert any(calls), "the fused layer never ran"
-            plain = _generate(llm, batch, False, params)
-            for a, b in zip(fused, plain):
-                assert a.outputs[0].token_ids == b.outputs[0].token_ids
-                assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+        _assert_fused_equals_plain(llm, prompts, monkeypatch)
         layers = llm.engine.engine_core.executor.runner.model.layers
         assert all(isinstance(layer.fused, FusedDecoderLayer) for layer in layers)
         assert {layer.fused.max_rows for layer in layers} == {64 if quantized else 8}
@@ -97,24 +103,7 @@ def test_a_bfloat16_model_fuses_its_layers_too(prompts, kv_cache_dtype, monkeypa
     fused layer (attn_bf16) gives the op-by-op layer's greedy tokens and logprobs bit for bit, over a bfloat16 and
     an int8 cache, at decode steps of 1 and 8 rows, while it really ran."""
     bf16 = make_llm(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
-    calls = []
-    real = FusedDecoderLayer.__call__
-
-    def counted(self, *args):
-        out = real(self, *args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(FusedDecoderLayer, "__call__", counted)
-    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
-    for batch in [prompts[:1], prompts]:
-        calls.clear()
-        fused = _generate(bf16, batch, True, params)
-        assert any(calls), "the fused layer never ran"
-        plain = _generate(bf16, batch, False, params)
-        for a, b in zip(fused, plain):
-            assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+    _assert_fused_equals_plain(bf16, prompts, monkeypatch)
     layers = bf16.engine.engine_core.executor.runner.model.layers
     assert all(isinstance(layer.fused, FusedDecoderLayer) and layer.fused.desc.attn_bf16 for layer in layers)
 

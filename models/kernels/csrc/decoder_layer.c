@@ -55,29 +55,18 @@ void rotary_float(float *x, int num_tokens, int heads, int stride, int D, const 
 void silu_and_mul_float(const float *gate_up, float *out, int num_tokens, int inter, int num_threads);
 void rotary_bf16(bf16 *x, int num_tokens, int heads, int stride, int D, const float *cos_t, const float *sin_t,
                  int num_threads);
-int paged_attention_bf16(const bf16 *q, int q_stride, const bf16 *k, int k_stride, const bf16 *v, int v_stride,
-                         bf16 *k_cache, bf16 *v_cache, const int64_t *slot_mapping, int num_tokens,
-                         const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
-                         bf16 *out, int num_seqs, int num_heads, int num_kv_heads, int D, int bs, int max_blocks,
-                         float scale, int window, float softcap, int num_threads, int isa, int kvq, const float *sinks);
-int paged_attention_bf16_q(const bf16 *q, int q_stride, const bf16 *k, int k_stride, const bf16 *v, int v_stride,
-                           uint8_t *k_cache, uint8_t *v_cache, const int64_t *slot_mapping, int num_tokens,
-                           const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
-                           bf16 *out, int num_seqs, int num_heads, int num_kv_heads, int D, int bs, int max_blocks,
-                           float scale, int window, float softcap, int num_threads, int isa, int kvq,
-                           const float *sinks);
-int paged_attention_float(const float *q, int q_stride, const float *k, int k_stride, const float *v, int v_stride,
-                          float *k_cache, float *v_cache, const int64_t *slot_mapping, int num_tokens,
-                          const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
-                          float *out, int num_seqs, int num_heads, int num_kv_heads, int D, int bs, int max_blocks,
-                          float scale, int window, float softcap, int num_threads, int isa, int kvq,
-                          const float *sinks);
-int paged_attention_float_q(const float *q, int q_stride, const float *k, int k_stride, const float *v,
-                            int v_stride, uint8_t *k_cache, uint8_t *v_cache, const int64_t *slot_mapping,
-                            int num_tokens, const int32_t *block_tables, const int32_t *seq_lens,
-                            const int32_t *query_start_loc, float *out, int num_seqs, int num_heads,
-                            int num_kv_heads, int D, int bs, int max_blocks, float scale, int window, float softcap,
-                            int num_threads, int isa, int kvq, const float *sinks);
+/* models/kernels/csrc/paged_attention.c's entry points: activations in T, the cache in TC */
+#define PAGED_ATTENTION_DECL(NAME, T, TC)                                                                          \
+    int paged_attention_##NAME(const T *q, int q_stride, const T *k, int k_stride, const T *v, int v_stride,        \
+                               TC *k_cache, TC *v_cache, const int64_t *slot_mapping, int num_tokens,               \
+                               const int32_t *block_tables, const int32_t *seq_lens,                                \
+                               const int32_t *query_start_loc, T *out, int num_seqs, int num_heads, int num_kv_heads, \
+                               int D, int bs, int max_blocks, float scale, int window, float softcap,               \
+                               int num_threads, int isa, int kvq, const float *sinks);
+PAGED_ATTENTION_DECL(float, float, float)
+PAGED_ATTENTION_DECL(float_q, float, uint8_t)
+PAGED_ATTENTION_DECL(bf16, bf16, bf16)
+PAGED_ATTENTION_DECL(bf16_q, bf16, uint8_t)
 
 void *kernel_scratch(int slot, size_t bytes);
 
@@ -125,28 +114,20 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
     int rc;
     add_rms_norm_float(residual, x_in, L->input_norm, h, M, H, L->eps, nt);
     if ((rc = layer_linear(&L->qkv, h, 0, H, qkv, L->attn_bf16, M, nt))) return rc;
+/* paged_attention_NAME on q | k | v rows `q` (qkv_n apart) into `out` */
+#define ATTEND(NAME, q, out, kvq)                                                                                  \
+    paged_attention_##NAME(q, qkv_n, (q) + nq, qkv_n, (q) + nq + nkv, qkv_n, k_cache, v_cache, slot_mapping, M,       \
+                           block_tables, seq_lens, query_start_loc, out, num_seqs, L->num_heads, L->num_kv_heads, D, \
+                           L->block_size, max_blocks, L->scale, L->window, 0.f, nt, isa, kvq, NULL)
     if (L->attn_bf16) {
         bf16 *q = (bf16 *)qkv, *a = (bf16 *)attn;
         if (L->use_rope) rotary_bf16(q, M, L->num_heads + L->num_kv_heads, qkv_n, D, cos_t, sin_t, nt);
-        rc = L->kvq ? paged_attention_bf16_q(q, qkv_n, q + nq, qkv_n, q + nq + nkv, qkv_n, k_cache, v_cache,
-                                             slot_mapping, M, block_tables, seq_lens, query_start_loc, a, num_seqs,
-                                             L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
-                                             L->window, 0.f, nt, isa, L->kvq, NULL)
-                    : paged_attention_bf16(q, qkv_n, q + nq, qkv_n, q + nq + nkv, qkv_n, k_cache, v_cache,
-                                           slot_mapping, M, block_tables, seq_lens, query_start_loc, a, num_seqs,
-                                           L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
-                                           L->window, 0.f, nt, isa, 0, NULL);
+        rc = L->kvq ? ATTEND(bf16_q, q, a, L->kvq) : ATTEND(bf16, q, a, 0);
     } else {
         if (L->use_rope) rotary_float(qkv, M, L->num_heads + L->num_kv_heads, qkv_n, D, cos_t, sin_t, nt);
-        rc = L->kvq ? paged_attention_float_q(qkv, qkv_n, qkv + nq, qkv_n, qkv + nq + nkv, qkv_n, k_cache, v_cache,
-                                              slot_mapping, M, block_tables, seq_lens, query_start_loc, attn,
-                                              num_seqs, L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks,
-                                              L->scale, L->window, 0.f, nt, isa, L->kvq, NULL)
-                    : paged_attention_float(qkv, qkv_n, qkv + nq, qkv_n, qkv + nq + nkv, qkv_n, k_cache, v_cache,
-                                            slot_mapping, M, block_tables, seq_lens, query_start_loc, attn, num_seqs,
-                                            L->num_heads, L->num_kv_heads, D, L->block_size, max_blocks, L->scale,
-                                            L->window, 0.f, nt, isa, 0, NULL);
+        rc = L->kvq ? ATTEND(float_q, qkv, attn, L->kvq) : ATTEND(float, qkv, attn, 0);
     }
+#undef ATTEND
     if (rc) return rc;
     if ((rc = layer_linear(&L->o, attn, L->attn_bf16, nq, o, 0, M, nt))) return rc;
     add_rms_norm_float(residual, o, L->post_norm, h, M, H, L->eps, nt);
