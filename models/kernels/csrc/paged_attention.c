@@ -578,8 +578,8 @@ static inline void prefetch_l1(const void *p, size_t bytes) {
 /* Runs keys [k_begin, k_end) of one task through its chunks. A task's blocks lie wherever the block table put them,
  * so the hardware prefetchers cannot guess the next one: a cursor runs PREFETCH_BYTES of K and V ahead into the L2,
  * a block table entry at a time, and the next chunk is asked into the L1. With only the next chunk asked for, the
- * kernel waited on DRAM latency once a step's caches outgrew the L3 (W64 decode on this 2-core EPYC: 30 layers of
- * 17 MB, 47 ms a step at 11 GB/s; 27.5 ms with the cursor). */
+ * kernel waited on DRAM latency once a step's caches outgrew the L3 (scripts/bench_attention.py, a W64 decode step on
+ * a 2-core EPYC: 30 layers of 17 MB, 53-72 ms a step at 7-10 GB/s; 29-30 ms with the cursor). */
 #define RUN_KEYS(T)                                                                                    \
     static void run_keys_##T(Task *tk, const T *k_cache, const T *v_cache, const int32_t *table,       \
                              int k_begin, int k_end, int h, int num_kv_heads, int bs, int avx, float *kvf) { \
