@@ -9,6 +9,7 @@ final logits; Gemma 3 normalises each query and key head instead, and gives its 
 of their own (rope parameters per layer type).
 """
 
+import itertools
 import math
 from typing import Iterable
 
@@ -142,7 +143,7 @@ class GemmaForCausalLM(nn.Module):
         if self.pp.is_first:
             residual = self.embed_tokens(input_ids).float() * self.normalizer
         x, rope = None, {kind: rotary(positions) for kind, rotary in self.rotary.items()}
-        layers = self.layers[self.pp.start_layer : self.pp.end_layer]
+        layers = itertools.islice(self.layers, self.pp.start_layer, self.pp.end_layer)  # no new ModuleList
         for layer, kv_cache, meta in zip(layers, kv_caches, attn_metadata):
             x = layer(residual, x, rope[layer.kind], kv_cache, meta)
         return self.norm(residual, x) if self.pp.is_last else residual.add_(x)

@@ -253,6 +253,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+TOP_SPAN = 64  # logits per span in top_indices' first pass
+
+
+def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The column indices [N, k] of each row's k largest values of x [N, V] (float), in no set order; ties may
+    resolve either way. Two passes: each span of TOP_SPAN values' max, then the k largest values within the k spans
+    of the largest maxima, which hold them (a span outside those has k spans of larger maxima above it, so k values
+    larger than its own). torch.topk over a 49,152-token vocabulary took 120 us a row on a 2-core EPYC, a twentieth
+    of the default model's batch-1 step; this about 25. Raises nothing; k is capped at V."""
+    n, v = x.shape
+    k = min(k, v)
+    spans = -(-v // TOP_SPAN)
+    if spans <= k or x.device.type != "cpu":
+        return x.topk(k, dim=-1).indices
+    if v % TOP_SPAN:
+        x = torch.nn.functional.pad(x, (0, spans * TOP_SPAN - v), value=float("-inf"))
+    best = x.view(n, spans, TOP_SPAN).amax(-1).topk(k, dim=-1).indices  # [N, k] spans
+    columns = (best[:, :, None] * TOP_SPAN + torch.arange(TOP_SPAN)).view(n, -1)  # [N, k * TOP_SPAN]
+    return columns.gather(1, x.gather(1, columns).topk(k, dim=-1).indices)
+
+
 def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Float32 logits [N, V] of hidden [N, hidden] against the LM head / tied embedding weight [V, hidden].
 
@@ -268,7 +289,7 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
     out = linear(hidden, weight).float()
     if half and out.shape[0]:
-        top = out.topk(min(REFINE_TOP, out.shape[1]), dim=-1).indices  # [N, k]
+        top = top_indices(out, REFINE_TOP)  # [N, k]
         out.scatter_(1, top, torch.einsum("nd,nkd->nk", hidden.float(), weight[top].float()))
     return out
 

@@ -391,7 +391,7 @@ class GGUFEmbeddingMethod:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.linear.apply(hidden).float()
         if out.shape[0]:
-            top = out.topk(min(ops.REFINE_TOP, out.shape[1]), dim=-1).indices  # [N, k]
+            top = ops.top_indices(out, ops.REFINE_TOP)  # [N, k]
             rows = self.rows(top.flatten(), torch.float32).view(*top.shape, -1)
             out.scatter_(1, top, torch.einsum("nd,nkd->nk", hidden.float(), rows))
         return out

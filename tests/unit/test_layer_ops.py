@@ -114,6 +114,17 @@ def test_half_weight_linear_is_the_float32_product(wdtype, m, n, k):
     torch.testing.assert_close(out, F.linear(x, w.float()), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n, v", [(1, 49152), (3, 151936), (2, 1000), (2, 70), (1, 5)])
+def test_top_indices_are_topks(n, v):
+    """top_indices' two passes find each row's k largest, as torch.topk does: vocabularies that are and are not
+    whole spans, fewer spans than k, fewer values than k; and with the k largest crowded in one span."""
+    torch.manual_seed(v)
+    x = torch.randn(n, v)
+    x[0, :8] += 100  # the top 8 in the first span
+    got, want = ops.top_indices(x, 8), x.topk(min(8, v), dim=-1).indices
+    assert got.shape == want.shape and torch.equal(got.sort(-1).values, want.sort(-1).values)
+
+
 def test_bf16_logits_refine_the_top_candidates():
     """A bfloat16 LM head's top logits are float32-exact (the greedy choice is the float32 one); the
     others keep the GEMM's bfloat16 rounding."""
