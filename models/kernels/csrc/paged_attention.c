@@ -561,7 +561,7 @@ AVX2F static void chunk_avx2_q(Task *tk, const uint8_t *kp, const uint8_t *vp, i
 static int cpu_has_avx2f(void) { return 0; }
 #endif
 
-/* The SIMD paths this CPU takes: bit 0 = AVX512-BF16 (bfloat16 caches), bit 1 = AVX2 (float32 caches). */
+/* The SIMD paths this CPU takes: bit 0 = AVX512-BF16 (bfloat16 and quantized caches), bit 1 = AVX2 (float32 caches). */
 int attention_isa(void) { return cpu_has_avx512bf16() | cpu_has_avx2f() << 1; }
 
 /* Asks for [p, p + bytes) in the L2 (hint T1) or the L1 (T0) ahead of use. */
