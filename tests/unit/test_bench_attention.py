@@ -26,3 +26,23 @@ def test_bench_attention_reports_each_kind():
         nbytes = 2 * 3 * 40 * 3 * 2 * row_bytes
         assert r["kv_mb"] == round(nbytes / 1e6, 1) and r["floor_ms"] == round(1e3 * nbytes / 10e9, 2)
         assert r["step_ms"] > 0
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the CPU kernels are not built")
+def test_bench_attention_runs_a_prompt_step():
+    args = ["--prompt", "40", "--kinds", "bf16:bf16", "float:float", "--layers", "2", "--repeats", "1"]
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--bandwidth", "10"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    rows = [json.loads(line) for line in out.stdout.splitlines()][1:]
+    assert [(r["kind"], r["prompt"], r["layers"]) for r in rows] == [("bf16:bf16", 40, 2), ("float:float", 40, 2)]
+    # 2 layers x 40^2 / 2 keys x 9 heads x 64 x 2 (QK and PV) multiply-adds in step_ms (both rounded: ms to 0.01,
+    # GMAC/s to 0.1)
+    macs = 2 * 40**2 / 2 * 9 * 64 * 2
+    for r in rows:
+        low, high = macs / (r["step_ms"] + 0.005) / 1e6, macs / max(r["step_ms"] - 0.005, 1e-6) / 1e6
+        assert low - 0.05 <= r["gmac_s"] <= high + 0.05
