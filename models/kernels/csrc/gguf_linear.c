@@ -596,28 +596,17 @@ VNNI_BF16 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_str
     } while (0)
 
 /* the 32 codes' int32 dot products of 16 rows (wq; w02, w13 their words for int16) with row `row` of x from
- * column k: codes 0..15 in i0 and 16..31 in i1 where SPLIT (Q6_K: a scale per 16), else all 32 in i0. int8
- * activations (I8) take one _mm512_dpbusd_epi32 per 4 codes, unsplit in one chain: the step's rows interleave their
- * chains, and the add that joined two halves was one op in 14 of an FP-pipe-bound loop; int16 ones two
- * _mm512_dpwssd_epi32 (DOT4) */
+ * column k: codes 0..15 in i0 and 16..31 in i1, joined into i0 unless SPLIT (Q6_K: a scale per 16). int8
+ * activations (I8) take one _mm512_dpbusd_epi32 per 4 codes, and come here split only (unsplit ones take
+ * R16B_SUMS); int16 ones two _mm512_dpwssd_epi32 (DOT4) */
 #define R16_DOT32(I8, SPLIT, a, row, k, wq, w02, w13, i0, i1)                                                        \
     do {                                                                                                             \
         if (I8) {                                                                                                    \
             const int8_t *xq = (const int8_t *)(a)->xq + (row) * (a)->Kp + (k);                                      \
-            i0 = _mm512_setzero_si512();                                                                             \
-            if (SPLIT) {                                                                                             \
-                i1 = i0;                                                                                             \
-                for (int p = 0; p < 4; p++) {                                                                        \
-                    i0 = _mm512_dpbusd_epi32(i0, wq[p], _mm512_set1_epi32(*(const int32_t *)(xq + 4 * p)));          \
-                    i1 = _mm512_dpbusd_epi32(i1, wq[p + 4], _mm512_set1_epi32(*(const int32_t *)(xq + 16 + 4 * p))); \
-                }                                                                                                    \
-            } else {                                                                                                 \
-                __m512i h = i0;                                                                                      \
-                for (int p = 0; p < 4; p++) {                                                                        \
-                    i0 = _mm512_dpbusd_epi32(i0, wq[p], _mm512_set1_epi32(*(const int32_t *)(xq + 4 * p)));          \
-                    h = _mm512_dpbusd_epi32(h, wq[p + 4], _mm512_set1_epi32(*(const int32_t *)(xq + 16 + 4 * p)));   \
-                }                                                                                                    \
-                i0 = _mm512_add_epi32(i0, h);                                                                        \
+            i0 = _mm512_setzero_si512(), i1 = i0;                                                                    \
+            for (int p = 0; p < 4; p++) {                                                                            \
+                i0 = _mm512_dpbusd_epi32(i0, wq[p], _mm512_set1_epi32(*(const int32_t *)(xq + 4 * p)));              \
+                i1 = _mm512_dpbusd_epi32(i1, wq[p + 4], _mm512_set1_epi32(*(const int32_t *)(xq + 16 + 4 * p)));     \
             }                                                                                                        \
         } else {                                                                                                     \
             const int16_t *xq = (const int16_t *)(a)->xq + (row) * (a)->Kp + (k);                                    \
@@ -627,8 +616,8 @@ VNNI_BF16 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_str
                 DOT4(a1, b1, w02[p + 4], w13[p + 4], xq + 16 + 4 * p);                                               \
             }                                                                                                        \
             i0 = _mm512_add_epi32(a0, b0), i1 = _mm512_add_epi32(a1, b1);                                            \
-            if (!(SPLIT)) i0 = _mm512_add_epi32(i0, i1);                                                             \
         }                                                                                                            \
+        if (!(SPLIT)) i0 = _mm512_add_epi32(i0, i1);                                                                 \
     } while (0)
 
 /* the scales of sub-block jb (32 weights) of a super-block record whose scales start at sc, for the 16 rows (d,
