@@ -65,8 +65,7 @@ class ModelRunner:
     ):
         self.config, self.device = config, device
         if config.dtype == "auto":
-            blocks = is_gguf(model_dir) and config.quantization != "none" and (group is None or group.tp is None)
-            self.dtype, why = auto_dtype(self.device, gguf_blocks=blocks)
+            self.dtype, why = auto_dtype(self.device)
             logger.info("dtype %s (auto: %s; --dtype overrides)", str(self.dtype).removeprefix("torch."), why)
         else:
             self.dtype = DTYPES[config.dtype]
@@ -509,19 +508,16 @@ def cpu_flags() -> set[str]:
         return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
 
 
-def auto_dtype(device: torch.device, gguf_blocks: bool = False) -> tuple[torch.dtype, str]:
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     """The model dtype for dtype "auto", and why: bfloat16 on CUDA, and on a CPU with native bfloat16
     arithmetic (AVX512-BF16 or AMX, vLLM-CPU's rule); float32 on other CPUs, where bfloat16 would be
-    emulated and slower. `gguf_blocks`: a GGUF model computed on its quantized blocks, which takes float32 on a
-    CPU without AMX, as llama.cpp computes: the quantized kernels take float32 activations as fast as bfloat16
-    ones, and only float32 runs a decode step's layer as one C call (batch-1 decode of the default model 1.4x
-    faster than in bfloat16 on an AMD EPYC with AVX512-BF16; 64 concurrent requests 18% and prompts 11% slower:
-    docs/benchmarks.md); with AMX, bfloat16 for the tiles."""
+    emulated and slower. A GGUF model on its quantized blocks follows the same rule: there bfloat16 means q, k, v,
+    the attention and the KV cache in bfloat16 (norms and MLP stay float32, models/layers/attention.py), which on
+    an AMD EPYC with AVX512-BF16 decodes 10-15% faster at batch 1 and ~25% faster at 64 requests than float32, at
+    +0.02% perplexity (docs/benchmarks.md)."""
     if device.type == "cuda":
         return torch.bfloat16, "CUDA"
     flags = cpu_flags()
-    if gguf_blocks and "amx_bf16" not in flags:
-        return torch.float32, "GGUF blocks on a CPU without AMX: llama.cpp's float32 activations"
     native = sorted(flags & {"avx512_bf16", "amx_bf16"})
     if native:
         return torch.bfloat16, f"the CPU has {' and '.join(native)}"

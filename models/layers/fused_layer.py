@@ -8,7 +8,7 @@ the same; a quantized KV cache (--kv-cache-dtype) goes to the same attention ker
 GGUF model computes its norms and MLP in float32 and q, k, v and the attention in bfloat16 (models/layers/
 attention.py): the call does the same (attn_bf16). It is a hook with a null default: `build` returns None for a
 layer it cannot run (another device or dtype, a float checkpoint's weights, Qwen3's q/k norms, Granite's
-multipliers, soft caps, experts, tensor parallelism, a qkv bias under bfloat16), and a
+multipliers, soft caps, experts, tensor parallelism), and a
 call returns None for a step of more than DECODE_MAX_ROWS tokens, or more than the layer's GGUF kernels take
 without dequantizing (`max_rows`: the least GGUFTensor.kernel_rows of its weights); the layer then runs op by op.
 """
@@ -32,7 +32,7 @@ DECODE_MAX_ROWS = 64
 
 
 class LayerLinear(ctypes.Structure):
-    """decoder_layer.c's LayerLinear: a linear's stacked GGUF segments and optional float32 bias."""
+    """decoder_layer.c's LayerLinear: a linear's stacked GGUF segments and optional bias (in the output's dtype)."""
 
     _fields_ = [
         ("n", ctypes.c_int),
@@ -69,9 +69,9 @@ class LayerDesc(ctypes.Structure):
     ]
 
 
-def _segments(module) -> list[GGUFTensor] | None:
+def _segments(module, bias_dtype: torch.dtype = torch.float32) -> list[GGUFTensor] | None:
     """The stacked GGUF weights of a ColumnParallelLinear / RowParallelLinear that are all blocks the CPU kernels
-    take, as the file has them or repacked to R16 (float32 bias allowed), else None."""
+    take, as the file has them or repacked to R16 (a bias allowed in `bias_dtype`, the output's), else None."""
     method = module.quant_method
     if not isinstance(method, GGUFLinearMethod) or getattr(module, "tp", None) is not None:
         return None
@@ -79,7 +79,7 @@ def _segments(module) -> list[GGUFTensor] | None:
     if not 1 <= len(segments) <= MAX_SEGMENTS or any(not isinstance(w, GGUFTensor) for w in segments):
         return None
     bias = getattr(module, "bias", None)
-    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
+    if bias is not None and (bias.dtype != bias_dtype or bias.device.type != "cpu"):
         return None
     return segments
 
@@ -137,9 +137,11 @@ class FusedDecoderLayer:
         ):
             return None
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        weights = [_segments(m) for m in modules]
         attn_bf16 = backend.dtype == torch.bfloat16
-        if any(w is None for w in weights) or (attn_bf16 and attn.qkv_proj.bias is not None):
+        # q | k | v come out in the attention's dtype, their bias (Qwen2's) with them
+        weights = [_segments(attn.qkv_proj, torch.bfloat16 if attn_bf16 else torch.float32)]
+        weights += [_segments(m) for m in modules[1:]]
+        if any(w is None for w in weights):
             return None
         qkv, o, gate_up, down = (_linear(m, w) for m, w in zip(modules, weights))
         desc = LayerDesc(

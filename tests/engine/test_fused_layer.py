@@ -1,5 +1,7 @@
 """The decoder layer in one C call (models/layers/fused_layer.py) against the same layer op by op."""
 
+import json
+
 import pytest
 import torch
 
@@ -108,6 +110,27 @@ def test_a_bfloat16_model_fuses_its_layers_too(prompts, kv_cache_dtype, monkeypa
     assert all(isinstance(layer.fused, FusedDecoderLayer) and layer.fused.desc.attn_bf16 for layer in layers)
 
 
+def test_a_bfloat16_qwen2_fuses_its_qkv_bias(llm, prompts, tmp_path, monkeypatch):
+    """Qwen2's q/k/v bias in a bfloat16 model: added to the bfloat16 product and rounded again, as torch adds the
+    bfloat16 bias op by op, on a Q8_0 file llama.cpp's converter makes of the tiny Qwen2: the fused layer's greedy
+    tokens and logprobs equal the op-by-op layer's bit for bit, while it really ran with the bias."""
+    from scripts import llama_cpp
+    from scripts.make_tiny_model import save_tiny_model
+
+    if llama_cpp.converter() is None:
+        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+    save_tiny_model("qwen2", tmp_path / "hf", llm.tokenizer)
+    # transformers gives model_type qwen2 Qwen's own pre-tokenizer, whose hash of SmolLM2's vocabulary llama.cpp does
+    # not know: the converter reads the tokenizer as a Llama's (the architecture stays Qwen2ForCausalLM)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
+    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
+    qwen2 = make_llm(model=str(gguf), dtype="bfloat16")
+    _assert_fused_equals_plain(qwen2, prompts, monkeypatch)
+    layers = qwen2.engine.engine_core.executor.runner.model.layers
+    assert all(isinstance(layer.fused, FusedDecoderLayer) and layer.fused.desc.qkv.bias for layer in layers)
+
+
 def test_long_steps_are_declined(llm):
     """A step of more rows than the layer's kernels take without dequantizing (max_rows) is declined: None,
     nothing computed, and the layer runs op by op."""
@@ -120,20 +143,24 @@ def test_long_steps_are_declined(llm):
         assert layer.fused(residual, None, rope, (torch.zeros(1),) * 2, None) is None
 
 
-def test_auto_dtype_is_float32_for_gguf_blocks_without_amx(monkeypatch):
-    """dtype auto: a GGUF model on its blocks takes float32 on a CPU without AMX, as
-    llama.cpp computes; bfloat16 where AMX tiles run, and for other models on AVX512-BF16 (vLLM-CPU's rule)."""
+def test_auto_dtype_is_bfloat16_where_the_cpu_has_it(monkeypatch):
+    """dtype auto: bfloat16 on a CPU with AVX512-BF16 or AMX (vLLM-CPU's rule), float32 without; the default GGUF
+    model takes it too and still runs its layers as one C call each (q, k, v and the attention in bfloat16)."""
     from engine.worker import model_runner
 
     cpu = torch.device("cpu")
-    for flags, blocks, want in [
-        ({"avx2", "avx512_bf16"}, True, torch.float32),
-        ({"avx2", "avx512_bf16", "amx_bf16"}, True, torch.bfloat16),
-        ({"avx2", "avx512_bf16"}, False, torch.bfloat16),
-        ({"avx2"}, False, torch.float32),
+    for flags, want in [
+        ({"avx2", "avx512_bf16"}, torch.bfloat16),
+        ({"avx2", "avx512_bf16", "amx_bf16"}, torch.bfloat16),
+        ({"avx2"}, torch.float32),
     ]:
         monkeypatch.setattr(model_runner, "cpu_flags", lambda flags=flags: flags)
-        assert model_runner.auto_dtype(cpu, gguf_blocks=blocks)[0] == want, (flags, blocks)
-    monkeypatch.setattr(model_runner, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
-    runner = make_llm(dtype="auto").engine.engine_core.executor.runner
-    assert runner.dtype == torch.float32
+        assert model_runner.auto_dtype(cpu)[0] == want, flags
+    for flags, want in [({"avx2", "avx512_bf16"}, torch.bfloat16), ({"avx2"}, torch.float32)]:
+        monkeypatch.setattr(model_runner, "cpu_flags", lambda flags=flags: flags)
+        llm = make_llm(dtype="auto")
+        runner = llm.engine.engine_core.executor.runner
+        assert runner.dtype == want
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # builds the fused forms
+        assert all(isinstance(layer.fused, FusedDecoderLayer) for layer in runner.model.layers)
+        assert {layer.fused.desc.attn_bf16 for layer in runner.model.layers} == {int(want == torch.bfloat16)}

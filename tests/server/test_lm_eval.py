@@ -5,7 +5,7 @@ activations on the GGUF's quantized weights, in the default arithmetic (prompt a
 per 32 on CPUs with AVX512-VNNI, to int8 per 32 as llama.cpp computes on the others with AVX2), within one item of
 the 20 multiple-choice ones (0.05: the echoed prompts' logprobs come from int8 products, which can flip one
 near-tied choice, as they moved the default model's perplexity by +0.26%: docs/benchmarks.md); a server with
-bfloat16 activations (what `--dtype auto` picks for a GGUF on a CPU with AMX) within 0.03."""
+bfloat16 activations (what `--dtype auto` picks on a CPU with AVX512-BF16 or AMX) within 0.03."""
 
 import glob
 import json

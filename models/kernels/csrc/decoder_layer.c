@@ -27,7 +27,8 @@ typedef struct {
     int type[3], rows[3];
     int kernel[3];     /* 0: the exact float32 kernel, 1: gguf_q8_linear (int8 activations), 2: gguf_r16_linear,
                           3: gguf_r16_linear_i8 */
-    const float *bias; /* float32 [sum rows], or NULL */
+    const void *bias; /* [sum rows] in the output's dtype (float32, or bfloat16 for a bfloat16 model's qkv), or
+                         NULL */
 } LayerLinear;
 
 typedef struct {
@@ -76,7 +77,8 @@ static int out_rows(const LayerLinear *w) {
     return n;
 }
 
-/* y [M, out_rows(w)] = x [M, K] W^T (+ b), x and y float32 or (x_bf16, y_bf16) bfloat16; a bias needs float32 y */
+/* y [M, out_rows(w)] = x [M, K] W^T (+ b), x and y float32 or (x_bf16, y_bf16) bfloat16; a bias is in y's dtype and
+ * added to the rounded product, as torch adds a bfloat16 bias (in float32, rounded once more) */
 static int layer_linear(const LayerLinear *w, const void *x, int x_bf16, int K, void *y, int y_bf16, int M, int nt) {
     const int N = out_rows(w);
     for (int s = 0, at = 0; s < w->n; at += w->rows[s], s++) {
@@ -89,10 +91,15 @@ static int layer_linear(const LayerLinear *w, const void *x, int x_bf16, int K, 
         const int rc = kernel(x, x_bf16, K, w->data[s], w->type[s], ys, y_bf16, N, M, w->rows[s], K, nt);
         if (rc != 0) return rc;
     }
-    if (w->bias && y_bf16) return -1;
-    if (w->bias)
+    if (w->bias && y_bf16)
         for (int m = 0; m < M; m++)
-            for (int j = 0; j < N; j++) ((float *)y)[(size_t)m * N + j] += w->bias[j];
+            for (int j = 0; j < N; j++) {
+                bf16 *yj = (bf16 *)y + (size_t)m * N + j;
+                *yj = f32_to_bf16(bf16_to_f32(*yj) + bf16_to_f32(((const bf16 *)w->bias)[j]));
+            }
+    else if (w->bias)
+        for (int m = 0; m < M; m++)
+            for (int j = 0; j < N; j++) ((float *)y)[(size_t)m * N + j] += ((const float *)w->bias)[j];
     return 0;
 }
 
