@@ -146,6 +146,9 @@ class ModelRunner:
             self._quant_config(model_dir, tp),
             self.pp,
         )
+        if self.device.type == "cpu":
+            moved = host_memory.huge_page_weights(self.model)
+            logger.debug("%d MB of weights in transparent huge pages", moved >> 20)
         self.weight_bytes, summary = weight_summary(self.model)
         self.num_parameters = parameter_count(self.model)
         logger.info("weights: %s", summary)
