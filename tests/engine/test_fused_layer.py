@@ -7,49 +7,62 @@ import torch
 
 from engine import SamplingParams
 from models.kernels import cpu_kernels
-from models.layers.fused_layer import KERNEL_EXACT, KERNEL_INT8, KERNEL_R16, KERNEL_R16_INT8, FusedDecoderLayer
+from models.layers.fused_layer import (
+    KERNEL_EXACT,
+    KERNEL_INT8,
+    KERNEL_R16,
+    KERNEL_R16_INT8,
+    FusedDecoderLayer,
+    FusedDecoderStack,
+)
 from models.quantization.gguf import amx_tiles, gguf_kernel, int8_activations, r16_int8
 from tests.engines import make_llm
 
 CACHED = (gguf_kernel, amx_tiles, int8_activations, r16_int8)
 
 
-def _generate(llm, prompts, fused: bool, params):
-    """Generates with every layer fused where it can be (the default), or every layer op by op."""
-    if fused:
-        return llm.generate(prompts, params, use_tqdm=False)
-    layers = llm.engine.engine_core.executor.runner.model.layers
-    saved = [layer.fused for layer in layers]
-    for layer in layers:
-        layer.fused = False
+def _generate(llm, prompts, mode: str, params):
+    """Generates with every layer fused where it can be, as one C call for the whole stack (the default), or one
+    call per layer ("layers"), or every layer op by op ("plain")."""
+    model = llm.engine.engine_core.executor.runner.model
+    saved = model.fused_stack, [layer.fused for layer in model.layers]
+    if mode == "layers":
+        model.fused_stack = False
+    elif mode == "plain":
+        for layer in model.layers:
+            layer.fused = False
     try:
         return llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        for layer, f in zip(layers, saved):
-            layer.fused = f
+    finally:  # what the mode turned off (and a stack built over turned-off layers) as it was
+        if mode != "stack":
+            model.fused_stack = saved[0]
+        if mode == "plain":
+            for layer, f in zip(model.layers, saved[1]):
+                layer.fused = f
 
 
 def _assert_fused_equals_plain(llm, prompts, monkeypatch) -> None:
-    """Greedy tokens and their logprobs of decode steps of 1 and 8 rows, fused against op by op, bit for bit, while
-    the fused path really ran."""
+    """Greedy tokens and their logprobs of decode steps of 1 and 8 rows, the whole stack in one call and one call
+    per layer against op by op, bit for bit, while each fused path really ran."""
     calls = []
-    real = FusedDecoderLayer.__call__
+    for cls in (FusedDecoderLayer, FusedDecoderStack):
 
-    def counted(self, *args):
-        out = real(self, *args)
-        calls.append(out is not None)
-        return out
+        def counted(self, *args, real=cls.__call__):
+            out = real(self, *args)
+            calls.append((type(self), out is not None))
+            return out
 
-    monkeypatch.setattr(FusedDecoderLayer, "__call__", counted)
+        monkeypatch.setattr(cls, "__call__", counted)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
     for batch in [prompts[:1], prompts]:  # 1-row and 8-row decode steps
-        calls.clear()
-        fused = _generate(llm, batch, True, params)
-        assert any(calls), "the fused layer never ran"
-        plain = _generate(llm, batch, False, params)
-        for a, b in zip(fused, plain):
-            assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+        plain = _generate(llm, batch, "plain", params)
+        for mode, cls in [("stack", FusedDecoderStack), ("layers", FusedDecoderLayer)]:
+            calls.clear()
+            fused = _generate(llm, batch, mode, params)
+            assert (cls, True) in calls, f"the fused path ({mode}) never ran"
+            for a, b in zip(fused, plain):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+                assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
 
 
 @pytest.mark.parametrize(

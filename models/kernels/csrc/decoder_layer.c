@@ -142,3 +142,21 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
     silu_and_mul_float(gu, act, M, L->inter, nt);
     return layer_linear(&L->down, act, 0, L->inter, x_out, 0, M, nt);
 }
+
+/* n consecutive layers L[0 .. n-1] of one step in one call (Python only per step): each layer's MLP output is the
+ * next one's input, in x_out [M, hidden] (decoder_layer_float reads its x_in before it writes its x_out, so they
+ * may be one buffer); x_in the first layer's input (NULL at the model's first layer); k_caches[i] and v_caches[i]
+ * layer i's cache; the step's metadata shared by every layer (one KV cache group). Returns 0, or the first failing
+ * layer's status. */
+int decoder_layers_float(const LayerDesc *const *L, int n, float *residual, const float *x_in, float *x_out, int M,
+                         const float *cos_t, const float *sin_t, void *const *k_caches, void *const *v_caches,
+                         const int64_t *slot_mapping, const int32_t *block_tables, const int32_t *seq_lens,
+                         const int32_t *query_start_loc, int num_seqs, int max_blocks, int isa, int nt) {
+    for (int i = 0; i < n; i++) {
+        const int rc = decoder_layer_float(L[i], residual, i ? x_out : x_in, x_out, M, cos_t, sin_t, k_caches[i],
+                                           v_caches[i], slot_mapping, block_tables, seq_lens, query_start_loc,
+                                           num_seqs, max_blocks, isa, nt);
+        if (rc) return rc;
+    }
+    return 0;
+}
