@@ -167,29 +167,22 @@ class FusedDecoderLayer:
         max_rows = min([DECODE_MAX_ROWS] + [w.kernel_rows for segments in weights for w in segments])
         return cls(lib, desc, backend, list(norms), max_rows, torch.bfloat16 if attn_bf16 else torch.float32)
 
-    def __call__(self, residual, x, rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
-        rows = residual.shape[0]
-        k_cache, v_cache = kv_cache
-        cos, sin = rope
-        tensors = (residual, cos, sin) if x is None else (residual, x, cos, sin)
-        if (
-            rows > self.max_rows
-            or not ops.kernels_enabled()
-            or k_cache.dtype != (STORAGE[self.backend.kv_quant] if self.backend.kv_quant else self.attn_dtype)
-            or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)
-        ):
-            return None
+    def takes(self, residual, x, rope, k_cache, max_rows: int) -> bool:
+        """Whether a step of `residual`'s rows (at most `max_rows`) with these tensors is one the call computes."""
+        tensors = (residual, *rope) if x is None else (residual, x, *rope)
+        return (
+            residual.shape[0] <= max_rows
+            and ops.kernels_enabled()
+            and k_cache.dtype == (STORAGE[self.backend.kv_quant] if self.backend.kv_quant else self.attn_dtype)
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+        )
+
+    def step_args(self, residual, x, rope, meta: AttentionMetadata) -> tuple[torch.Tensor, tuple, tuple]:
+        """The output tensor [T, hidden] and the C call's arguments before the caches and after them."""
         out = torch.empty_like(residual)
-        rc = self.lib.decoder_layer_float(
-            self._desc_ref,
-            residual.data_ptr(),
-            None if x is None else x.data_ptr(),
-            out.data_ptr(),
-            rows,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
+        cos, sin = rope
+        head = (residual.data_ptr(), None if x is None else x.data_ptr(), out.data_ptr(), residual.shape[0])
+        tail = (
             meta.slot_mapping.data_ptr(),
             meta.block_tables.data_ptr(),
             meta.seq_lens.data_ptr(),
@@ -199,6 +192,14 @@ class FusedDecoderLayer:
             self.backend.isa,
             torch.get_num_threads(),
         )
+        return out, head + (cos.data_ptr(), sin.data_ptr()), tail
+
+    def __call__(self, residual, x, rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
+        k_cache, v_cache = kv_cache
+        if not self.takes(residual, x, rope, k_cache, self.max_rows):
+            return None
+        out, head, tail = self.step_args(residual, x, rope, meta)
+        rc = self.lib.decoder_layer_float(self._desc_ref, *head, k_cache.data_ptr(), v_cache.data_ptr(), *tail)
         if rc != 0:
             raise ValueError(f"decoder_layer_float: a kernel refused the layer's shapes (status {rc})")
         return out
@@ -250,42 +251,17 @@ class FusedDecoderStack:
         return self._caches
 
     def __call__(self, residual, x, rope, kv_caches, metas) -> torch.Tensor | None:
-        meta, first, rows = metas[0], self.first, residual.shape[0]
-        k_cache = kv_caches[0][0]
-        cos, sin = rope
-        tensors = (residual, cos, sin) if x is None else (residual, x, cos, sin)
+        meta, first = metas[0], self.first
         if (
-            rows > self.max_rows
-            or not ops.kernels_enabled()
-            or len(kv_caches) != len(self.layers)
+            len(kv_caches) != len(self.layers)
             or any(m is not meta for m in metas)
             or any(module.fused is not layer for module, layer in zip(self.modules, self.layers))
-            or k_cache.dtype != (STORAGE[first.backend.kv_quant] if first.backend.kv_quant else first.attn_dtype)
-            or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)
+            or not first.takes(residual, x, rope, kv_caches[0][0], self.max_rows)
         ):
             return None
         _, k_caches, v_caches = self._cache_arrays(kv_caches)
-        out = torch.empty_like(residual)
-        rc = self.lib.decoder_layers_float(
-            self._descs,
-            len(self.layers),
-            residual.data_ptr(),
-            None if x is None else x.data_ptr(),
-            out.data_ptr(),
-            rows,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            k_caches,
-            v_caches,
-            meta.slot_mapping.data_ptr(),
-            meta.block_tables.data_ptr(),
-            meta.seq_lens.data_ptr(),
-            meta.query_start_loc.data_ptr(),
-            meta.num_seqs,
-            meta.block_tables.shape[1],
-            first.backend.isa,
-            torch.get_num_threads(),
-        )
+        out, head, tail = first.step_args(residual, x, rope, meta)
+        rc = self.lib.decoder_layers_float(self._descs, len(self.layers), *head, k_caches, v_caches, *tail)
         if rc != 0:
             raise ValueError(f"decoder_layers_float: a kernel refused a layer's shapes (status {rc})")
         return out
