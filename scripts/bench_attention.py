@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common
+
+from bench_common import read_rate  # noqa: E402
 
 from engine.worker import host_memory  # noqa: E402
 from models.attention.kv_cache_dtype import STORAGE, kv_cache_code, quantize_rows, row_elements  # noqa: E402
@@ -31,17 +34,6 @@ from models.kernels import cpu_kernels  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 DTYPES = {"bf16": torch.bfloat16, "float": torch.float32}
-
-
-def read_rate() -> float:
-    """Bytes per second this process reads a tensor far larger than the caches at, best of 3."""
-    x = torch.ones(1 << 28)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best
 
 
 def step_ms(kind: str, seqs: int, depth: int, layers: int, repeats: int, prompt: int = 0) -> tuple[float, int]:

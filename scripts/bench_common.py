@@ -83,3 +83,24 @@ def run_info() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
+
+
+def read_rate(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second this process reads memory at: the best of `repeats` sums of `nbytes` of float32, far
+    larger than the caches, in memory advised for transparent huge pages as the engine's weights and KV cache
+    are (engine/worker/host_memory.py; a tensor in 4 KiB pages read 10-30% slower here)."""
+    import time
+
+    import torch
+
+    from engine.worker import host_memory
+
+    x = host_memory.zeros((nbytes // 4,), torch.float32)
+    host_memory.wait_for_prefault()
+    x.fill_(1.0)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best

@@ -34,6 +34,9 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common
+
+from bench_common import read_rate  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from models.loader import load_config, resolve_model  # noqa: E402
@@ -102,17 +105,6 @@ def linear_shapes(cfg) -> list[tuple[int, int]]:
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     h, kvh, hid, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size, cfg.intermediate_size
     return [(hid, (h + 2 * kvh) * d), (h * d, hid), (hid, 2 * inter), (inter, hid), (hid, cfg.vocab_size)]
-
-
-def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
-    """DRAM read bytes/s: a sum over `nbytes` of float32, far larger than the last-level cache."""
-    x = torch.ones(nbytes // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
 
 
 @dataclass
@@ -247,7 +239,7 @@ def main():
             if quantized
             else None
         )
-        machine = Machine("this CPU", kernel or gemm, measure_bandwidth())
+        machine = Machine("this CPU", kernel or gemm, read_rate())
         print(
             f"this CPU, {torch.get_num_threads()} threads: {args.dtype} GEMM on the model's linears "
             + ", ".join(f"{gemm[m] / 1e9:.0f} GFLOP/s at {m} rows" for m in GEMM_ROWS)
