@@ -103,8 +103,9 @@ def main():
         print(f"{label:<34}" + "".join(f"{c:>22}" for c in cells))
     fused = sum(bool(getattr(layer, "fused", None)) for layer in getattr(runner.model, "layers", []))
     if fused:
+        how = "all in one C call" if getattr(runner.model, "fused_stack", None) else "as one C call each"
         print(
-            f"{fused} layers run as one C call each (models/layers/fused_layer.py) on steps they take: their "
+            f"{fused} layers run {how} (models/layers/fused_layer.py) on steps they take: their "
             "attention is inside 'rest', not in the attention row"
         )
     for kind, t in kinds.items():
