@@ -393,7 +393,7 @@ class GGUFEmbeddingMethod:
         if out.shape[0]:
             top = ops.top_indices(out, ops.REFINE_TOP)  # [N, k]
             rows = self.rows(top.flatten(), torch.float32).view(*top.shape, -1)
-            out.scatter_(1, top, torch.einsum("nd,nkd->nk", hidden.float(), rows))
+            out.scatter_(1, top, torch.bmm(rows, hidden.float()[:, :, None])[:, :, 0])  # [N, k] exact dots
         return out
 
 

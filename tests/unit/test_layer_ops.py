@@ -116,13 +116,20 @@ def test_half_weight_linear_is_the_float32_product(wdtype, m, n, k):
 
 @pytest.mark.parametrize("n, v", [(1, 49152), (3, 151936), (2, 1000), (2, 70), (1, 5)])
 def test_top_indices_are_topks(n, v):
-    """top_indices' two passes find each row's k largest, as torch.topk does: vocabularies that are and are not
-    whole spans, fewer spans than k, fewer values than k; and with the k largest crowded in one span."""
+    """top_indices finds each row's k largest, as torch.topk does, with the C kernel's one pass and the torch
+    path's two: vocabularies that are and are not whole spans, fewer spans than k, fewer values than k; the k
+    largest crowded in one span, and rising to the end (every span holds a new one)."""
     torch.manual_seed(v)
     x = torch.randn(n, v)
     x[0, :8] += 100  # the top 8 in the first span
-    got, want = ops.top_indices(x, 8), x.topk(min(8, v), dim=-1).indices
-    assert got.shape == want.shape and torch.equal(got.sort(-1).values, want.sort(-1).values)
+    if n > 1:
+        x[-1] = torch.arange(v, dtype=torch.float32)
+    want = x.topk(min(8, v), dim=-1).indices.sort(-1).values
+    got = ops.top_indices(x, 8)
+    with ops.torch_ops():
+        by_torch = ops.top_indices(x, 8)
+    for out in (got, by_torch):
+        assert out.shape == want.shape and torch.equal(out.sort(-1).values, want)
 
 
 def test_bf16_logits_refine_the_top_candidates():

@@ -82,3 +82,34 @@ ACT_AND_MUL(silu, silu, float, f32_id, f32_id)
 ACT_AND_MUL(silu, silu, bf16, bf16_to_f32, f32_to_bf16)
 ACT_AND_MUL(gelu_tanh, gelu_tanh, float, f32_id, f32_id)
 ACT_AND_MUL(gelu_tanh, gelu_tanh, bf16, bf16_to_f32, f32_to_bf16)
+
+/* out [n, k] (int64) = the column indices of each row's k largest values of x [n, v] float32 (k <= 64, in no set
+ * order; of equal values the first ones seen). One pass per row: a span of 64 values whose maximum is not above
+ * the k-th largest so far is skipped (past the first few spans most are), the others' larger values go into the
+ * k best by insertion. Rows over threads past 8 rows (an LM head's logits). */
+void top_k_float(const float *x, int n, int v, int k, int64_t *out, int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) if (n > 8)")
+    for (int r = 0; r < n; r++) {
+        const float *row = x + (size_t)r * v;
+        float val[64];
+        int64_t *idx = out + (size_t)r * k;
+        int have = 0;
+        for (int s = 0; s < v; s += 64) {
+            const int e = s + 64 < v ? s + 64 : v;
+            float mx = row[s];
+            for (int i = s + 1; i < e; i++) mx = row[i] > mx ? row[i] : mx;
+            if (have == k && !(mx > val[k - 1])) continue;
+            for (int i = s; i < e; i++) {
+                if (have == k && !(row[i] > val[k - 1])) continue;
+                int j = have < k ? have++ : k - 1; /* val descending: shift the smaller ones down */
+                while (j > 0 && val[j - 1] < row[i]) {
+                    val[j] = val[j - 1];
+                    idx[j] = idx[j - 1];
+                    j--;
+                }
+                val[j] = row[i];
+                idx[j] = i;
+            }
+        }
+    }
+}
