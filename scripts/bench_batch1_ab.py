@@ -6,6 +6,8 @@ Variants (--ab):
   huge-pages  the weights moved into transparent huge pages (engine/worker/host_memory.py) against left where they
               were loaded (both KV caches in huge pages);
   stack       the fused layers as one C call per step (FusedDecoderStack) against one call per layer, in one engine;
+  fused       the layers in C (the stack, as by default) against op by op (every layer's fused form off), in one
+              engine;
   dtype       --dtype bfloat16 against float32.
 
 Each round runs every variant once (the order reversed every other round): --prompts prompts of --depth tokens
@@ -47,16 +49,26 @@ def engines(ab: str, model: str | None, dtype: str, swap: bool) -> dict:
     if not stack:
         sys.exit("this model's layers do not run as a fused stack")
 
-    def use(on: bool):
-        return lambda: setattr(model_, "fused_stack", stack if on else False)
+    fused = [layer.fused for layer in model_.layers]
 
-    out = {"stack": (llm, use(True)), "one call per layer": (llm, use(False))}
+    def use(on: bool, layers_on: bool = True):
+        def turn():
+            model_.fused_stack = stack if on else False
+            for layer, f in zip(model_.layers, fused):
+                layer.fused = f if layers_on else False
+
+        return turn
+
+    if ab == "fused":
+        out = {"fused": (llm, use(True)), "op by op": (llm, use(False, layers_on=False))}
+    else:
+        out = {"stack": (llm, use(True)), "one call per layer": (llm, use(False))}
     return dict(reversed(out.items())) if swap else out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ab", required=True, choices=["huge-pages", "stack", "dtype"])
+    ap.add_argument("--ab", required=True, choices=["huge-pages", "stack", "fused", "dtype"])
     ap.add_argument("--model", help="a model path (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--swap", action="store_true", help="load (and run first) the other variant first")

@@ -3,14 +3,15 @@
 At batch 1 a layer's arithmetic takes less time than the ~10 Python-level ops around it (module calls, ctypes
 argument packing, new tensors, OpenMP threads waking for each kernel). `FusedDecoderLayer` describes a Llama-family
 layer's tensors to the C entry point once and then runs the whole layer (both norms, the four GGUF linears,
-rotary, paged attention, SiLU-and-mul) per call, with the same kernels the op-by-op path calls, so the output is
-the same; a quantized KV cache (--kv-cache-dtype) goes to the same attention kernel's quantized form. A bfloat16
-GGUF model computes its norms and MLP in float32 and q, k, v and the attention in bfloat16 (models/layers/
-attention.py): the call does the same (attn_bf16). It is a hook with a null default: `build` returns None for a
-layer it cannot run (another device or dtype, a float checkpoint's weights, Qwen3's q/k norms, Granite's
-multipliers, soft caps, experts, tensor parallelism), and a
-call returns None for a step of more than DECODE_MAX_ROWS tokens, or more than the layer's GGUF kernels take
-without dequantizing (`max_rows`: the least GGUFTensor.kernel_rows of its weights); the layer then runs op by op.
+Qwen3's q/k norms, rotary, paged attention, SiLU-and-mul) per call, with the same kernels the op-by-op path
+calls, so the output is the same; a quantized KV cache (--kv-cache-dtype) goes to the same attention kernel's
+quantized form. A bfloat16 GGUF model computes its norms and MLP in float32 and q, k, v and the attention in
+bfloat16 (models/layers/attention.py): the call does the same (attn_bf16). `FusedDecoderStack` runs a step's
+fused layers in one call. It is a hook with a null default: `build` returns None for a layer it cannot run
+(another device or dtype, a float checkpoint's weights, Granite's multipliers, soft caps, experts, tensor
+parallelism), and a call returns None for a step of more than DECODE_MAX_ROWS tokens, or more than the layer's
+GGUF kernels take without dequantizing (`max_rows`: the least GGUFTensor.kernel_rows of its weights); the layer
+then runs op by op.
 """
 
 import ctypes
@@ -29,6 +30,7 @@ MAX_SEGMENTS = 3
 KERNEL_EXACT, KERNEL_INT8, KERNEL_R16, KERNEL_R16_INT8 = 0, 1, 2, 3
 # the most rows a call takes: a decode step's (a prompt's chunk gains nothing from one call per layer)
 DECODE_MAX_ROWS = 64
+MAX_HEADS_DIM = 16384  # decoder_layer.c's: query heads x head_dim of a layer with q/k norms
 
 
 class LayerLinear(ctypes.Structure):
@@ -66,6 +68,9 @@ class LayerDesc(ctypes.Structure):
         ("o", LayerLinear),
         ("gate_up", LayerLinear),
         ("down", LayerLinear),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("qk_eps", ctypes.c_float),
     ]
 
 
@@ -126,7 +131,6 @@ class FusedDecoderLayer:
             or not isinstance(backend, CPUBackend)
             or backend.logits_soft_cap
             or backend.dtype not in (None, torch.float32, torch.bfloat16)
-            or attn.q_norm is not None
             or attn.rotary_dim != attn.head_dim
             or attn.sinks is not None
             or attn.o_proj.bias is not None
@@ -138,8 +142,17 @@ class FusedDecoderLayer:
             return None
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         attn_bf16 = backend.dtype == torch.bfloat16
+        attn_dtype = torch.bfloat16 if attn_bf16 else torch.float32
+        head_norms = (attn.q_norm, attn.k_norm)
+        if attn.q_norm is not None and (
+            attn.k_norm is None
+            or attn.q_norm.eps != attn.k_norm.eps
+            or any(n.weight.dtype != attn_dtype or n.weight.device.type != "cpu" for n in head_norms)
+            or attn.num_heads * attn.head_dim > MAX_HEADS_DIM
+        ):
+            return None
         # q | k | v come out in the attention's dtype, their bias (Qwen2's) with them
-        weights = [_segments(attn.qkv_proj, torch.bfloat16 if attn_bf16 else torch.float32)]
+        weights = [_segments(attn.qkv_proj, attn_dtype)]
         weights += [_segments(m) for m in modules[1:]]
         if any(w is None for w in weights):
             return None
@@ -163,9 +176,13 @@ class FusedDecoderLayer:
             o=o,
             gate_up=gate_up,
             down=down,
+            q_norm=None if attn.q_norm is None else attn.q_norm.weight.data_ptr(),
+            k_norm=None if attn.k_norm is None else attn.k_norm.weight.data_ptr(),
+            qk_eps=0.0 if attn.q_norm is None else attn.q_norm.eps,
         )
         max_rows = min([DECODE_MAX_ROWS] + [w.kernel_rows for segments in weights for w in segments])
-        return cls(lib, desc, backend, list(norms), max_rows, torch.bfloat16 if attn_bf16 else torch.float32)
+        keep = list(norms) + [n.weight for n in head_norms if n is not None]
+        return cls(lib, desc, backend, keep, max_rows, attn_dtype)
 
     def takes(self, residual, x, rope, k_cache, max_rows: int) -> bool:
         """Whether a step of `residual`'s rows (at most `max_rows`) with these tensors is one the call computes."""

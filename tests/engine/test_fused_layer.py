@@ -144,6 +144,25 @@ def test_a_bfloat16_qwen2_fuses_its_qkv_bias(llm, prompts, tmp_path, monkeypatch
     assert all(isinstance(layer.fused, FusedDecoderLayer) and layer.fused.desc.qkv.bias for layer in layers)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen3_fuses_its_head_norms(llm, prompts, dtype, tmp_path, monkeypatch):
+    """Qwen3's q_norm and k_norm (an RMSNorm over each head of q and of k, before the rotation) inside the one-call
+    layer, on a Q8_0 file llama.cpp's converter makes of the tiny Qwen3 (its head norms made to matter): greedy
+    tokens and logprobs equal the op-by-op layer's bit for bit, in float32 and in bfloat16, while it really ran with
+    the norms."""
+    from scripts import llama_cpp
+    from scripts.make_tiny_model import save_tiny_model
+
+    if llama_cpp.converter() is None:
+        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+    save_tiny_model("qwen3", tmp_path / "hf", llm.tokenizer)
+    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
+    qwen3 = make_llm(model=str(gguf), dtype=dtype)
+    _assert_fused_equals_plain(qwen3, prompts, monkeypatch)
+    layers = qwen3.engine.engine_core.executor.runner.model.layers
+    assert all(isinstance(layer.fused, FusedDecoderLayer) and layer.fused.desc.q_norm for layer in layers)
+
+
 def test_long_steps_are_declined(llm):
     """A step of more rows than the layer's kernels take without dequantizing (max_rows) is declined: None,
     nothing computed, and the layer runs op by op."""

@@ -14,7 +14,12 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_batch1_ab.py"
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the layers do not fuse")
 @pytest.mark.parametrize(
-    "ab, names", [("stack", ["one call per layer", "stack"]), ("huge-pages", ["4 KiB pages", "huge pages"])]
+    "ab, names",
+    [
+        ("stack", ["one call per layer", "stack"]),
+        ("fused", ["op by op", "fused"]),
+        ("huge-pages", ["4 KiB pages", "huge pages"]),
+    ],
 )
 def test_each_variant_runs_every_round(ab, names):
     args = ["--ab", ab, "--rounds", "2", "--depth", "24", "--output-len", "3", "--dtype", "float32", "--swap"]

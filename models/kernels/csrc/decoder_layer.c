@@ -20,6 +20,8 @@
 
 #include "bf16.h"
 
+#define MAX_HEADS_DIM 16384 /* (query heads) x head_dim of a layer whose q and k heads the call normalizes */
+
 /* one linear layer's weight: up to 3 stacked segments of GGUF blocks (q | k in Q4_K and v in Q6_K, say) */
 typedef struct {
     int n;
@@ -39,6 +41,9 @@ typedef struct {
     int attn_bf16; /* q | k | v out of their linear, rotary, the attention and o_proj's input in bfloat16 */
     const float *input_norm, *post_norm; /* float32 [hidden] */
     LayerLinear qkv, o, gate_up, down;
+    /* Qwen3's RMSNorm over each head of q and of k before the rotation: [head_dim] in q's dtype, or NULL */
+    const void *q_norm, *k_norm;
+    float qk_eps;
 } LayerDesc;
 
 int gguf_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
@@ -51,6 +56,8 @@ int gguf_r16_linear_i8(const void *x, int x_bf16, int x_stride, const uint8_t *w
                        int y_stride, int M, int N, int K, int num_threads);
 void add_rms_norm_float(float *residual, const float *delta, const float *weight, float *out, int num_tokens,
                         int hidden, float eps, int num_threads);
+void add_rms_norm_bf16(float *residual, const bf16 *delta, const bf16 *weight, bf16 *out, int num_tokens, int hidden,
+                       float eps, int num_threads);
 void rotary_float(float *x, int num_tokens, int heads, int stride, int D, const float *cos_t, const float *sin_t,
                   int num_threads);
 void silu_and_mul_float(const float *gate_up, float *out, int num_tokens, int inter, int num_threads);
@@ -103,6 +110,25 @@ static int layer_linear(const LayerLinear *w, const void *x, int x_bf16, int K, 
     return 0;
 }
 
+/* Qwen3's q_norm and k_norm over each token's q | k rows (qkv_n apart), in place, as models/layers/layernorm.py's
+ * HeadRMSNorm runs them op by op: add_rms_norm over each head's D values (bfloat16 heads widened first, exactly) */
+static void head_norms(const LayerDesc *L, void *qkv, int qkv_n, int M) {
+    const int D = L->head_dim, heads[2] = {L->num_heads, L->num_kv_heads};
+    const void *w[2] = {L->q_norm, L->k_norm};
+    float row[MAX_HEADS_DIM];
+    for (int m = 0; m < M; m++)
+        for (int p = 0, at = 0; p < 2; at += heads[p] * D, p++) {
+            if (!L->attn_bf16) {
+                float *x = (float *)qkv + (size_t)m * qkv_n + at;
+                add_rms_norm_float(x, NULL, w[p], x, heads[p], D, L->qk_eps, 1);
+                continue;
+            }
+            bf16 *x = (bf16 *)qkv + (size_t)m * qkv_n + at;
+            for (int i = 0; i < heads[p] * D; i++) row[i] = bf16_to_f32(x[i]);
+            add_rms_norm_bf16(row, NULL, w[p], x, heads[p], D, L->qk_eps, 1);
+        }
+}
+
 /* residual float32 [M, hidden], updated in place; x_in [M, hidden] (the previous layer's MLP output, or NULL);
  * x_out [M, hidden] (this layer's MLP output, not yet added); cos_t, sin_t float32 [M, head_dim / 2]; the cache
  * (float32, bfloat16 with L->attn_bf16, or the bytes of a quantized one when L->kvq) and metadata as
@@ -121,6 +147,7 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
     int rc;
     add_rms_norm_float(residual, x_in, L->input_norm, h, M, H, L->eps, nt);
     if ((rc = layer_linear(&L->qkv, h, 0, H, qkv, L->attn_bf16, M, nt))) return rc;
+    if (L->q_norm) head_norms(L, qkv, qkv_n, M);
 /* paged_attention_NAME on q | k | v rows `q` (qkv_n apart) into `out` */
 #define ATTEND(NAME, q, out, kvq)                                                                                  \
     paged_attention_##NAME(q, qkv_n, (q) + nq, qkv_n, (q) + nq + nkv, qkv_n, k_cache, v_cache, slot_mapping, M,       \
