@@ -24,6 +24,8 @@ import threading
 
 import torch
 
+from models.quantization.gguf import GGUFTensor, quantized_weights
+
 logger = logging.getLogger(__name__)
 
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # linux/mman.h
@@ -98,8 +100,6 @@ def huge_pages_on() -> bool:
 def _weights(model: torch.nn.Module) -> list[tuple[object, str]]:
     """(owner, attribute) of every CPU weight tensor of `model`, once each: its parameters, and the GGUF blocks
     (with their R16 copies) its quantized layers hold outside parameters."""
-    from models.quantization.gguf import GGUFTensor
-
     found, seen = [], set()
 
     def add(owner, name):
@@ -112,8 +112,7 @@ def _weights(model: torch.nn.Module) -> list[tuple[object, str]]:
     for module in model.modules():
         for name, _ in module.named_parameters(recurse=False):
             add(module._parameters[name], "data")
-        method = getattr(module, "quant_method", None)
-        for _, w in getattr(getattr(method, "linear", method), "segments", []):
+        for w in quantized_weights(module):
             if isinstance(w, GGUFTensor):
                 add(w, "data")
                 if w.r16_copy is not None:

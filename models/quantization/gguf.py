@@ -455,17 +455,22 @@ class GGUFConfig:
         return GGUFMoEMethod(num_experts, [inner, inner, (hidden_size, intermediate_size)])
 
 
+def quantized_weights(module: torch.nn.Module) -> list["GGUFTensor | torch.Tensor"]:
+    """The weights `module`'s quantization method holds outside its parameters (a linear's segments, an
+    embedding's through its linear, an MoE layer's expert blocks): GGUFTensors, or float tensors of F32/F16/BF16
+    matrices; [] for a module without one."""
+    method = getattr(module, "quant_method", None)
+    linear = getattr(method, "linear", method)
+    return [] if linear is None else [w for _, w in linear.segments]
+
+
 def weight_summary(model: torch.nn.Module) -> tuple[dict[str, int], str]:
     """Resident weight bytes of a model by format ("Q4_1 (R16)", "Q8_0", "Q8_0 (R16 copy)", "bfloat16", ...), and
     a line for the start-up log naming which layers run in which format."""
     formats: dict[str, int] = {}
     where: dict[str, set[str]] = {}
     for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        linear = getattr(method, "linear", method)
-        if linear is None:
-            continue
-        for _, w in linear.segments:
+        for w in quantized_weights(module):
             key = (
                 f"{w.qtype.name}{' (R16)' if w.r16 else ''}"
                 if isinstance(w, GGUFTensor)
@@ -494,8 +499,5 @@ def parameter_count(model: torch.nn.Module) -> int:
     model's size means), with float parameters (quantized layers' placeholders are empty)."""
     count = sum(p.numel() for p in model.parameters())
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        linear = getattr(method, "linear", method)
-        if linear is not None:
-            count += sum(w.rows * w.cols if isinstance(w, GGUFTensor) else w.numel() for _, w in linear.segments)
+        count += sum(w.rows * w.cols if isinstance(w, GGUFTensor) else w.numel() for w in quantized_weights(module))
     return count
