@@ -17,6 +17,7 @@ model's weights in 4 KiB pages against in huge pages, one process; docs/benchmar
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 import mmap
@@ -65,8 +66,10 @@ def _prefault(address: int, nbytes: int) -> None:
             return
 
 
+@functools.cache
 def _libc():
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)  # ctypes calls release the GIL
+    """The C library, once (find_library runs ldconfig in a subprocess); its calls release the GIL."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
 
@@ -151,7 +154,6 @@ def huge_page_weights(model: torch.nn.Module) -> int:
 def _trim_heap() -> None:
     """glibc's malloc_trim(0): the free pages of malloc's heap back to the system (a no-op elsewhere)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
