@@ -150,16 +150,16 @@ class LlamaForCausalLM(nn.Module):
             if self.embedding_multiplier != 1.0:
                 residual *= self.embedding_multiplier
         x, rope = None, self.rotary(positions)
-        # islice: a ModuleList slice builds a new ModuleList, 30 add_module calls a step (0.15 ms at batch 1)
-        layers = itertools.islice(self.layers, self.pp.start_layer, self.pp.end_layer)
         if self.fused_stack is None:  # every layer in one C call for small CPU steps; built at the first step
-            self.fused_stack = FusedDecoderStack.build(list(layers)) or False
+            self.fused_stack = FusedDecoderStack.build(list(self.layers[self.pp.start_layer : self.pp.end_layer]))
+            self.fused_stack = self.fused_stack or False
+        out = self.fused_stack(residual, x, rope, kv_caches, attn_metadata) if self.fused_stack else None
+        if out is not None:
+            x = out
+        else:  # islice: a ModuleList slice builds a new ModuleList, 30 add_module calls a step (0.15 ms at batch 1)
             layers = itertools.islice(self.layers, self.pp.start_layer, self.pp.end_layer)
-        if not self.fused_stack or (out := self.fused_stack(residual, x, rope, kv_caches, attn_metadata)) is None:
             for layer, kv_cache, meta in zip(layers, kv_caches, attn_metadata):
                 x = layer(residual, x, rope, kv_cache, meta)
-        else:
-            x = out
         return self.norm(residual, x) if self.pp.is_last else residual.add_(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
