@@ -296,10 +296,18 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if _fused and half and hidden.is_cuda and hidden.dtype == weight.dtype and _float_out_mm(hidden.device):
         return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
     out = linear(hidden, weight).float()
-    if half and out.shape[0]:
-        top = top_indices(out, REFINE_TOP)  # [N, k]
-        out.scatter_(1, top, torch.einsum("nd,nkd->nk", hidden.float(), weight[top].float()))
+    if half:
+        refine_top(out, hidden, lambda top: weight[top].float())
     return out
+
+
+def refine_top(out: torch.Tensor, hidden: torch.Tensor, rows) -> None:
+    """Each row's REFINE_TOP highest logits of `out` (float32 [N, V], in place) recomputed as exact float32 dot
+    products of hidden [N, D] with their LM head rows: `rows(top)` gives them, float32 [N, k, D] for the int64
+    indices top [N, k]."""
+    if out.shape[0]:
+        top = top_indices(out, REFINE_TOP)
+        out.scatter_(1, top, torch.bmm(rows(top), hidden.float()[:, :, None])[:, :, 0])
 
 
 @functools.cache

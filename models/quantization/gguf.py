@@ -390,10 +390,7 @@ class GGUFEmbeddingMethod:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.linear.apply(hidden).float()
-        if out.shape[0]:
-            top = ops.top_indices(out, ops.REFINE_TOP)  # [N, k]
-            rows = self.rows(top.flatten(), torch.float32).view(*top.shape, -1)
-            out.scatter_(1, top, torch.bmm(rows, hidden.float()[:, :, None])[:, :, 0])  # [N, k] exact dots
+        ops.refine_top(out, hidden, lambda top: self.rows(top.flatten(), torch.float32).view(*top.shape, -1))
         return out
 
 
