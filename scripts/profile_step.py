@@ -8,7 +8,7 @@ are reported separately as decode-only steps at full batch and mixed/prefill ste
 overhead (everything but the model forward and LM head) as a share of step time. A short
 torch.profiler run over decode steps gives the share of aten::mm.
 
-    python scripts/profile_step.py [--dtype bfloat16] [--num-requests 64]
+    python scripts/profile_step.py [--dtype bfloat16] [--num-requests 64] [--model M]
 """
 
 import argparse
@@ -44,9 +44,10 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--model", default=None, help="a model directory or GGUF file (default: the default model)")
     args = ap.parse_args()
     reqs = load_jsonl(DEFAULT_WORKLOAD, args.num_requests, args.output_len)
-    llm = LLM(dtype=args.dtype, kv_cache_memory=2 << 30)
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=2 << 30)
     eng, runner = llm.engine, llm.engine.engine_core.executor.runner
     sched = eng.engine_core.scheduler
     llm.generate([r.prompt_token_ids for r in reqs[:2]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up

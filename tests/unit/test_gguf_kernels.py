@@ -13,6 +13,8 @@ from models.kernels import cpu_kernels, ops
 from models.quantization.gguf import Q8_TYPES, QUANTIZED_TYPES, R16_COPY_MIN_ROWS, R16_TYPES, GGUFTensor
 from tests.gguf_blocks import amx_rows, random_blocks
 
+SUPER_BLOCK_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)  # the R16 types whose int8 activations are rounded per 256
+
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
 
 
@@ -124,14 +126,15 @@ def rounded_int8(x: torch.Tensor, group: int) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_r16_int8_activations(qtype, M, dtype):
     """gguf_r16_linear_i8 (vpdpbusd) is the dequantized weights' product with the activations rounded to int8 per
-    32 (llama.cpp's Q8_0 activations), to float rounding: the offsets (mins, Q4_0's -8, Q8_0's -128, Q6_K's -32)
-    meet the rounded activations' sums. Row counts past its 8-row pass and a strided output included."""
+    32 (llama.cpp's Q8_0 activations), or per 256 against the K-quants (its Q8_K), to float rounding: the offsets
+    (mins, Q4_0's -8, Q8_0's -128, Q6_K's -32) meet the rounded activations' sums. Row counts past its 8-row pass
+    and a strided output included."""
     rows, cols = shape(qtype)
     raw = random_blocks(qtype, rows, cols, seed=300 + M)
     w = reference(raw, qtype, cols).astype(np.float64)
     x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M)).to(dtype)
     x += torch.linspace(-1, 3, cols).to(dtype)  # a nonzero mean per block, so an exact-sum offset term shows
-    xq = rounded_int8(x, 32)
+    xq = rounded_int8(x, 256 if qtype in SUPER_BLOCK_TYPES else 32)
     y_ref = xq @ w.T
     r16 = ops.gguf_repack_r16(raw, qtype, cols)
     wide = torch.zeros(M, rows + 10, dtype=dtype)

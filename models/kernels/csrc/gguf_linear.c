@@ -497,6 +497,8 @@ typedef struct {
     float *xd;   /* [M, Kp / 32] the scale of each block of 32 */
     float *xsum; /* [M, Kp / 16] sums of x per 16: exact (int16), of the rounded x (int8) */
     float *xsum32; /* [M, Kp / 32] the same per 32 (the types whose offsets are per 32: one broadcast load) */
+    int32_t *is16; /* per 256 (prepare_row8k): [M, Kp / 16] 32 x the int8 codes' sums per 16 (Q6_K's offset) */
+    int16_t *is32; /* per 256: [M, Kp / 32] the codes' sums per 32 (the K-quants' mins), two a broadcast int32 */
 } Acts;
 
 /* values k0..k0 + 31 of row m of x into v (zeros past K); returns their largest magnitude */
@@ -566,6 +568,36 @@ VNNI_BF16 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_str
         float *xsum = a->xsum + (size_t)m * (Kp / 16) + k0 / 16;
         xsum[0] = d * (float)_mm512_reduce_add_epi32(q0), xsum[1] = d * (float)_mm512_reduce_add_epi32(q1);
         a->xsum32[(size_t)m * (Kp / 32) + k0 / 32] = xsum[0] + xsum[1];
+    }
+}
+
+/* row m of x to int8 codes per 256 (llama.cpp's Q8_K: scale max|x| / 127 over 256 values, in xd at [m, Kp / 256]),
+ * with the codes' integer sums per 16 (times 32, in is16) and per 32 (is32); K a multiple of 256 */
+VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_stride, int K, int m) {
+    const int Kp = a->Kp;
+    for (int k0 = 0; k0 < K; k0 += 256) {
+        __m512 v[16];
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++) {
+            if (x_bf16) {
+                const bf16 *p = (const bf16 *)x + (size_t)m * x_stride + k0 + 16 * i;
+                v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+            } else
+                v[i] = _mm512_loadu_ps((const float *)x + (size_t)m * x_stride + k0 + 16 * i);
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+        }
+        const float mx = _mm512_reduce_max_ps(amax), id = mx > 0.f ? 127.f / mx : 0.f;
+        a->xd[(size_t)m * (Kp / 256) + k0 / 256] = mx / 127.f;
+        int8_t *q = (int8_t *)a->xq + (size_t)m * Kp + k0;
+        int32_t *is16 = a->is16 + (size_t)m * (Kp / 16) + k0 / 16;
+        int16_t *is32 = a->is32 + (size_t)m * (Kp / 32) + k0 / 32;
+        for (int i = 0; i < 16; i++) {
+            const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)(q + 16 * i), _mm512_cvtsepi32_epi8(qi));
+            const int sum = _mm512_reduce_add_epi32(qi); /* |sum| <= 16 x 127: exact in int16 per 32 */
+            is16[i] = 32 * sum;
+            if (i & 1) is32[i / 2] = (int16_t)((is16[i - 1] + is16[i]) / 32);
+        }
     }
 }
 
@@ -751,8 +783,77 @@ VNNI_BF16 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_str
         for (int j = 0; j < MM; j++) STORE16(acc[j], m0 + j);                                                        \
     }
 
+/* One group of 16 rows of a K-quant TYPE against MM rows of x quantized per 256 (prepare_row8k, llama.cpp's
+ * ggml_vec_dot_q4_K_q8_K arithmetic): a sub-block's int32 sums meet its integer scale in int32 (vpmulld), so the
+ * float work is once per super-block: y += d dx sum_j sc_j (q_j . x_j) - dmin dx sum_j m_j sum(x_j) for Q4_K and
+ * Q5_K (the mins' term with vpdpwssd on (m_j, m_j+1) pairs), y += d dx sum_h sc_h ((q_h - 32) . x_h) for Q6_K (per
+ * 16). The int32 sums stay below 2^31: 8 x 63 x 32 x 31 x 127 for Q5_K, 16 x 128 x 16 x 32 x 127 for Q6_K. */
+#define R16Q_GROUP_OF(TYPE, MM)                                                                                      \
+    VNNI_BF16 static void r16q_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y,      \
+                                                  int y_bf16, int y_stride, int n0, int nr) {                         \
+        const int Kp = a->Kp, cb = r16_codes_end(TYPE), rec_bytes = r16_record_bytes(TYPE);                          \
+        __m512 acc[MM];                                                                                              \
+        for (int j = 0; j < MM; j++) acc[j] = _mm512_setzero_ps();                                                   \
+        for (int sb = 0; sb < nsb; sb++) {                                                                           \
+            const uint8_t *rec = grp + (size_t)sb * rec_bytes, *sc = rec + cb;                                       \
+            __m512i A[MM];                                                                                           \
+            for (int j = 0; j < MM; j++) A[j] = _mm512_setzero_si512();                                              \
+            for (int jb = 0; jb < 8; jb++) {                                                                         \
+                R16K_PREFETCH(rec, rec_bytes, jb);                                                                   \
+                __m512i wq[8], is[MM];                                                                               \
+                r16k_codes(TYPE, rec, jb, wq);                                                                       \
+                const int k0 = 256 * sb + 32 * jb;                                                                   \
+                if (TYPE == Q6_K) {                                                                                  \
+                    for (int h = 0; h < 2; h++) {                                                                    \
+                        const __m512i s = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 32 + 32 * jb + 16 * h))); \
+                        R16B_SUMS(a, m0, k0, wq, 4 * h, 4 * h + 4, MM, is);                                          \
+                        for (int j = 0; j < MM; j++) {                                                               \
+                            const __m512i o = _mm512_set1_epi32(a->is16[(size_t)(m0 + j) * (Kp / 16) + k0 / 16 + h]); \
+                            A[j] = _mm512_add_epi32(A[j], _mm512_mullo_epi32(_mm512_sub_epi32(is[j], o), s));         \
+                        }                                                                                            \
+                    }                                                                                                \
+                } else {                                                                                             \
+                    const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 64 + 16 * jb)));   \
+                    R16B_SUMS(a, m0, k0, wq, 0, 8, MM, is);                                                          \
+                    for (int j = 0; j < MM; j++) A[j] = _mm512_add_epi32(A[j], _mm512_mullo_epi32(is[j], s));        \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));                               \
+            if (TYPE == Q6_K)                                                                                        \
+                for (int j = 0; j < MM; j++) {                                                                       \
+                    const float dx = a->xd[(size_t)(m0 + j) * (Kp / 256) + sb];                                      \
+                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[j]), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[j]); \
+                }                                                                                                    \
+            else {                                                                                                   \
+                const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));                 \
+                __m512i mp[4]; /* (m_2t, m_2t+1) of each row as two int16 */                                          \
+                for (int t = 0; t < 4; t++)                                                                          \
+                    mp[t] = _mm512_or_si512(                                                                         \
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 192 + 32 * t))),                 \
+                        _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 208 + 32 * t))), 16)); \
+                for (int j = 0; j < MM; j++) {                                                                       \
+                    const size_t row = (size_t)(m0 + j);                                                             \
+                    const int32_t *s32 = (const int32_t *)(a->is32 + row * (Kp / 32) + 8 * sb);                       \
+                    __m512i B = _mm512_setzero_si512();                                                              \
+                    for (int t = 0; t < 4; t++) B = _mm512_dpwssd_epi32(B, mp[t], _mm512_set1_epi32(s32[t]));        \
+                    const __m512 dx = _mm512_set1_ps(a->xd[row * (Kp / 256) + sb]);                                  \
+                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[j]), _mm512_mul_ps(d, dx), acc[j]);                \
+                    acc[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(B), _mm512_mul_ps(dmin, dx), acc[j]);               \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        const __mmask16 keep = (__mmask16)((1u << nr) - 1);                                                          \
+        for (int j = 0; j < MM; j++) STORE16(acc[j], m0 + j);                                                        \
+    }
+
 #define R16_MM 4  /* rows of x per pass over a group's codes, int16 activations */
 #define R16B_MM 8 /* the same, int8: no word split, so twice as many rows fit the registers */
+#ifndef R16_Q8K
+#define R16_Q8K 1 /* K-quants against int8 activations per 256 (r16q_group); 0: per 32 (r16b_group) */
+#endif
+#ifndef R16_CHUNK_BYTES
+#define R16_CHUNK_BYTES (256 << 10) /* activation codes a pass over the weights keeps in L2 (r16_linear) */
+#endif
 #define R16_GROUP(TYPE, MM) R16_GROUP_OF(r16_group, 0, TYPE, MM)
 #define R16K_GROUP(TYPE, MM) R16K_GROUP_OF(r16_group, 0, TYPE, MM)
 #define R16B_GROUP(TYPE, MM) R16_GROUP_OF(r16b_group, 1, TYPE, MM)
@@ -771,6 +872,9 @@ INSTANCES8(R16B_GROUP, Q8_0)
 INSTANCES8(R16BK_GROUP, Q4_K)
 INSTANCES8(R16BK_GROUP, Q5_K)
 INSTANCES8(R16BK_GROUP, Q6_K)
+INSTANCES8(R16Q_GROUP_OF, Q4_K)
+INSTANCES8(R16Q_GROUP_OF, Q5_K)
+INSTANCES8(R16Q_GROUP_OF, Q6_K)
 
 typedef void (*r16_group_fn)(const Acts *, const uint8_t *, int, int, void *, int, int, int, int);
 static int r16_type_index(int type) {
@@ -787,6 +891,15 @@ static r16_group_fn r16_group(int type, int mm, int i8) {
     static const r16_group_fn fns8[6][R16B_MM] = {FNS(Q4_0), FNS(Q4_1), FNS(Q8_0), FNS(Q4_K), FNS(Q5_K), FNS(Q6_K)};
 #undef FNS
     return i8 ? fns8[r16_type_index(type)][mm - 1] : fns[r16_type_index(type)][mm - 1];
+}
+/* the per-256 kernel (int8 activations as Q8_K) of a K-quant type for mm <= R16B_MM rows */
+static r16_group_fn r16q_group(int type, int mm) {
+#define FNS(T)                                                                                                      \
+    {r16q_group_##T##_1, r16q_group_##T##_2, r16q_group_##T##_3, r16q_group_##T##_4,                                 \
+     r16q_group_##T##_5, r16q_group_##T##_6, r16q_group_##T##_7, r16q_group_##T##_8}
+    static const r16_group_fn fns[3][R16B_MM] = {FNS(Q4_K), FNS(Q5_K), FNS(Q6_K)};
+#undef FNS
+    return fns[type == Q4_K ? 0 : type == Q5_K ? 1 : 2][mm - 1];
 }
 
 static int has_vnni_bf16(void) {
@@ -818,20 +931,32 @@ static int r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w,
     a.xd = malloc(sizeof(float) * (size_t)M * (a.Kp / 32));
     a.xsum = malloc(sizeof(float) * (size_t)M * (a.Kp / 16));
     a.xsum32 = malloc(sizeof(float) * (size_t)M * (a.Kp / 32));
+    /* int8 activations meet a K-quant per 256 (r16q_group), unless R16_Q8K is 0 */
+    const int q8k = int8 && R16_Q8K && (type == Q4_K || type == Q5_K || type == Q6_K);
+    a.is16 = q8k ? malloc(sizeof(int32_t) * (size_t)M * (a.Kp / 16)) : NULL;
+    a.is32 = q8k ? malloc(sizeof(int16_t) * (size_t)M * (a.Kp / 32)) : NULL;
     const int step = int8 ? R16B_MM : R16_MM;
+    /* R16_CHUNK_BYTES of codes a chunk, whole steps of rows */
+    const int fit = (int)(R16_CHUNK_BYTES / ((int8 ? 1 : 2) * (long)a.Kp)) / step * step, chunk = fit > step ? fit : step;
     _Pragma("omp parallel num_threads(num_threads)") {
         _Pragma("omp for schedule(static)")
-        for (int m = 0; m < M; m++) (int8 ? prepare_row8 : prepare_row)(&a, x, x_bf16, x_stride, K, m);
-        _Pragma("omp for schedule(static)")
-        for (int g = 0; g < groups; g++) {
-            const int nr = N - 16 * g < 16 ? N - 16 * g : 16;
-            for (int m0 = 0; m0 < M; m0 += step) {
-                const int mm = M - m0 < step ? M - m0 : step;
-                r16_group(type, mm, int8)(&a, w + g * group_bytes, nb, m0, y, y_bf16, y_stride, 16 * g, nr);
+        for (int m = 0; m < M; m++) (q8k ? prepare_row8k : int8 ? prepare_row8 : prepare_row)(&a, x, x_bf16, x_stride, K, m);
+        /* rows of x in chunks whose codes stay in L2 while every group of weights passes over them (unchunked,
+         * a 2,048-row prompt chunk's codes were streamed again from L3 for each 16 weight rows) */
+        for (int c0 = 0; c0 < M; c0 += chunk) {
+            const int c1 = M - c0 < chunk ? M : c0 + chunk;
+            _Pragma("omp for schedule(static)")
+            for (int g = 0; g < groups; g++) {
+                const int nr = N - 16 * g < 16 ? N - 16 * g : 16;
+                for (int m0 = c0; m0 < c1; m0 += step) {
+                    const int mm = c1 - m0 < step ? c1 - m0 : step;
+                    (q8k ? r16q_group(type, mm) : r16_group(type, mm, int8))(&a, w + g * group_bytes, nb, m0, y, y_bf16,
+                                                                            y_stride, 16 * g, nr);
+                }
             }
         }
     }
-    free(a.xq), free(a.xd), free(a.xsum), free(a.xsum32);
+    free(a.xq), free(a.xd), free(a.xsum), free(a.xsum32), free(a.is16), free(a.is32);
     return 0;
 #else
     (void)x, (void)x_bf16, (void)x_stride, (void)w, (void)type, (void)y, (void)y_bf16, (void)y_stride, (void)M;
@@ -849,7 +974,8 @@ int gguf_r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, i
 }
 
 /* The same with x quantized to int8 per 32 (vpdpbusd: llama.cpp's Q8_0 activations, twice the multiply-adds per
- * instruction). */
+ * instruction), or per 256 against Q4_K, Q5_K and Q6_K (its Q8_K: r16q_group, the sub-blocks' scales applied in
+ * int32). */
 int gguf_r16_linear_i8(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
                        int y_stride, int M, int N, int K, int num_threads) {
     return r16_linear(x, x_bf16, x_stride, w, type, y, y_bf16, y_stride, M, N, K, num_threads, 1);
