@@ -30,6 +30,7 @@ from models.quantization.gguf import GGUFTensor, quantized_weights
 logger = logging.getLogger(__name__)
 
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # linux/mman.h
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # malloc.h, mallopt's parameters
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 and (4 KiB base pages) arm64
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 PREFAULT_CHUNK = 16 << 20  # bytes, a multiple of the page size
@@ -149,6 +150,21 @@ def huge_page_weights(model: torch.nn.Module) -> int:
     del old
     _trim_heap()  # the old copies' pages back to the system, not kept in malloc's free lists
     return total
+
+
+def keep_freed_memory() -> bool:
+    """Tells glibc's malloc to keep freed memory for the next allocation instead of returning it to the system:
+    no allocation is its own mapping (M_MMAP_MAX 0) and the heap's free top is not trimmed (M_TRIM_THRESHOLD).
+    A prompt step's outputs are tens of MB each (a 2,048-token chunk's gate|up product of a 1B model: 67 MB in
+    bfloat16), above the 32 MB from which malloc maps every allocation apart, so each step took page faults to zero
+    them afresh and unmapped them after: a 1B model's prompts ran 10-15% slower (as vLLM-CPU has tcmalloc
+    preloaded for). The resident size then stays at the peak a step needed. Returns False where the C library
+    has no mallopt (not glibc)."""
+    libc = _libc()
+    if not hasattr(libc, "mallopt"):
+        return False
+    ok = libc.mallopt(M_MMAP_MAX, 0) == 1
+    return libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1 and ok
 
 
 def _trim_heap() -> None:

@@ -149,6 +149,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             moved = host_memory.huge_page_weights(self.model)
             logger.debug("%d MB of weights in transparent huge pages", moved >> 20)
+            host_memory.keep_freed_memory()  # a step's large outputs reuse the last step's pages
         self.weight_bytes, summary = weight_summary(self.model)
         self.num_parameters = parameter_count(self.model)
         logger.info("weights: %s", summary)

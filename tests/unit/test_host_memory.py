@@ -62,3 +62,30 @@ def test_the_weights_move_into_huge_pages_and_compute_the_same(llm, monkeypatch)
     for a, b in zip(llm.generate(prompts, params, use_tqdm=False), plain.generate(prompts, params, use_tqdm=False)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+
+
+def _mapping_name(address: int) -> str:
+    """The pathname column of this process's mapping that holds `address` ("[heap]" for malloc's main heap)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5] if len(fields) > 5 else ""
+    return "?"
+
+
+def test_large_step_outputs_come_from_the_heap_kept_between_steps():
+    """After keep_freed_memory, a 96 MB allocation (past the 32 MB from which glibc maps each one apart, where a
+    step's outputs took fresh zeroed pages every step) comes from malloc's heap, and freed it is not given back:
+    the next one of that size takes the same pages."""
+    if not host_memory.keep_freed_memory():
+        pytest.skip("not glibc: no mallopt")
+    first = torch.empty(96 << 20, dtype=torch.uint8)
+    address = first.data_ptr()
+    assert _mapping_name(address) == "[heap]"
+    first.fill_(1)
+    del first
+    assert _mapping_name(address) == "[heap]"  # not unmapped or trimmed
+    again = torch.empty(96 << 20, dtype=torch.uint8)
+    assert _mapping_name(again.data_ptr()) == "[heap]"

@@ -942,10 +942,11 @@ static int r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w,
         _Pragma("omp for schedule(static)")
         for (int m = 0; m < M; m++) (q8k ? prepare_row8k : int8 ? prepare_row8 : prepare_row)(&a, x, x_bf16, x_stride, K, m);
         /* rows of x in chunks whose codes stay in L2 while every group of weights passes over them (unchunked,
-         * a 2,048-row prompt chunk's codes were streamed again from L3 for each 16 weight rows) */
+         * a 2,048-row prompt chunk's codes were streamed again from L3 for each 16 weight rows); the chunks are
+         * independent, so no thread waits for the others between them */
         for (int c0 = 0; c0 < M; c0 += chunk) {
             const int c1 = M - c0 < chunk ? M : c0 + chunk;
-            _Pragma("omp for schedule(static)")
+            _Pragma("omp for schedule(static) nowait")
             for (int g = 0; g < groups; g++) {
                 const int nr = N - 16 * g < 16 ? N - 16 * g : 16;
                 for (int m0 = c0; m0 < c1; m0 += step) {
