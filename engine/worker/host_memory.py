@@ -12,7 +12,8 @@ A decode step streams every weight from DRAM, in 4 KiB pages unless the memory w
 pages (MADV_HUGEPAGE; the kernel's default THP mode is often "madvise", where nothing else gets them): 97 MB of the
 default model are 24k pages a token, far past the TLB's reach, where 2 MiB pages are 49. `huge_page_weights` copies
 the loaded weights into one such mapping (batch-1 decode of the default model 14% faster on an AMD EPYC: the same
-model's weights in 4 KiB pages against in huge pages, one process; docs/benchmarks.md).
+model's weights in 4 KiB pages against in huge pages, one process; docs/benchmarks.md). `keep_freed_memory` has
+malloc keep what a step frees for the next step's outputs, where glibc would map and unmap them afresh.
 """
 
 import ctypes
@@ -158,13 +159,14 @@ def keep_freed_memory() -> bool:
     A prompt step's outputs are tens of MB each (a 2,048-token chunk's gate|up product of a 1B model: 67 MB in
     bfloat16), above the 32 MB from which malloc maps every allocation apart, so each step took page faults to zero
     them afresh and unmapped them after: a 1B model's prompts ran 10-15% slower (as vLLM-CPU has tcmalloc
-    preloaded for). The resident size then stays at the peak a step needed. Returns False where the C library
-    has no mallopt (not glibc)."""
+    preloaded for). The setting is the whole process's; the resident size then stays at the peak a step needed.
+    Returns False where the C library has no mallopt (not glibc)."""
     libc = _libc()
     if not hasattr(libc, "mallopt"):
         return False
-    ok = libc.mallopt(M_MMAP_MAX, 0) == 1
-    return libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1 and ok
+    unmapped = libc.mallopt(M_MMAP_MAX, 0) == 1
+    untrimmed = libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    return unmapped and untrimmed
 
 
 def _trim_heap() -> None:

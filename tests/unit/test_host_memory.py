@@ -77,8 +77,8 @@ def _mapping_name(address: int) -> str:
 
 def test_large_step_outputs_come_from_the_heap_kept_between_steps():
     """After keep_freed_memory, a 96 MB allocation (past the 32 MB from which glibc maps each one apart, where a
-    step's outputs took fresh zeroed pages every step) comes from malloc's heap, and freed it is not given back:
-    the next one of that size takes the same pages."""
+    step's outputs took fresh zeroed pages every step) comes from malloc's heap, freed it is not given back (the
+    heap is not trimmed below it), and the next one comes from the heap too."""
     if not host_memory.keep_freed_memory():
         pytest.skip("not glibc: no mallopt")
     first = torch.empty(96 << 20, dtype=torch.uint8)
