@@ -494,7 +494,7 @@ int gguf_r16_dequantize_rows(int type, const uint8_t *w, int K, const int64_t *i
 typedef struct {
     int Kp;      /* K rounded up to 64 (zero padded) */
     void *xq;    /* [M, Kp] codes: int16, (x0, x2, x1, x3) per 4; or int8 in order (the int8 kernels below) */
-    float *xd;   /* [M, Kp / 32] the scale of each block of 32 */
+    float *xd;   /* [M, Kp / 32] the scale of each block of 32 (per 256, prepare_row8k: [M, Kp / 256]) */
     float *xsum; /* [M, Kp / 16] sums of x per 16: exact (int16), of the rounded x (int8) */
     float *xsum32; /* [M, Kp / 32] the same per 32 (the types whose offsets are per 32: one broadcast load) */
     int32_t *is16; /* per 256 (prepare_row8k): [M, Kp / 16] 32 x the int8 codes' sums per 16 (Q6_K's offset) */
