@@ -495,7 +495,7 @@ typedef struct {
     int Kp;      /* K rounded up to 64 (zero padded) */
     void *xq;    /* [M, Kp] codes: int16, (x0, x2, x1, x3) per 4; or int8 in order (the int8 kernels below) */
     float *xd;   /* [M, Kp / 32] the scale of each block of 32 (per 256, prepare_row8k: [M, Kp / 256]) */
-    float *xsum; /* [M, Kp / 16] sums of x per 16: exact (int16), of the rounded x (int8) */
+    float *xsum; /* [M, Kp / 16] sums of x per 16: exact (int16), of the rounded x (int8 per 32) */
     float *xsum32; /* [M, Kp / 32] the same per 32 (the types whose offsets are per 32: one broadcast load) */
     int32_t *is16; /* per 256 (prepare_row8k): [M, Kp / 16] 32 x the int8 codes' sums per 16 (Q6_K's offset) */
     int16_t *is32; /* per 256: [M, Kp / 32] the codes' sums per 32 (the K-quants' mins), two a broadcast int32 */
@@ -539,6 +539,11 @@ static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K,
 #if defined(__x86_64__)
 #define VNNI_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,f16c")))
 
+/* 16 bfloat16 values widened to float32 */
+VNNI_BF16 static inline __m512 widen_bf16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* row m of x to int8 codes per 32 (scale max|x| / 127, rounded to nearest even), their scales and the rounded
  * values' sums per 16, with AVX-512: 32 values per step, zeros past K */
 VNNI_BF16 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_stride, int K, int m) {
@@ -550,9 +555,7 @@ VNNI_BF16 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_str
         __m512 v0, v1;
         if (x_bf16) {
             const bf16 *p = (const bf16 *)x + (size_t)m * x_stride + k0;
-            v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, p)), 16));
-            v1 = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, p + 16)), 16));
+            v0 = widen_bf16(_mm256_maskz_loadu_epi16(m0, p)), v1 = widen_bf16(_mm256_maskz_loadu_epi16(m1, p + 16));
         } else {
             const float *p = (const float *)x + (size_t)m * x_stride + k0;
             v0 = _mm512_maskz_loadu_ps(m0, p), v1 = _mm512_maskz_loadu_ps(m1, p + 16);
@@ -579,11 +582,9 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
         __m512 v[16];
         __m512 amax = _mm512_setzero_ps();
         for (int i = 0; i < 16; i++) {
-            if (x_bf16) {
-                const bf16 *p = (const bf16 *)x + (size_t)m * x_stride + k0 + 16 * i;
-                v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-            } else
-                v[i] = _mm512_loadu_ps((const float *)x + (size_t)m * x_stride + k0 + 16 * i);
+            const size_t at = (size_t)m * x_stride + k0 + 16 * i;
+            v[i] = x_bf16 ? widen_bf16(_mm256_loadu_si256((const __m256i *)((const bf16 *)x + at)))
+                          : _mm512_loadu_ps((const float *)x + at);
             amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
         }
         const float mx = _mm512_reduce_max_ps(amax), id = mx > 0.f ? 127.f / mx : 0.f;
@@ -627,28 +628,18 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
             _mm512_mask_storeu_ps((float *)y + at, keep, v);                                              \
     } while (0)
 
-/* the 32 codes' int32 dot products of 16 rows (wq; w02, w13 their words for int16) with row `row` of x from
- * column k: codes 0..15 in i0 and 16..31 in i1, joined into i0 unless SPLIT (Q6_K: a scale per 16). int8
- * activations (I8) take one _mm512_dpbusd_epi32 per 4 codes, and come here split only (unsplit ones take
- * R16B_SUMS); int16 ones two _mm512_dpwssd_epi32 (DOT4) */
-#define R16_DOT32(I8, SPLIT, a, row, k, wq, w02, w13, i0, i1)                                                        \
+/* the 32 codes' int32 dot products of 16 rows (their words w02, w13) with row `row` of x (int16 activations) from
+ * column k, two _mm512_dpwssd_epi32 per 4 codes (DOT4): codes 0..15 in i0 and 16..31 in i1, joined into i0 unless
+ * SPLIT (Q6_K: a scale per 16). int8 activations take R16B_SUMS instead */
+#define R16_DOT32(SPLIT, a, row, k, w02, w13, i0, i1)                                                                \
     do {                                                                                                             \
-        if (I8) {                                                                                                    \
-            const int8_t *xq = (const int8_t *)(a)->xq + (row) * (a)->Kp + (k);                                      \
-            i0 = _mm512_setzero_si512(), i1 = i0;                                                                    \
-            for (int p = 0; p < 4; p++) {                                                                            \
-                i0 = _mm512_dpbusd_epi32(i0, wq[p], _mm512_set1_epi32(*(const int32_t *)(xq + 4 * p)));              \
-                i1 = _mm512_dpbusd_epi32(i1, wq[p + 4], _mm512_set1_epi32(*(const int32_t *)(xq + 16 + 4 * p)));     \
-            }                                                                                                        \
-        } else {                                                                                                     \
-            const int16_t *xq = (const int16_t *)(a)->xq + (row) * (a)->Kp + (k);                                    \
-            __m512i a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;                                          \
-            for (int p = 0; p < 4; p++) {                                                                            \
-                DOT4(a0, b0, w02[p], w13[p], xq + 4 * p);                                                            \
-                DOT4(a1, b1, w02[p + 4], w13[p + 4], xq + 16 + 4 * p);                                               \
-            }                                                                                                        \
-            i0 = _mm512_add_epi32(a0, b0), i1 = _mm512_add_epi32(a1, b1);                                            \
+        const int16_t *xq = (const int16_t *)(a)->xq + (row) * (a)->Kp + (k);                                        \
+        __m512i a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;                                              \
+        for (int p = 0; p < 4; p++) {                                                                                \
+            DOT4(a0, b0, w02[p], w13[p], xq + 4 * p);                                                                \
+            DOT4(a1, b1, w02[p + 4], w13[p + 4], xq + 16 + 4 * p);                                                   \
         }                                                                                                            \
+        i0 = _mm512_add_epi32(a0, b0), i1 = _mm512_add_epi32(a1, b1);                                                \
         if (!(SPLIT)) i0 = _mm512_add_epi32(i0, i1);                                                                 \
     } while (0)
 
@@ -727,7 +718,7 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
             else                                                                                                     \
                 for (int j = 0; j < MM; j++) {                                                                       \
                     __m512i i1;                                                                                      \
-                    R16_DOT32(0, 0, a, (size_t)(m0 + j), 32 * b, wq, w02, w13, is[j], i1);                           \
+                    R16_DOT32(0, a, (size_t)(m0 + j), 32 * b, w02, w13, is[j], i1);                                  \
                 }                                                                                                    \
             for (int j = 0; j < MM; j++) {                                                                           \
                 const size_t row = (size_t)(m0 + j);                                                                 \
@@ -740,9 +731,10 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
         for (int j = 0; j < MM; j++) STORE16(acc[j], m0 + j);                                                        \
     }
 
-/* One group of 16 rows of a super-block TYPE against MM rows of x */
-#define R16K_GROUP_OF(NAME, I8, TYPE, MM)                                                                            \
-    VNNI_BF16 static void NAME##_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y, int y_bf16, \
+/* One group of 16 rows of a super-block TYPE against MM rows of x quantized to int16 per 32 (int8 activations
+ * take r16q_group) */
+#define R16K_GROUP(TYPE, MM)                                                                                         \
+    VNNI_BF16 static void r16_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y, int y_bf16, \
                                                int y_stride, int n0, int nr) {                                       \
         const int Kp = a->Kp, cb = r16_codes_end(TYPE), rec_bytes = r16_record_bytes(TYPE);                          \
         __m512 acc[MM];                                                                                              \
@@ -755,28 +747,18 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
                 R16K_PREFETCH(rec, rec_bytes, jb);                                                                   \
                 __m512i wq[8], w02[8], w13[8];                                                                       \
                 r16k_codes(TYPE, rec, jb, wq);                                                                       \
-                if (!I8) SPLIT_WORDS(wq, w02, w13)                                                                   \
+                SPLIT_WORDS(wq, w02, w13)                                                                            \
                 __m512 s0, s1, mn;                                                                                   \
                 R16K_SCALES(TYPE, sc, d, dmin, jb, s0, s1, mn);                                                      \
                 const int k0 = 256 * sb + 32 * jb;                                                                   \
-                if (I8 && TYPE != Q6_K) {                                                                            \
-                    __m512i is[MM];                                                                                  \
-                    R16B_SUMS(a, m0, k0, wq, 0, 8, MM, is);                                                          \
-                    for (int j = 0; j < MM; j++) {                                                                   \
-                        const size_t row = (size_t)(m0 + j);                                                         \
-                        const __m512 xd = _mm512_set1_ps(a->xd[row * (Kp / 32) + k0 / 32]);                          \
-                        R16K_ACC(TYPE, acc[j], is[j], is[j], xd, a->xsum + row * (Kp / 16) + k0 / 16,                \
-                                 a->xsum32[row * (Kp / 32) + k0 / 32], s0, s1, mn);                                  \
-                    }                                                                                                \
-                } else                                                                                               \
-                    for (int j = 0; j < MM; j++) {                                                                   \
-                        const size_t row = (size_t)(m0 + j);                                                         \
-                        __m512i i0, i1;                                                                              \
-                        R16_DOT32(I8, TYPE == Q6_K, a, row, k0, wq, w02, w13, i0, i1);                               \
-                        const __m512 xd = _mm512_set1_ps(a->xd[row * (Kp / 32) + k0 / 32]);                          \
-                        R16K_ACC(TYPE, acc[j], i0, i1, xd, a->xsum + row * (Kp / 16) + k0 / 16,                      \
-                                 a->xsum32[row * (Kp / 32) + k0 / 32], s0, s1, mn);                                  \
-                    }                                                                                                \
+                for (int j = 0; j < MM; j++) {                                                                       \
+                    const size_t row = (size_t)(m0 + j);                                                             \
+                    __m512i i0, i1;                                                                                  \
+                    R16_DOT32(TYPE == Q6_K, a, row, k0, w02, w13, i0, i1);                                           \
+                    const __m512 xd = _mm512_set1_ps(a->xd[row * (Kp / 32) + k0 / 32]);                              \
+                    R16K_ACC(TYPE, acc[j], i0, i1, xd, a->xsum + row * (Kp / 16) + k0 / 16,                          \
+                             a->xsum32[row * (Kp / 32) + k0 / 32], s0, s1, mn);                                      \
+                }                                                                                                    \
             }                                                                                                        \
         }                                                                                                            \
         const __mmask16 keep = (__mmask16)((1u << nr) - 1);                                                          \
@@ -788,7 +770,7 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
  * float work is once per super-block: y += d dx sum_j sc_j (q_j . x_j) - dmin dx sum_j m_j sum(x_j) for Q4_K and
  * Q5_K (the mins' term with vpdpwssd on (m_j, m_j+1) pairs), y += d dx sum_h sc_h ((q_h - 32) . x_h) for Q6_K (per
  * 16). The int32 sums stay below 2^31: 8 x 63 x 32 x 31 x 127 for Q5_K, 16 x 128 x 16 x 32 x 127 for Q6_K. */
-#define R16Q_GROUP_OF(TYPE, MM)                                                                                      \
+#define R16Q_GROUP(TYPE, MM)                                                                                      \
     VNNI_BF16 static void r16q_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y,      \
                                                   int y_bf16, int y_stride, int n0, int nr) {                         \
         const int Kp = a->Kp, cb = r16_codes_end(TYPE), rec_bytes = r16_record_bytes(TYPE);                          \
@@ -848,16 +830,11 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
 
 #define R16_MM 4  /* rows of x per pass over a group's codes, int16 activations */
 #define R16B_MM 8 /* the same, int8: no word split, so twice as many rows fit the registers */
-#ifndef R16_Q8K
-#define R16_Q8K 1 /* K-quants against int8 activations per 256 (r16q_group); 0: per 32 (r16b_group) */
-#endif
 #ifndef R16_CHUNK_BYTES
 #define R16_CHUNK_BYTES (256 << 10) /* activation codes a pass over the weights keeps in L2 (r16_linear) */
 #endif
 #define R16_GROUP(TYPE, MM) R16_GROUP_OF(r16_group, 0, TYPE, MM)
-#define R16K_GROUP(TYPE, MM) R16K_GROUP_OF(r16_group, 0, TYPE, MM)
 #define R16B_GROUP(TYPE, MM) R16_GROUP_OF(r16b_group, 1, TYPE, MM)
-#define R16BK_GROUP(TYPE, MM) R16K_GROUP_OF(r16b_group, 1, TYPE, MM)
 #define INSTANCES(G, TYPE) G(TYPE, 1) G(TYPE, 2) G(TYPE, 3) G(TYPE, 4)
 #define INSTANCES8(G, TYPE) INSTANCES(G, TYPE) G(TYPE, 5) G(TYPE, 6) G(TYPE, 7) G(TYPE, 8)
 INSTANCES(R16_GROUP, Q4_0)
@@ -869,37 +846,25 @@ INSTANCES(R16K_GROUP, Q6_K)
 INSTANCES8(R16B_GROUP, Q4_0)
 INSTANCES8(R16B_GROUP, Q4_1)
 INSTANCES8(R16B_GROUP, Q8_0)
-INSTANCES8(R16BK_GROUP, Q4_K)
-INSTANCES8(R16BK_GROUP, Q5_K)
-INSTANCES8(R16BK_GROUP, Q6_K)
-INSTANCES8(R16Q_GROUP_OF, Q4_K)
-INSTANCES8(R16Q_GROUP_OF, Q5_K)
-INSTANCES8(R16Q_GROUP_OF, Q6_K)
+INSTANCES8(R16Q_GROUP, Q4_K)
+INSTANCES8(R16Q_GROUP, Q5_K)
+INSTANCES8(R16Q_GROUP, Q6_K)
 
 typedef void (*r16_group_fn)(const Acts *, const uint8_t *, int, int, void *, int, int, int, int);
-static int r16_type_index(int type) {
-    return type == Q4_0 ? 0 : type == Q4_1 ? 1 : type == Q8_0 ? 2 : type == Q4_K ? 3 : type == Q5_K ? 4 : 5;
-}
-/* the kernel for `type` and mm rows: int16 activations (1 <= mm <= R16_MM) or int8 (i8, mm <= R16B_MM) */
+static int is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+/* the kernel for `type` and mm rows: int16 activations (1 <= mm <= R16_MM) or int8 (i8, mm <= R16B_MM; per 256
+ * for the K-quants: r16q_group) */
 static r16_group_fn r16_group(int type, int mm, int i8) {
 #define FNS(T) {r16_group_##T##_1, r16_group_##T##_2, r16_group_##T##_3, r16_group_##T##_4}
     static const r16_group_fn fns[6][R16_MM] = {FNS(Q4_0), FNS(Q4_1), FNS(Q8_0), FNS(Q4_K), FNS(Q5_K), FNS(Q6_K)};
 #undef FNS
-#define FNS(T)                                                                                                      \
-    {r16b_group_##T##_1, r16b_group_##T##_2, r16b_group_##T##_3, r16b_group_##T##_4,                                 \
-     r16b_group_##T##_5, r16b_group_##T##_6, r16b_group_##T##_7, r16b_group_##T##_8}
-    static const r16_group_fn fns8[6][R16B_MM] = {FNS(Q4_0), FNS(Q4_1), FNS(Q8_0), FNS(Q4_K), FNS(Q5_K), FNS(Q6_K)};
+#define FNS(T, G)                                                                                                   \
+    {G##_##T##_1, G##_##T##_2, G##_##T##_3, G##_##T##_4, G##_##T##_5, G##_##T##_6, G##_##T##_7, G##_##T##_8}
+    static const r16_group_fn fns8[6][R16B_MM] = {FNS(Q4_0, r16b_group), FNS(Q4_1, r16b_group), FNS(Q8_0, r16b_group),
+                                                  FNS(Q4_K, r16q_group), FNS(Q5_K, r16q_group), FNS(Q6_K, r16q_group)};
 #undef FNS
-    return i8 ? fns8[r16_type_index(type)][mm - 1] : fns[r16_type_index(type)][mm - 1];
-}
-/* the per-256 kernel (int8 activations as Q8_K) of a K-quant type for mm <= R16B_MM rows */
-static r16_group_fn r16q_group(int type, int mm) {
-#define FNS(T)                                                                                                      \
-    {r16q_group_##T##_1, r16q_group_##T##_2, r16q_group_##T##_3, r16q_group_##T##_4,                                 \
-     r16q_group_##T##_5, r16q_group_##T##_6, r16q_group_##T##_7, r16q_group_##T##_8}
-    static const r16_group_fn fns[3][R16B_MM] = {FNS(Q4_K), FNS(Q5_K), FNS(Q6_K)};
-#undef FNS
-    return fns[type == Q4_K ? 0 : type == Q5_K ? 1 : 2][mm - 1];
+    const int t = type == Q4_0 ? 0 : type == Q4_1 ? 1 : type == Q8_0 ? 2 : type == Q4_K ? 3 : type == Q5_K ? 4 : 5;
+    return i8 ? fns8[t][mm - 1] : fns[t][mm - 1];
 }
 
 static int has_vnni_bf16(void) {
@@ -929,10 +894,9 @@ static int r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w,
     Acts a = {.Kp = (K + 63) / 64 * 64};
     a.xq = malloc((int8 ? 1 : sizeof(int16_t)) * (size_t)M * a.Kp);
     a.xd = malloc(sizeof(float) * (size_t)M * (a.Kp / 32));
-    a.xsum = malloc(sizeof(float) * (size_t)M * (a.Kp / 16));
-    a.xsum32 = malloc(sizeof(float) * (size_t)M * (a.Kp / 32));
-    /* int8 activations meet a K-quant per 256 (r16q_group), unless R16_Q8K is 0 */
-    const int q8k = int8 && R16_Q8K && (type == Q4_K || type == Q5_K || type == Q6_K);
+    const int q8k = int8 && is_k_quant(type); /* int8 activations meet a K-quant per 256 (r16q_group) */
+    a.xsum = q8k ? NULL : malloc(sizeof(float) * (size_t)M * (a.Kp / 16));
+    a.xsum32 = q8k ? NULL : malloc(sizeof(float) * (size_t)M * (a.Kp / 32));
     a.is16 = q8k ? malloc(sizeof(int32_t) * (size_t)M * (a.Kp / 16)) : NULL;
     a.is32 = q8k ? malloc(sizeof(int16_t) * (size_t)M * (a.Kp / 32)) : NULL;
     const int step = int8 ? R16B_MM : R16_MM;
@@ -951,8 +915,7 @@ static int r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w,
                 const int nr = N - 16 * g < 16 ? N - 16 * g : 16;
                 for (int m0 = c0; m0 < c1; m0 += step) {
                     const int mm = c1 - m0 < step ? c1 - m0 : step;
-                    (q8k ? r16q_group(type, mm) : r16_group(type, mm, int8))(&a, w + g * group_bytes, nb, m0, y, y_bf16,
-                                                                            y_stride, 16 * g, nr);
+                    r16_group(type, mm, int8)(&a, w + g * group_bytes, nb, m0, y, y_bf16, y_stride, 16 * g, nr);
                 }
             }
         }
