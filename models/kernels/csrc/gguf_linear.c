@@ -345,9 +345,10 @@ static inline uint8_t r16_code(int type, const uint8_t *rec, int r, int k) {
 }
 
 /* R16 of the super-block types: a record is 16 rows x one 256-weight super-block. Codes first, 8
- * sub-blocks of 32 (256 B each, the 4-bit layout above); for Q5_K then each code's fifth bit and for
- * Q6_K its fifth and sixth bits as 64-bit masks, one per 64-byte code register (bit 4r + i of register
- * z of sub-block j: lane r, byte i); then the scales: Q4_K/Q5_K the 16 rows' float16 d and dmin and
+ * sub-blocks of 32 (256 B each, the 4-bit layout above); for Q5_K then each code's fifth bit as 64-bit
+ * masks, one per 64-byte code register (bit 4r + i of register z of sub-block j: lane r, byte i), for Q6_K
+ * its fifth and sixth bits as two 64-byte planes per sub-block, four registers' pairs of bits in each byte
+ * (gguf_r16.h R16_Q6K_SHIFT); then the scales: Q4_K/Q5_K the 16 rows' float16 d and dmin and
  * the 6-bit sub-block scales and mins as bytes [8][16]; Q6_K the float16 d and the int8 scales per 16
  * as [16][16]. Records are 16 x (148, 180, 210) bytes against 16 x (144, 176, 210) in the file. */
 static int r16_type(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q5_K || type == Q6_K; }
@@ -369,10 +370,7 @@ static inline uint8_t r16k_code(int type, const uint8_t *rec, int r, int k) {
         memcpy(&mask, rec + 2048 + 64 * j + 8 * z, 8);
         code |= ((mask >> (4 * r + i)) & 1) << 4;
     } else if (type == Q6_K) {
-        memcpy(&mask, rec + 2048 + 128 * j + 8 * z, 8);
-        code |= ((mask >> (4 * r + i)) & 1) << 4;
-        memcpy(&mask, rec + 2048 + 128 * j + 64 + 8 * z, 8);
-        code |= ((mask >> (4 * r + i)) & 1) << 5;
+        code |= ((rec[2048 + 128 * j + 64 * hi + 4 * r + i] >> R16_Q6K_SHIFT(p)) & 3) << 4;
     }
     return code;
 }
@@ -416,12 +414,7 @@ int gguf_repack_r16(int type, const uint8_t *src, int N, int K, uint8_t *dst) {
                     memcpy(&mask, rec + 2048 + 64 * j + 8 * z, 8), mask |= 1ull << bit;
                     memcpy(rec + 2048 + 64 * j + 8 * z, &mask, 8);
                 }
-                if (type == Q6_K)
-                    for (int h = 0; h < 2; h++)
-                        if (qb[k] & (0x10 << h)) {
-                            memcpy(&mask, rec + 2048 + 128 * j + 64 * h + 8 * z, 8), mask |= 1ull << bit;
-                            memcpy(rec + 2048 + 128 * j + 64 * h + 8 * z, &mask, 8);
-                        }
+                if (type == Q6_K) rec[2048 + 128 * j + 64 * hi + bit] |= (uint8_t)(((qb[k] >> 4) & 3) << R16_Q6K_SHIFT(p));
             }
             const int cb = r16_codes_end(type);
             if (type == Q6_K) {
@@ -497,7 +490,8 @@ typedef struct {
     float *xd;   /* [M, Kp / 32] the scale of each block of 32 (per 256, prepare_row8k: [M, Kp / 256]) */
     float *xsum; /* [M, Kp / 16] sums of x per 16: exact (int16), of the rounded x (int8 per 32) */
     float *xsum32; /* [M, Kp / 32] the same per 32 (the types whose offsets are per 32: one broadcast load) */
-    int32_t *is16; /* per 256 (prepare_row8k): [M, Kp / 16] 32 x the int8 codes' sums per 16 (Q6_K's offset) */
+    int16_t *is16; /* per 256 (prepare_row8k): [M, Kp / 16] the int8 codes' sums per 16 (Q6_K's offset), two a
+                    * broadcast int32 */
     int16_t *is32; /* per 256: [M, Kp / 32] the codes' sums per 32 (the K-quants' mins), two a broadcast int32 */
 } Acts;
 
@@ -575,7 +569,7 @@ VNNI_BF16 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_str
 }
 
 /* row m of x to int8 codes per 256 (llama.cpp's Q8_K: scale max|x| / 127 over 256 values, in xd at [m, Kp / 256]),
- * with the codes' integer sums per 16 (times 32, in is16) and per 32 (is32); K a multiple of 256 */
+ * with the codes' integer sums per 16 (is16) and per 32 (is32), int16; K a multiple of 256 */
 VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_stride, int K, int m) {
     const int Kp = a->Kp;
     for (int k0 = 0; k0 < K; k0 += 256) {
@@ -590,14 +584,14 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
         const float mx = _mm512_reduce_max_ps(amax), id = mx > 0.f ? 127.f / mx : 0.f;
         a->xd[(size_t)m * (Kp / 256) + k0 / 256] = mx / 127.f;
         int8_t *q = (int8_t *)a->xq + (size_t)m * Kp + k0;
-        int32_t *is16 = a->is16 + (size_t)m * (Kp / 16) + k0 / 16;
+        int16_t *is16 = a->is16 + (size_t)m * (Kp / 16) + k0 / 16;
         int16_t *is32 = a->is32 + (size_t)m * (Kp / 32) + k0 / 32;
         for (int i = 0; i < 16; i++) {
             const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(id)));
             _mm_storeu_si128((__m128i *)(q + 16 * i), _mm512_cvtsepi32_epi8(qi));
             const int sum = _mm512_reduce_add_epi32(qi); /* |sum| <= 16 x 127: exact in int16 per 32 */
-            is16[i] = 32 * sum;
-            if (i & 1) is32[i / 2] = (int16_t)((is16[i - 1] + is16[i]) / 32);
+            is16[i] = (int16_t)sum;
+            if (i & 1) is32[i / 2] = (int16_t)(is16[i - 1] + is16[i]);
         }
     }
 }
@@ -769,7 +763,8 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
  * ggml_vec_dot_q4_K_q8_K arithmetic): a sub-block's int32 sums meet its integer scale in int32 (vpmulld), so the
  * float work is once per super-block: y += d dx sum_j sc_j (q_j . x_j) - dmin dx sum_j m_j sum(x_j) for Q4_K and
  * Q5_K (the mins' term with vpdpwssd on (m_j, m_j+1) pairs), y += d dx sum_h sc_h ((q_h - 32) . x_h) for Q6_K (per
- * 16). The int32 sums stay below 2^31: 8 x 63 x 32 x 31 x 127 for Q5_K, 16 x 128 x 16 x 32 x 127 for Q6_K. */
+ * 16; its -32 offset once per super-block, vpdpwssd on (sc_h, sc_h+1) pairs against the codes' sums per 16). The int32
+ * sums stay below 2^31: 8 x 63 x 32 x 31 x 127 for Q5_K, 16 x 128 x 16 x 63 x 127 for Q6_K. */
 #define R16Q_GROUP(TYPE, MM)                                                                                      \
     VNNI_BF16 static void r16q_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y,      \
                                                   int y_bf16, int y_stride, int n0, int nr) {                         \
@@ -786,13 +781,11 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
                 r16k_codes(TYPE, rec, jb, wq);                                                                       \
                 const int k0 = 256 * sb + 32 * jb;                                                                   \
                 if (TYPE == Q6_K) {                                                                                  \
+                    _Pragma("GCC unroll 2") /* wq[] indexed by constants: registers, not the stack */        \
                     for (int h = 0; h < 2; h++) {                                                                    \
                         const __m512i s = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 32 + 32 * jb + 16 * h))); \
                         R16B_SUMS(a, m0, k0, wq, 4 * h, 4 * h + 4, MM, is);                                          \
-                        for (int j = 0; j < MM; j++) {                                                               \
-                            const __m512i o = _mm512_set1_epi32(a->is16[(size_t)(m0 + j) * (Kp / 16) + k0 / 16 + h]); \
-                            A[j] = _mm512_add_epi32(A[j], _mm512_mullo_epi32(_mm512_sub_epi32(is[j], o), s));         \
-                        }                                                                                            \
+                        for (int j = 0; j < MM; j++) A[j] = _mm512_add_epi32(A[j], _mm512_mullo_epi32(is[j], s));    \
                     }                                                                                                \
                 } else {                                                                                             \
                     const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 64 + 16 * jb)));   \
@@ -801,12 +794,24 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
                 }                                                                                                    \
             }                                                                                                        \
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));                               \
-            if (TYPE == Q6_K)                                                                                        \
+            if (TYPE == Q6_K) {                                                                                      \
+                __m512i sp[8]; /* (s_2t, s_2t+1) of each row as two int16 */                                          \
+                for (int t = 0; t < 8; t++)                                                                          \
+                    sp[t] = _mm512_or_si512(                                                                         \
+                        _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 32 + 32 * t))),  \
+                                         _mm512_set1_epi32(0xFFFF)),                                                  \
+                        _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 48 + 32 * t))), 16)); \
+                for (int j = 0; j < MM; j++) { /* the -32 offset: 32 sum_h s_h sum(x_h) */                           \
+                    const int32_t *x16 = (const int32_t *)(a->is16 + (size_t)(m0 + j) * (Kp / 16) + 16 * sb);         \
+                    __m512i B = _mm512_setzero_si512();                                                              \
+                    for (int t = 0; t < 8; t++) B = _mm512_dpwssd_epi32(B, sp[t], _mm512_set1_epi32(x16[t]));         \
+                    A[j] = _mm512_sub_epi32(A[j], _mm512_slli_epi32(B, 5));                                          \
+                }                                                                                                    \
                 for (int j = 0; j < MM; j++) {                                                                       \
                     const float dx = a->xd[(size_t)(m0 + j) * (Kp / 256) + sb];                                      \
                     acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[j]), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[j]); \
                 }                                                                                                    \
-            else {                                                                                                   \
+            } else {                                                                                                 \
                 const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));                 \
                 __m512i mp[4]; /* (m_2t, m_2t+1) of each row as two int16 */                                          \
                 for (int t = 0; t < 4; t++)                                                                          \
@@ -897,7 +902,7 @@ static int r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w,
     const int q8k = int8 && is_k_quant(type); /* int8 activations meet a K-quant per 256 (r16q_group) */
     a.xsum = q8k ? NULL : malloc(sizeof(float) * (size_t)M * (a.Kp / 16));
     a.xsum32 = q8k ? NULL : malloc(sizeof(float) * (size_t)M * (a.Kp / 32));
-    a.is16 = q8k ? malloc(sizeof(int32_t) * (size_t)M * (a.Kp / 16)) : NULL;
+    a.is16 = q8k ? malloc(sizeof(int16_t) * (size_t)M * (a.Kp / 16)) : NULL;
     a.is32 = q8k ? malloc(sizeof(int16_t) * (size_t)M * (a.Kp / 32)) : NULL;
     const int step = int8 ? R16B_MM : R16_MM;
     /* R16_CHUNK_BYTES of codes a chunk, whole steps of rows */

@@ -47,6 +47,9 @@ static inline int r16_record_bytes(int type) {
     return type == Q4_K ? 2368 : type == Q5_K ? 2880 : type == Q6_K ? 3360 : 16 * block_bytes(type);
 }
 long gguf_r16_bytes(int type, int N, int K);
+/* Q6_K's high bits: code register z = 4h + u of a sub-block takes its two bits from byte 4r + i of the sub-block's
+ * plane h (64 B), at bit R16_Q6K_SHIFT(u): 4, 6, 0, 2 (bits 4-5 of the byte, or one shift away) */
+#define R16_Q6K_SHIFT(u) ((4 + 2 * (u)) % 8)
 
 #if defined(__x86_64__)
 #define R16_INLINE static inline __attribute__((target("avx512f,avx512bw"), always_inline))
@@ -77,12 +80,18 @@ R16_INLINE void r16_codes32(int type, const uint8_t *rec, __m512i *wq) {
 /* The same for sub-block jb (32 weights) of a Q4_K, Q5_K or Q6_K record: unsigned codes 0..15, 0..31, 0..63 */
 R16_INLINE void r16k_codes(int type, const uint8_t *rec, int jb, __m512i *wq) {
     r16_codes32(Q4_0, rec + 256 * jb, wq);
-    for (int z = 0; z < 8 && type != Q4_K; z++) { /* the fifth (and sixth) bits */
-        const uint8_t *bits = rec + 2048 + (type == Q5_K ? 64 : 128) * jb + 8 * z;
-        wq[z] = _mm512_or_si512(wq[z], _mm512_maskz_mov_epi8(bits64(bits), _mm512_set1_epi8(0x10)));
-        if (type == Q6_K)
-            wq[z] = _mm512_or_si512(wq[z], _mm512_maskz_mov_epi8(bits64(bits + 64), _mm512_set1_epi8(0x20)));
-    }
+    if (type == Q5_K)
+        for (int z = 0; z < 8; z++) /* the fifth bits */
+            wq[z] = _mm512_or_si512(wq[z], _mm512_maskz_mov_epi8(bits64(rec + 2048 + 64 * jb + 8 * z),
+                                                                 _mm512_set1_epi8(0x10)));
+    if (type == Q6_K)
+        for (int h = 0; h < 2; h++) { /* the fifth and sixth bits: one shift and one vpternlogd (a | b & 0x30) */
+            const __m512i hb = _mm512_loadu_si512(rec + 2048 + 128 * jb + 64 * h), m = _mm512_set1_epi8(0x30);
+            wq[4 * h] = _mm512_ternarylogic_epi32(wq[4 * h], hb, m, 0xF8);
+            wq[4 * h + 1] = _mm512_ternarylogic_epi32(wq[4 * h + 1], _mm512_srli_epi16(hb, 2), m, 0xF8);
+            wq[4 * h + 2] = _mm512_ternarylogic_epi32(wq[4 * h + 2], _mm512_slli_epi16(hb, 4), m, 0xF8);
+            wq[4 * h + 3] = _mm512_ternarylogic_epi32(wq[4 * h + 3], _mm512_slli_epi16(hb, 2), m, 0xF8);
+        }
 }
 #endif
 
