@@ -671,10 +671,11 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
         }                                                                                                 \
     } while (0)
 
-/* prefetches record sb + 2 of a super-block type, an eighth per sub-block jb: codes, high bits and scales alike */
+/* prefetches record sb + 2 of a super-block type, an eighth per sub-block jb: codes, high bits and scales alike (a
+ * constant count of lines, unrolled: the loop bounded by jb's byte range cost 2-8% of the products) */
 #define R16K_PREFETCH(rec, rec_bytes, jb)                                                                     \
-    for (int l = (jb) * (rec_bytes) / 8; l < ((jb) + 1) * (rec_bytes) / 8; l += 64)                       \
-    _mm_prefetch((const char *)((rec) + 2 * (rec_bytes) + l), _MM_HINT_T0)
+    _Pragma("GCC unroll 8") for (int l = 0; l < ((rec_bytes) / 8 + 63) / 64; l++)                         \
+    _mm_prefetch((const char *)((rec) + 2 * (rec_bytes) + (jb) * ((rec_bytes) / 8) + 64 * l), _MM_HINT_T0)
 
 /* int8 activations: is[j] = the int32 dot products of code registers wq[p0..p1) (codes 4p..4p+3 of 16 rows) with
  * row m0 + j of x from column k, for j < MM, in one chain per row with the rows' chains interleaved: the loop is
