@@ -32,7 +32,7 @@ from engine.worker import host_memory  # noqa: E402
 from models.attention.kv_cache_dtype import STORAGE, kv_cache_code, quantize_rows, row_elements  # noqa: E402
 from models.kernels import cpu_kernels  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the default model's; --heads changes the first two
 DTYPES = {"bf16": torch.bfloat16, "float": torch.float32}
 
 
@@ -97,7 +97,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt", type=int, default=0, metavar="N", help="a prompt step of N tokens instead")
     parser.add_argument("--bandwidth", type=float, help="GB/s for the floor (default: measured)")
+    parser.add_argument("--heads", type=int, nargs=2, metavar=("Q", "KV"), help="query and KV heads (default 9 3)")
     args = parser.parse_args()
+    if args.heads:
+        global HEADS, KV_HEADS
+        HEADS, KV_HEADS = args.heads
     if cpu_kernels.load() is None:
         sys.exit("no C compiler: the CPU kernels are not built")
     rate = args.bandwidth * 1e9 if args.bandwidth else read_rate()
