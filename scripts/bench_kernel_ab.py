@@ -2,12 +2,13 @@
 process, so that a kernel change is measured in the same minutes on the same host (this project's VMs move by
 10-25% between minutes, more than most changes).
 
-Each revision's sources (`git archive`; "." for the working tree) are built with the engine's flags
-(models/kernels/cpu_kernels.py FLAGS) and loaded with ctypes. Each library repacks the tensors itself (gguf_repack_r16:
-a change may change the layout), then `gguf_r16_linear_i8` (float32 activations quantized to int8, the default
-path) runs on random activations of M rows, the two libraries alternating for --rounds rounds. Prints, per tensor
-and M, each library's median milliseconds and GMAC/s, new / old, and the largest difference of the outputs relative
-to the largest old output (0 where a change keeps the arithmetic bit for bit). One JSON line each.
+Each revision's sources (`git archive`; "." for the working tree) are built as the engine builds its own
+(models/kernels/cpu_kernels.py `build_library`) and loaded with ctypes. Each library repacks the tensors itself
+(gguf_repack_r16: a change may change the layout), then `gguf_r16_linear_i8` (float32 activations quantized to
+int8, the default path) runs on random activations of M rows, the two libraries alternating for --rounds rounds.
+Prints, per tensor and M, each library's median milliseconds and GMAC/s, new / old, and the largest difference of
+the outputs relative to the largest old output (0 where a change keeps the arithmetic bit for bit). One JSON line
+each.
 
     python scripts/bench_kernel_ab.py --model M --old HEAD~1 --new . \\
         --tensors blk.0.ffn_gate.weight blk.0.ffn_down.weight token_embd.weight --rows 1 32 512
@@ -28,14 +29,14 @@ from gguf import GGUFReader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.kernels.cpu_kernels import FLAGS  # noqa: E402
+from models.kernels.cpu_kernels import build_library  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CSRC = "models/kernels/csrc"
 
 
 def build(rev: str, out_dir: Path) -> ctypes.CDLL:
-    """Builds revision `rev` ("." = the working tree) of the kernels into out_dir/rev.so and loads it."""
+    """Builds revision `rev` ("." = the working tree) of the kernels in a new directory of out_dir and loads it."""
     src = out_dir / f"src-{len(list(out_dir.iterdir()))}"
     src.mkdir()
     if rev == ".":
@@ -44,14 +45,10 @@ def build(rev: str, out_dir: Path) -> ctypes.CDLL:
     else:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, CSRC], capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", str(src), "--strip-components=3"], input=archive.stdout, check=True)
-    compile_flags = [f for f in FLAGS if f != "-shared"]
-    objects = []
-    for c in sorted(src.glob("*.c")):
-        obj = c.with_suffix(".o")
-        subprocess.run(["cc", *compile_flags, "-c", str(c), "-o", str(obj)], check=True)
-        objects.append(str(obj))
+    error = build_library("cc", src, sorted(src.glob("*.c")))
+    if error is not None:
+        sys.exit(f"building {rev} failed:\n{error}")
     lib_path = src / "lib.so"
-    subprocess.run(["cc", *FLAGS, *objects, "-o", str(lib_path), "-lm"], check=True)
     lib = ctypes.CDLL(str(lib_path))
     lib.gguf_r16_bytes.restype = ctypes.c_long
     if hasattr(lib, "gguf_amx_enable"):

@@ -89,16 +89,16 @@ for _t in ("float", "bf16"):
     }
 
 
-def _build(cc: str, tmp: Path) -> str | None:
-    """Compiles every source into tmp/lib.so, one compiler process per source at once (the two large files
-    take ~2.3 s each: a first start on 2 cores waits half as long), then links. Returns the compiler's
-    error output, or None when built."""
-    objects = [tmp / f"{src.stem}.o" for src in SOURCES]
+def build_library(cc: str, tmp: Path, sources: list[Path] = SOURCES) -> str | None:
+    """Compiles every source (default: this tree's csrc/*.c) into tmp/lib.so, one compiler process per source at
+    once (the two large files take ~2.3 s each: a first start on 2 cores waits half as long), then links. Returns
+    the compiler's error output, or None when built. scripts/bench_kernel_ab.py builds other revisions with it."""
+    objects = [tmp / f"{src.stem}.o" for src in sources]
     procs = [
         subprocess.Popen(
             [cc, *FLAGS, "-c", str(src), "-o", str(obj)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )
-        for src, obj in zip(SOURCES, objects)
+        for src, obj in zip(sources, objects)
     ]
     errors = [err for proc in procs if (err := proc.communicate()[1]) and proc.returncode != 0]
     if errors:
@@ -123,7 +123,7 @@ def load() -> ctypes.CDLL | None:
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-            error = _build(cc, Path(tmp))
+            error = build_library(cc, Path(tmp))
             if error is not None:
                 logger.warning("building the CPU kernels failed; using torch ops:\n%s", error)
                 return None

@@ -13,7 +13,7 @@ from models.kernels import cpu_kernels, ops
 from models.quantization.gguf import Q8_TYPES, QUANTIZED_TYPES, R16_COPY_MIN_ROWS, R16_TYPES, GGUFTensor
 from tests.gguf_blocks import amx_rows, random_blocks
 
-SUPER_BLOCK_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)  # the R16 types whose int8 activations are rounded per 256
+SUPER_BLOCK_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)  # K-quants meet int8 activations per 256 (llama.cpp's Q8_K), both kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
 
@@ -207,8 +207,7 @@ def test_linear_int8_activations(qtype, M, dtype):
     w = reference(raw, qtype, cols).astype(np.float64)
     x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M)).to(dtype)
     x += torch.linspace(-1, 3, cols).to(dtype)  # a nonzero mean per block, so an exact-sum offset term shows
-    group = 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 32  # K-quants meet llama.cpp's Q8_K: one scale per 256
-    xq = rounded_int8(x, group)
+    xq = rounded_int8(x, 256 if qtype in SUPER_BLOCK_TYPES else 32)
     y_ref = xq @ w.T
     y = ops.gguf_linear(x, raw, qtype, rows, cols, r16=False, int8_activations=True).double().numpy()
     bound = 1e-5 * (np.abs(xq) @ np.abs(w.T)) + 1e-6
