@@ -40,7 +40,7 @@ RETURNS_STATUS = {
     "gguf_r16_isa",
     "gguf_q8_isa",
     "gguf_q8_linear",
-    "gguf_q8_moe",
+    "gguf_moe",
     "gguf_repack_r16",
     "gguf_r16_dequantize_rows",
     "gguf_r16_linear",
@@ -67,7 +67,7 @@ SIGNATURES = {
     "gguf_r16_isa": [],
     "gguf_q8_isa": [],
     "gguf_q8_linear": [_p, _i, _i, _p, _i, _p, _i, _i, _i, _i, _i, _i],
-    "gguf_q8_moe": [_p, _i, _i, _p, _p, _i, _p, _i, _p, _i, _p, _i, _i, _i, _p, _p, _f, _f, _i, _p, _i],
+    "gguf_moe": [_p, _i, _i, _p, _p, _i, _p, _i, _p, _i, _p, _i, _i, _i, _p, _p, _f, _f, _i, _i, _p, _i],
     "gguf_repack_r16": [_i, _p, _i, _i, _p],
     "gguf_r16_bytes": [_i, _i, _i],
     "gguf_r16_dequantize_rows": [_i, _p, _i, _p, _i, _p, _i, _i],
@@ -78,6 +78,7 @@ SIGNATURES = {
     "decoder_layer_float": [_p, _p, _p, _p, _i] + [_p] * 8 + [_i] * 4,
     "decoder_layers_float": [_p, _i, _p, _p, _p, _i] + [_p] * 8 + [_i] * 4,
     "top_k_float": [_p, _i, _i, _i, _p, _i],
+    "moe_route_float": [_p, _i, _i, _p, _p, _i, _i, _i, _p, _p, _i],
     "gated_delta_net_decode": [_p, _l, _p, _i] + [_p] * 5 + [_i] + [_p] * 3 + [_f] + [_i] * 5 + [_p, _i],
 }
 for _t in ("float", "bf16"):

@@ -253,6 +253,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def moe_route(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A mixture-of-experts router in one C call (layer_ops.c moe_route_float): logits x [T, hidden] W^T (+ bias)
+    for W float32 [E, hidden], softmax over the experts, the top_k most probable (descending) -> (weights float32
+    [T, top_k], renormalised to sum 1 where `renormalize`; ids int64 [T, top_k]), as select_experts computes them
+    from torch's logits to float rounding. The one-call decoder layer (decoder_layer.c) routes with the same
+    function, so both choose the same experts. None (the caller's torch path) for a tensor the kernel does not
+    take: not float32 and contiguous on the CPU, or top_k over 64."""
+    lib = _lib(x)
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if lib is None or not 0 < top_k <= min(64, weight.shape[0]):
+        return None
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        return None
+    weights = torch.empty(x.shape[0], top_k)
+    ids = torch.empty(x.shape[0], top_k, dtype=torch.int64)
+    lib.moe_route_float(
+        x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        weight.shape[0], top_k, int(renormalize), ids.data_ptr(), weights.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return weights, ids
+
+
 TOP_SPAN = 64  # logits per span in top_indices' first pass
 
 
@@ -390,6 +414,16 @@ def gguf_dequantize_rows(
     return out
 
 
+def moe_kernel(blocks: list) -> int | None:
+    """gguf_moe's `r16` for an MoE layer's gate, up and down GGUFTensors: 0 for blocks on the AVX2 int8 kernel, 1
+    for R16 weights on int16 activations, 2 on int8; None where the three do not share one of those (the loop
+    then)."""
+    if len({(b.r16, b.int8) for b in blocks}) != 1:
+        return None
+    r16, int8 = blocks[0].r16, blocks[0].int8
+    return (2 if int8 else 1) if r16 else (0 if int8 else None)
+
+
 def gguf_moe(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -402,24 +436,29 @@ def gguf_moe(
     swiglu_alpha: float,
     geglu: bool = False,
 ) -> torch.Tensor | None:
-    """A mixture-of-experts layer's routed experts in one C call (csrc/gguf_linear.c, gguf_q8_moe: the AVX2 int8
-    kernels, expert by expert): x float32 [T, hidden], weights float32 [T, k], ids int64 [T, k]; `blocks` the gate,
-    up and down GGUFTensors of every expert (E * rows rows each); b13 float32 [E, 2 * inter], b2 [E, hidden] or
-    None; the clamped SwiGLU where `swiglu_limit`, GELU_tanh(gate) up where `geglu` (Gemma 4), else SiLU. Returns
-    float32 [T, hidden] (the experts' weighted sum), or None where the C path does not take it (no compiler,
-    another type or dtype, a CPU without AVX2): the caller's loop then."""
+    """A mixture-of-experts layer's routed experts in one C call (csrc/gguf_linear.c, gguf_moe, expert by expert):
+    x float32 [T, hidden], weights float32 [T, k], ids int64 [T, k]; `blocks` the gate, up and down GGUFTensors of
+    every expert (E * rows rows each), all the file's blocks on the AVX2 int8 kernel (`int8`) or all repacked (R16:
+    the AVX512-VNNI kernel, on int8 activations where their `int8`), each expert taking the kernel its projection
+    takes alone (GGUFTensor.matmul of its row range); b13 float32 [E, 2 * inter], b2 [E, hidden] or None; the
+    clamped SwiGLU where `swiglu_limit`, GELU_tanh(gate) up where `geglu` (Gemma 4), else SiLU. Returns float32
+    [T, hidden] (the experts' weighted sum), or None where the C path does not take it (no compiler, another type,
+    dtype or mix of layouts, a CPU without the kernel): the caller's loop then."""
     lib = _gguf_lib()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    gate, up, down = blocks
+    r16 = moe_kernel(blocks)
+    if r16 is None:
         return None
     x, weights, ids = x.contiguous(), weights.float().contiguous(), ids.to(torch.int64).contiguous()
     b13, b2 = (None if b is None else b.float().contiguous() for b in (b13, b2))
     out = torch.empty_like(x)
-    gate, up, down = blocks
-    status = lib.gguf_q8_moe(
+    status = lib.gguf_moe(
         x.data_ptr(), x.shape[0], x.shape[1], ids.data_ptr(), weights.data_ptr(), ids.shape[1],
         gate.data.data_ptr(), int(gate.qtype), up.data.data_ptr(), int(up.qtype), down.data.data_ptr(),
         int(down.qtype), gate.rows // inter, inter, None if b13 is None else b13.data_ptr(),
-        None if b2 is None else b2.data_ptr(), swiglu_limit or 0.0, swiglu_alpha, int(geglu), out.data_ptr(),
+        None if b2 is None else b2.data_ptr(), swiglu_limit or 0.0, swiglu_alpha, int(geglu), r16, out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     return out if status == 0 else None

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from models.distributed.pipeline import PPMissingLayer
-from models.layers.fused_moe import expert_shard
+from models.layers.fused_moe import SparseMoeBlock, expert_shard
 from models.layers.layernorm import RMSNorm
 from models.quantization.gguf import GGUFTensor
 
@@ -105,7 +105,11 @@ def keep_norms_float32(model: nn.Module) -> None:
     float32 weights and emit float32, the MLP and the projections' outputs stay float32, and only attention
     (q, k, v and the KV cache) runs in the model dtype. It costs nothing measurable (the weights' bytes
     dominate) and lifts greedy agreement with float32 activations on W64's first 16 tokens from 84% to 91%.
-    llama.cpp keeps float32 activations too."""
+    llama.cpp keeps float32 activations too. A mixture-of-experts router (SparseMoeBlock's `gate`, F32 in GGUF
+    files) stays float32 as well, so routing decisions are made on the file's weights and the one-call layer
+    (models/layers/fused_layer.py) routes as the op-by-op block does."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.weight.data = module.weight.data.float()
+        elif isinstance(module, SparseMoeBlock):
+            module.gate.float()

@@ -2,16 +2,16 @@
 
 At batch 1 a layer's arithmetic takes less time than the ~10 Python-level ops around it (module calls, ctypes
 argument packing, new tensors, OpenMP threads waking for each kernel). `FusedDecoderLayer` describes a Llama-family
-layer's tensors to the C entry point once and then runs the whole layer (both norms, the four GGUF linears,
-Qwen3's q/k norms, rotary, paged attention, SiLU-and-mul) per call, with the same kernels the op-by-op path
-calls, so the output is the same; a quantized KV cache (--kv-cache-dtype) goes to the same attention kernel's
-quantized form. A bfloat16 GGUF model computes its norms and MLP in float32 and q, k, v and the attention in
-bfloat16 (models/layers/attention.py): the call does the same (attn_bf16). `FusedDecoderStack` runs a step's
-fused layers in one call. It is a hook with a null default: `build` returns None for a layer it cannot run
-(another device or dtype, a float checkpoint's weights, Granite's multipliers, soft caps, experts, tensor
-parallelism), and a call returns None for a step of more than DECODE_MAX_ROWS tokens, or more than the layer's
-GGUF kernels take without dequantizing (`max_rows`: the least GGUFTensor.kernel_rows of its weights); the layer
-then runs op by op.
+layer's tensors to the C entry point once and then runs the whole layer (both norms, the four GGUF linears, Qwen3's
+q/k norms, rotary, paged attention, SiLU-and-mul; or a Qwen3-MoE / Mixtral layer's router and GGUF experts in place
+of the MLP's linears) per call, with the same kernels the op-by-op path calls, so the output is the same; a
+quantized KV cache (--kv-cache-dtype) goes to the same attention kernel's quantized form. A bfloat16 GGUF model
+computes its norms and MLP in float32 and q, k, v and the attention in bfloat16 (models/layers/attention.py): the
+call does the same (attn_bf16). `FusedDecoderStack` runs a step's fused layers in one call. It is a hook with a null
+default: `build` returns None for a layer it cannot run (another device or dtype, a float checkpoint's weights,
+Granite's multipliers, soft caps, shared experts or expert biases, tensor parallelism), and a call returns None for
+a step of more than DECODE_MAX_ROWS tokens, or more than the layer's GGUF kernels take without dequantizing
+(`max_rows`: the least GGUFTensor.kernel_rows of its weights); the layer then runs op by op.
 """
 
 import ctypes
@@ -22,8 +22,9 @@ from models.attention.base import AttentionMetadata
 from models.attention.cpu import CPUBackend
 from models.attention.kv_cache_dtype import STORAGE
 from models.kernels import cpu_kernels, ops
+from models.layers.fused_moe import SparseMoeBlock
 from models.layers.mlp import SwiGLUMLP
-from models.quantization.gguf import GGUFLinearMethod, GGUFTensor
+from models.quantization.gguf import GGUFLinearMethod, GGUFMoEMethod, GGUFTensor
 
 MAX_SEGMENTS = 3
 # LayerLinear.kernel: the kernel of a segment (decoder_layer.c's gguf_linear, gguf_q8_linear, gguf_r16_linear)
@@ -71,6 +72,14 @@ class LayerDesc(ctypes.Structure):
         ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p),
         ("qk_eps", ctypes.c_float),
+        ("num_experts", ctypes.c_int),
+        ("top_k", ctypes.c_int),
+        ("renormalize", ctypes.c_int),
+        ("moe_kernel", ctypes.c_int),
+        ("router", ctypes.c_void_p),
+        ("router_bias", ctypes.c_void_p),
+        ("experts", ctypes.c_void_p * 3),
+        ("expert_type", ctypes.c_int * 3),
     ]
 
 
@@ -100,6 +109,30 @@ def _linear(module, segments: list[GGUFTensor]) -> LayerLinear:
             kernel = KERNEL_INT8 if w.int8 else KERNEL_EXACT
         desc.data[i], desc.type[i], desc.rows[i], desc.kernel[i] = w.data.data_ptr(), int(w.qtype), w.rows, kernel
     return desc
+
+
+def _experts(mlp) -> tuple[list[GGUFTensor], int] | None:
+    """A SparseMoeBlock's expert weights and gguf_moe's kernel for them (ops.moe_kernel), where decoder_layer.c
+    computes the block as its forward does: quantized experts on one rank with SiLU and no biases, no shared expert,
+    a float32 router; else None."""
+    experts = getattr(mlp, "experts", None)
+    if not isinstance(mlp, SparseMoeBlock) or mlp.shared_expert is not None or not 0 < mlp.top_k <= 64:
+        return None
+    method = experts.quant_method
+    if (
+        not isinstance(method, GGUFMoEMethod)
+        or experts.tp is not None
+        or experts.w13_bias is not None
+        or experts.swiglu_limit is not None
+        or experts.activation != "silu"
+        or any(not isinstance(b, GGUFTensor) for b in method.blocks)
+    ):
+        return None
+    router = [mlp.gate.weight] if mlp.gate.bias is None else [mlp.gate.weight, mlp.gate.bias]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in router):
+        return None
+    kernel = ops.moe_kernel(method.blocks)
+    return None if kernel is None else (method.blocks, kernel)
 
 
 class FusedDecoderLayer:
@@ -135,12 +168,14 @@ class FusedDecoderLayer:
             or attn.sinks is not None
             or attn.o_proj.bias is not None
             or layer.residual_multiplier != 1.0
-            or not isinstance(mlp, SwiGLUMLP)
             or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms)
             or layer.input_layernorm.eps != layer.post_attention_layernorm.eps
         ):
             return None
-        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        experts = _experts(mlp)
+        if not isinstance(mlp, SwiGLUMLP) and experts is None:
+            return None
+        modules = (attn.qkv_proj, attn.o_proj) + ((mlp.gate_up_proj, mlp.down_proj) if experts is None else ())
         attn_bf16 = backend.dtype == torch.bfloat16
         attn_dtype = torch.bfloat16 if attn_bf16 else torch.float32
         head_norms = (attn.q_norm, attn.k_norm)
@@ -156,13 +191,14 @@ class FusedDecoderLayer:
         weights += [_segments(m) for m in modules[1:]]
         if any(w is None for w in weights):
             return None
-        qkv, o, gate_up, down = (_linear(m, w) for m, w in zip(modules, weights))
+        qkv, o, *mlp_linears = (_linear(m, w) for m, w in zip(modules, weights))
+        gate_up, down = mlp_linears or (LayerLinear(), LayerLinear())
         desc = LayerDesc(
             hidden=norms[0].shape[0],
             num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
-            inter=mlp.down_proj.quant_method.input_size,
+            inter=mlp.experts.inter if experts else mlp.down_proj.quant_method.input_size,
             eps=layer.input_layernorm.eps,
             scale=backend.scale,
             use_rope=int(attn.use_rope),
@@ -180,8 +216,17 @@ class FusedDecoderLayer:
             k_norm=None if attn.k_norm is None else attn.k_norm.weight.data_ptr(),
             qk_eps=0.0 if attn.q_norm is None else attn.q_norm.eps,
         )
-        max_rows = min([DECODE_MAX_ROWS] + [w.kernel_rows for segments in weights for w in segments])
         keep = list(norms) + [n.weight for n in head_norms if n is not None]
+        if experts is not None:
+            blocks, desc.moe_kernel = experts
+            desc.num_experts, desc.top_k, desc.renormalize = mlp.experts.num_experts, mlp.top_k, int(mlp.renormalize)
+            desc.router = mlp.gate.weight.data_ptr()
+            desc.router_bias = None if mlp.gate.bias is None else mlp.gate.bias.data_ptr()
+            for i, b in enumerate(blocks):
+                desc.experts[i], desc.expert_type[i] = b.data.data_ptr(), int(b.qtype)
+            weights.append(blocks)
+            keep += [mlp.gate.weight] + [b.data for b in blocks]
+        max_rows = min([DECODE_MAX_ROWS] + [w.kernel_rows for segments in weights for w in segments])
         return cls(lib, desc, backend, keep, max_rows, attn_dtype)
 
     def takes(self, residual, x, rope, k_cache, max_rows: int) -> bool:

@@ -217,8 +217,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         q = self.quant_method
-        blocks = q is not None and all(isinstance(b, GGUFTensor) and b.int8 and not b.r16 for b in q.blocks)
-        if blocks and self.tp is None:  # int8-kernel experts: the whole layer in one C call
+        if q is not None and self.tp is None and all(isinstance(b, GGUFTensor) for b in q.blocks):
+            # quantized experts: the whole layer in one C call where the kernels take them
             bias, act = (self.w13_bias, self.w2_bias), (self.swiglu_limit, self.swiglu_alpha)
             out = ops.gguf_moe(x, weights, ids, q.blocks, self.inter, *bias, *act, self.activation == "gelu_tanh")
             if out is not None:
@@ -264,8 +264,12 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.gate.bias is None else self.gate.bias.float()
-        router_logits = F.linear(x.float(), self.gate.weight.float(), bias)
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        # float32 activations route in one C call, the one-call decoder layer's arithmetic (ops.moe_route)
+        routed = ops.moe_route(x, self.gate.weight, bias, self.top_k, self.renormalize)
+        if routed is None:
+            router_logits = F.linear(x.float(), self.gate.weight.float(), bias)
+            routed = select_experts(router_logits, self.top_k, self.renormalize)
+        weights, ids = routed
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             scale = torch.sigmoid(F.linear(x.float(), self.shared_expert_gate.weight.float())).to(x.dtype)

@@ -204,10 +204,13 @@ class GGUFTensor:
         return cols // block * nbytes
 
     def row_range(self, start: int, count: int) -> "GGUFTensor":
-        """Rows start .. start + count - 1 (a fused checkpoint tensor's part): whole blocks, so a byte range.
-        Raises ValueError after `repack` (rows are interleaved then)."""
+        """Rows start .. start + count - 1 (a fused checkpoint tensor's part, an expert of a stacked MoE tensor):
+        whole blocks, so a byte range; after `repack`, whole 16-row groups. Raises ValueError for a range that
+        splits a repacked group (rows are interleaved there)."""
         if self.r16:
-            raise ValueError("rows of a repacked tensor are interleaved")
+            if start % 16 or (count % 16 and start + count != self.rows):
+                raise ValueError(f"rows {start}..{start + count - 1} split a repacked tensor's 16-row groups")
+            return GGUFTensor(self.qtype, self.data[start // 16 : (start + count + 15) // 16], self.cols, count, True)
         return GGUFTensor(self.qtype, self.data[start : start + count], self.cols)
 
     def select_rows(self, rows: torch.Tensor) -> "GGUFTensor":
@@ -417,10 +420,17 @@ class GGUFMoEMethod:
         self.blocks[proj] = loaded
 
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
-        """Float experts into `dtype`. Raises ValueError when a projection was not in the file."""
+        """Float experts into `dtype`; quantized ones repacked for the AVX512-VNNI kernel (R16) where the CPU has it,
+        every projection's type has the layout and each expert is whole 16-row groups, as a linear's are, except
+        with MINIVLLM_GGUF_ACTIVATIONS=float (the exact float32 kernel on blocks). All three or none: the one-call
+        MoE kernel (ops.gguf_moe) takes one layout. Raises ValueError when a projection was not in the file."""
         if any(b is None for b in self.blocks):
             raise ValueError("a quantized MoE layer is missing an expert projection")
         self.blocks = [b if isinstance(b, GGUFTensor) else b.to(dtype) for b in self.blocks]
+        quantized = all(isinstance(b, GGUFTensor) and b.qtype in R16_TYPES for b in self.blocks)
+        if quantized and activations_mode() != "float" and all(rows % 16 == 0 for rows, _ in self.shapes):
+            for b in self.blocks:
+                b.repack()
 
     @property
     def segments(self) -> list[tuple[int, "GGUFTensor | torch.Tensor"]]:

@@ -163,6 +163,40 @@ def test_qwen3_fuses_its_head_norms(llm, prompts, dtype, tmp_path, monkeypatch):
     assert all(isinstance(layer.fused, FusedDecoderLayer) and layer.fused.desc.q_norm for layer in layers)
 
 
+@pytest.mark.parametrize("dtype, kernel", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "avx2")])
+def test_qwen3_moe_fuses_its_experts(llm, prompts, dtype, kernel, tmp_path, monkeypatch):
+    """Mixture-of-experts layers (the tiny Qwen3-MoE: 8 experts, 2 a token, renormalised; every layer sparse, as
+    llama.cpp's converter needs) in the one-call layer: the router (moe_route_float, which the op-by-op block calls
+    too) and the experts (gguf_moe: repacked for the AVX512-VNNI kernel where the CPU has it, or the file's blocks on
+    the AVX2 int8 kernel) inside the call, on int8 activations (the default), on a Q8_0 file the converter makes:
+    greedy tokens and logprobs equal the op-by-op layers' bit for bit while the fused paths really ran."""
+    from scripts import llama_cpp
+    from scripts.make_tiny_model import save_tiny_model
+
+    if llama_cpp.converter() is None:
+        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+    if not cpu_kernels.load().gguf_q8_isa():
+        pytest.skip("the CPU has no AVX2")
+    save_tiny_model("qwen3_moe", tmp_path / "hf", llm.tokenizer, mlp_only_layers=[])
+    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
+    monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
+    monkeypatch.setenv("MINIVLLM_GGUF_KERNEL", kernel)
+    for cached in CACHED:
+        cached.cache_clear()
+    try:
+        moe = make_llm(model=str(gguf), dtype=dtype)
+        _assert_fused_equals_plain(moe, prompts, monkeypatch)
+        layers = moe.engine.engine_core.executor.runner.model.layers
+        assert all(isinstance(layer.fused, FusedDecoderLayer) for layer in layers)
+        assert [layer.fused.desc.num_experts for layer in layers] == [8, 8]
+        r16 = kernel == "auto" and bool(cpu_kernels.load().gguf_r16_isa())
+        assert {layer.fused.desc.moe_kernel for layer in layers} == {2 if r16 else 0}
+    finally:
+        monkeypatch.undo()
+        for cached in CACHED:
+            cached.cache_clear()
+
+
 def test_long_steps_are_declined(llm):
     """A step of more rows than the layer's kernels take without dequantizing (max_rows) is declined: None,
     nothing computed, and the layer runs op by op."""

@@ -175,23 +175,32 @@ def test_gpt_oss_mxfp4_experts_on_their_blocks():
     ids=["q8_0", "q4_k_m", "mixed", "q4_k_m_geglu", "mxfp4_gpt_oss"],
 )
 @pytest.mark.parametrize("tokens", [1, 5, 64, 300])
-def test_one_call_experts_equal_the_per_expert_loop(qtypes, limit, activation, tokens, monkeypatch):
-    """With int8 activations (the default, an AVX2 CPU), a step's routed experts run in one C call
-    (ops.gguf_moe): the result equals FusedMoE's loop over the experts, which calls the same int8 kernel per
-    projection, bit for bit with SiLU and GeGLU (Gemma 4's experts; to float rounding with gpt-oss's clamped
-    SwiGLU and biases, which the loop computes in torch): the tokens grouped by expert in the same order, each
-    expert's gate and up (a K-quant gate and up share one activation quantization), the activation, down, the
-    weighted sum. 256-wide rows so that the K-quants' super-blocks fit; 300 tokens stand for a prompt's chunk (more
-    than 8 rows per expert: the kernel's tiled loop)."""
+@pytest.mark.parametrize("layout", ["blocks", "r16"])
+def test_one_call_experts_equal_the_per_expert_loop(qtypes, limit, activation, tokens, layout, monkeypatch):
+    """With int8 activations (the default), a step's routed experts run in one C call (ops.gguf_moe): the result
+    equals FusedMoE's loop over the experts, which calls the same kernel per projection, bit for bit with SiLU and
+    GeGLU (Gemma 4's experts; to float rounding with gpt-oss's clamped SwiGLU and biases, which the loop computes
+    in torch): the tokens grouped by expert in the same order, each expert's gate and up (a K-quant gate and up
+    share one activation quantization on blocks), the activation, down, the weighted sum. `layout` blocks: the
+    file's blocks on the AVX2 int8 kernel (MINIVLLM_GGUF_KERNEL=avx2); r16: repacked at load for the AVX512-VNNI
+    kernel, each expert a range of 16-row groups (MXFP4 has no R16 layout and keeps its blocks). 256-wide rows so
+    that the K-quants' super-blocks fit; 300 tokens stand for a prompt's chunk (more than 8 rows per expert: the
+    kernels' tiled loops)."""
     from models.kernels import cpu_kernels
     from models.kernels import ops as kernel_ops
-    from models.quantization.gguf import int8_activations
+    from models.quantization.gguf import R16_TYPES, gguf_kernel, int8_activations, r16_int8
 
     lib = cpu_kernels.load()
     if lib is None or not lib.gguf_q8_isa():
         pytest.skip("the CPU has no AVX2")
+    if layout == "r16" and not lib.gguf_r16_isa():
+        pytest.skip("the CPU has no AVX512-VNNI and BF16")
+    if layout == "r16" and qtypes[0] not in R16_TYPES:
+        pytest.skip("MXFP4 has no R16 layout")
+    monkeypatch.setenv("MINIVLLM_GGUF_KERNEL", "avx2" if layout == "blocks" else "auto")
     monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
-    int8_activations.cache_clear()
+    for cached in (gguf_kernel, int8_activations, r16_int8):
+        cached.cache_clear()
     try:
         hidden, inter, experts = 256, 512, 6
         kind = "gpt_oss" if limit else "qwen3_moe"
@@ -210,6 +219,7 @@ def test_one_call_experts_equal_the_per_expert_loop(qtypes, limit, activation, t
             blocks = random_blocks(qtype, experts * rows, cols, seed=proj).reshape(experts * rows, -1)
             block.experts.quant_method.load(proj, GGUFTensor(qtype, blocks, cols))
         block.experts.quant_method.process_weights_after_loading(torch.float32)
+        assert [b.r16 for b in block.experts.quant_method.blocks] == [layout == "r16"] * 3
         with torch.no_grad():
             block.gate.weight.normal_(std=0.5)
             if kind == "gpt_oss":
@@ -230,4 +240,5 @@ def test_one_call_experts_equal_the_per_expert_loop(qtypes, limit, activation, t
         torch.testing.assert_close(one_call, loop, rtol=1e-5, atol=1e-5)  # gpt-oss's activation: torch's there
         assert one_call.abs().mean() > 1e-3
     finally:
-        int8_activations.cache_clear()
+        for cached in (gguf_kernel, int8_activations, r16_int8):
+            cached.cache_clear()

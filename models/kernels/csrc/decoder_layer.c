@@ -10,6 +10,12 @@
  *     h = RMSNorm(residual += a Wo^T)
  *     x = (SiLU(h Wg^T) * (h Wu^T)) Wd^T       silu_and_mul_float between two linears
  *
+ * or, for a mixture-of-experts layer (Qwen3-MoE's, Mixtral's: num_experts > 0), the last line as SparseMoeBlock
+ * computes it:
+ *
+ *     ids, w = top-k softmax(h Wr^T)           moe_route_float
+ *     x = sum_j w_j expert_ids_j(h)            gguf_moe (each expert's SiLU-gated MLP)
+ *
  * with the layer's tensors described once (LayerDesc, filled by models/layers/fused_layer.py) and no Python
  * between the kernels: at batch 1 the interpreter and the OpenMP wake-ups around ~10 Python-level ops per layer
  * cost more than the layer's arithmetic (issue 34, "one C call per decoder layer"). Each kernel keeps its own
@@ -44,6 +50,13 @@ typedef struct {
     /* Qwen3's RMSNorm over each head of q and of k before the rotation: [head_dim] in q's dtype, or NULL */
     const void *q_norm, *k_norm;
     float qk_eps;
+    /* a mixture-of-experts MLP in place of gate_up and down where num_experts > 0: the router float32 [E, hidden]
+     * (+ bias [E] or NULL), top_k experts a token (renormalised or not), and every expert's gate, up and down as
+     * gguf_moe takes them (moe_kernel its `r16`); inter is an expert's */
+    int num_experts, top_k, renormalize, moe_kernel;
+    const float *router, *router_bias;
+    const uint8_t *experts[3];
+    int expert_type[3];
 } LayerDesc;
 
 int gguf_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
@@ -77,6 +90,12 @@ PAGED_ATTENTION_DECL(bf16, bf16, bf16)
 PAGED_ATTENTION_DECL(bf16_q, bf16, uint8_t)
 
 void *kernel_scratch(int slot, size_t bytes);
+void moe_route_float(const float *x, int n, int H, const float *w, const float *b, int E, int k, int renormalize,
+                     int64_t *ids, float *topw, int num_threads);
+int gguf_moe(const float *x, int T, int hidden, const int64_t *ids, const float *topw, int top_k,
+             const uint8_t *w_gate, int t_gate, const uint8_t *w_up, int t_up, const uint8_t *w_down, int t_down,
+             int num_experts, int inter, const float *b13, const float *b2, float limit, float alpha, int geglu,
+             int r16, float *out, int num_threads);
 
 static int out_rows(const LayerLinear *w) {
     int n = 0;
@@ -141,9 +160,11 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
                         const int32_t *query_start_loc, int num_seqs, int max_blocks, int isa, int nt) {
     const int H = L->hidden, D = L->head_dim, nq = L->num_heads * D, nkv = L->num_kv_heads * D;
     const int qkv_n = nq + 2 * nkv;
-    float *ws = kernel_scratch(2, sizeof(float) * (size_t)M * (H + qkv_n + nq + H + 2 * L->inter + L->inter));
+    const size_t floats = ((size_t)M * (H + qkv_n + nq + H + 2 * L->inter + L->inter + L->top_k) + 1) & ~(size_t)1;
+    float *ws = kernel_scratch(2, sizeof(float) * floats + sizeof(int64_t) * (size_t)M * L->top_k);
     float *h = ws, *qkv = h + (size_t)M * H, *attn = qkv + (size_t)M * qkv_n, *o = attn + (size_t)M * nq;
-    float *gu = o + (size_t)M * H, *act = gu + (size_t)M * 2 * L->inter;
+    float *gu = o + (size_t)M * H, *act = gu + (size_t)M * 2 * L->inter, *topw = act + (size_t)M * L->inter;
+    int64_t *ids = (int64_t *)(ws + floats); /* malloc's alignment, an even count of floats after it */
     int rc;
     add_rms_norm_float(residual, x_in, L->input_norm, h, M, H, L->eps, nt);
     if ((rc = layer_linear(&L->qkv, h, 0, H, qkv, L->attn_bf16, M, nt))) return rc;
@@ -165,6 +186,12 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
     if (rc) return rc;
     if ((rc = layer_linear(&L->o, attn, L->attn_bf16, nq, o, 0, M, nt))) return rc;
     add_rms_norm_float(residual, o, L->post_norm, h, M, H, L->eps, nt);
+    if (L->num_experts) {
+        moe_route_float(h, M, H, L->router, L->router_bias, L->num_experts, L->top_k, L->renormalize, ids, topw, nt);
+        return gguf_moe(h, M, H, ids, topw, L->top_k, L->experts[0], L->expert_type[0], L->experts[1],
+                        L->expert_type[1], L->experts[2], L->expert_type[2], L->num_experts, L->inter, NULL, NULL,
+                        0.f, 0.f, 0, L->moe_kernel, x_out, nt);
+    }
     if ((rc = layer_linear(&L->gate_up, h, 0, H, gu, 0, M, nt))) return rc;
     silu_and_mul_float(gu, act, M, L->inter, nt);
     return layer_linear(&L->down, act, 0, L->inter, x_out, 0, M, nt);

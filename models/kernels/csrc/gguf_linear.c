@@ -1480,28 +1480,37 @@ __attribute__((optimize("fp-contract=off"))) static void moe_accumulate(float *o
     for (int c = 0; c < n; c++) o[c] += (bias ? d[c] + bias[c] : d[c]) * w;
 }
 
-/* A mixture-of-experts layer's routed experts for T tokens in one call, on the int8 kernels above: for each expert
- * that tokens chose (in expert order, as models/layers/fused_moe.py's loop), its tokens' rows of x gathered,
- * gate and up (activations quantized once where the two types share a group), the activation, down, then
- * out[t] += topw (down + b2) for each of its tokens. SiLU(gate) up, or with `limit` > 0 gpt-oss's clamped SwiGLU
- * (clamp(up, -l, l) + 1) g sigmoid(alpha g) with g = min(gate, l) (vLLM's "swigluoai"), or with `geglu` GELU_tanh(gate)
- * up (Gemma 4's experts).
+/* A mixture-of-experts layer's routed experts for T tokens in one call: for each expert that tokens chose (in
+ * expert order, as models/layers/fused_moe.py's loop), its tokens' rows of x gathered, gate and up, the activation,
+ * down, then out[t] += topw (down + b2) for each of its tokens. SiLU(gate) up, or with `limit` > 0 gpt-oss's clamped
+ * SwiGLU (clamp(up, -l, l) + 1) g sigmoid(alpha g) with g = min(gate, l) (vLLM's "swigluoai"), or with `geglu`
+ * GELU_tanh(gate) up (Gemma 4's experts). The products take the kernel each expert's projection would take alone:
+ * `r16` 0, the file's blocks on the AVX2 int8 kernels (activations quantized once where gate's and up's types share
+ * a group); 1 or 2, R16 weights on the AVX512-VNNI kernel (r16_linear) on int16 or (2) int8 activations, AMX
+ * tiles where gguf_amx_enable turned them on.
  *
  * x, out float32 [T, hidden]; ids int64 [T, top_k] (expert of each choice), topw float32 [T, top_k]; w_gate,
- * w_up: every expert's [inter, hidden] stacked (E * inter rows of GGUF blocks of t_gate, t_up), w_down [hidden,
- * inter] per expert (t_down); b13 float32 [E, 2 inter] (gate | up) and b2 [E, hidden] or NULL. Returns -1
- * (nothing written) for a type or shape the int8 kernels do not take, or without AVX2. */
-int gguf_q8_moe(const float *x, int T, int hidden, const int64_t *ids, const float *topw, int top_k,
-                const uint8_t *w_gate, int t_gate, const uint8_t *w_up, int t_up, const uint8_t *w_down, int t_down,
-                int num_experts, int inter, const float *b13, const float *b2, float limit, float alpha, int geglu,
-                float *out, int num_threads) {
+ * w_up: every expert's [inter, hidden] stacked (E * inter rows of GGUF blocks of t_gate, t_up, or their R16 form,
+ * each expert a whole number of 16-row groups), w_down [hidden, inter] per expert (t_down); b13 float32 [E, 2 inter]
+ * (gate | up) and b2 [E, hidden] or NULL. Returns -1 (nothing written) for a type or shape the kernels do not take,
+ * or a CPU without AVX2 (AVX512-VNNI and BF16 for R16). */
+int gguf_moe(const float *x, int T, int hidden, const int64_t *ids, const float *topw, int top_k,
+             const uint8_t *w_gate, int t_gate, const uint8_t *w_up, int t_up, const uint8_t *w_down, int t_down,
+             int num_experts, int inter, const float *b13, const float *b2, float limit, float alpha, int geglu,
+             int r16, float *out, int num_threads) {
 #if defined(__x86_64__)
-    if (!has_avx2() || !q8_type(t_gate) || !q8_type(t_up) || !q8_type(t_down) || T < 1 ||
-        hidden % block_weights(t_gate) || hidden % block_weights(t_up) || inter % block_weights(t_down))
+    if (T < 1 || hidden % block_weights(t_gate) || hidden % block_weights(t_up) || inter % block_weights(t_down))
         return -1;
-    const size_t gate_bytes = (size_t)inter * (hidden / block_weights(t_gate)) * block_bytes(t_gate);
-    const size_t up_bytes = (size_t)inter * (hidden / block_weights(t_up)) * block_bytes(t_up);
-    const size_t down_bytes = (size_t)hidden * (inter / block_weights(t_down)) * block_bytes(t_down);
+    if (r16 ? !has_vnni_bf16() || !r16_type(t_gate) || !r16_type(t_up) || !r16_type(t_down) || inter % 16 ||
+                  hidden % 16
+            : !has_avx2() || !q8_type(t_gate) || !q8_type(t_up) || !q8_type(t_down))
+        return -1;
+    const size_t gate_bytes = r16 ? (size_t)gguf_r16_bytes(t_gate, inter, hidden)
+                                  : (size_t)inter * (hidden / block_weights(t_gate)) * block_bytes(t_gate);
+    const size_t up_bytes = r16 ? (size_t)gguf_r16_bytes(t_up, inter, hidden)
+                                : (size_t)inter * (hidden / block_weights(t_up)) * block_bytes(t_up);
+    const size_t down_bytes = r16 ? (size_t)gguf_r16_bytes(t_down, hidden, inter)
+                                  : (size_t)hidden * (inter / block_weights(t_down)) * block_bytes(t_down);
     const int pairs = T * top_k;
     /* the (token, choice) pairs grouped by expert, stably (a counting sort) */
     int *start = calloc((size_t)num_experts + 1, sizeof(int)), *order = malloc(sizeof(int) * (size_t)pairs);
@@ -1519,16 +1528,23 @@ int gguf_q8_moe(const float *x, int T, int hidden, const int64_t *ids, const flo
         const int *mine = order + start[e];
         for (int i = 0; i < n; i++) memcpy(xe + (size_t)i * hidden, x + (size_t)(mine[i] / top_k) * hidden,
                                            sizeof(float) * (size_t)hidden);
-        Q8Buf qg = q8_prepare(xe, 0, hidden, t_gate, n, hidden, num_threads);
-        q8_rows(&qg.a, t_gate, w_gate + e * gate_bytes, gu, 0, 2 * inter, inter, num_threads);
-        if (q8_group(t_up) == q8_group(t_gate) && (t_up != Q6_K || qg.xb)) { /* up reads what gate's prepare made */
-            q8_rows(&qg.a, t_up, w_up + e * up_bytes, gu + inter, 0, 2 * inter, inter, num_threads);
+        if (r16) {
+            r16_linear(xe, 0, hidden, w_gate + e * gate_bytes, t_gate, gu, 0, 2 * inter, n, inter, hidden, num_threads,
+                       r16 == 2);
+            r16_linear(xe, 0, hidden, w_up + e * up_bytes, t_up, gu + inter, 0, 2 * inter, n, inter, hidden,
+                       num_threads, r16 == 2);
         } else {
-            Q8Buf qu = q8_prepare(xe, 0, hidden, t_up, n, hidden, num_threads);
-            q8_rows(&qu.a, t_up, w_up + e * up_bytes, gu + inter, 0, 2 * inter, inter, num_threads);
-            q8_release(&qu);
+            Q8Buf qg = q8_prepare(xe, 0, hidden, t_gate, n, hidden, num_threads);
+            q8_rows(&qg.a, t_gate, w_gate + e * gate_bytes, gu, 0, 2 * inter, inter, num_threads);
+            if (q8_group(t_up) == q8_group(t_gate) && (t_up != Q6_K || qg.xb)) { /* up reads gate's prepare */
+                q8_rows(&qg.a, t_up, w_up + e * up_bytes, gu + inter, 0, 2 * inter, inter, num_threads);
+            } else {
+                Q8Buf qu = q8_prepare(xe, 0, hidden, t_up, n, hidden, num_threads);
+                q8_rows(&qu.a, t_up, w_up + e * up_bytes, gu + inter, 0, 2 * inter, inter, num_threads);
+                q8_release(&qu);
+            }
+            q8_release(&qg);
         }
-        q8_release(&qg);
         if (b13) /* gate_up + bias first, as the loop adds it before the activation */
             for (int i = 0; i < n; i++)
                 for (int j = 0; j < 2 * inter; j++) gu[(size_t)i * 2 * inter + j] += b13[(size_t)e * 2 * inter + j];
@@ -1543,9 +1559,14 @@ int gguf_q8_moe(const float *x, int T, int hidden, const int64_t *ids, const flo
                 h[(size_t)i * inter + j] = (b + 1.f) * a / (1.f + expf(fminf(-alpha * a, 88.f)));
             }
         }
-        Q8Buf qh = q8_prepare(h, 0, inter, t_down, n, inter, num_threads);
-        q8_rows(&qh.a, t_down, w_down + e * down_bytes, d, 0, hidden, hidden, num_threads);
-        q8_release(&qh);
+        if (r16) {
+            r16_linear(h, 0, inter, w_down + e * down_bytes, t_down, d, 0, hidden, n, hidden, inter, num_threads,
+                       r16 == 2);
+        } else {
+            Q8Buf qh = q8_prepare(h, 0, inter, t_down, n, inter, num_threads);
+            q8_rows(&qh.a, t_down, w_down + e * down_bytes, d, 0, hidden, hidden, num_threads);
+            q8_release(&qh);
+        }
         const float *bd = b2 ? b2 + (size_t)e * hidden : NULL;
         for (int i = 0; i < n; i++) {
             const int p = mine[i];
@@ -1557,7 +1578,7 @@ int gguf_q8_moe(const float *x, int T, int hidden, const int64_t *ids, const flo
 #else
     (void)x, (void)T, (void)hidden, (void)ids, (void)topw, (void)top_k, (void)w_gate, (void)t_gate, (void)w_up;
     (void)t_up, (void)w_down, (void)t_down, (void)num_experts, (void)inter, (void)b13, (void)b2, (void)limit;
-    (void)alpha, (void)geglu, (void)out, (void)num_threads;
+    (void)alpha, (void)geglu, (void)r16, (void)out, (void)num_threads;
     return -1;
 #endif
 }

@@ -113,3 +113,41 @@ void top_k_float(const float *x, int n, int v, int k, int64_t *out, int num_thre
         }
     }
 }
+
+/* A mixture-of-experts router for n tokens (models/layers/fused_moe.py's select_experts on the logits of
+ * SparseMoeBlock's `gate`): logits x W^T (+ b) in float32 (x [n, H], W [E, H], b [E] or NULL), softmax over the E
+ * experts, the k most probable (descending; of equal ones the lower index) into ids [n, k] (int64) and their
+ * probabilities into topw [n, k] float32, divided by their sum where `renormalize` (Mixtral, Qwen3-MoE; gpt-oss's
+ * softmax over its top-k logits is the same). The one arithmetic both the op-by-op layer and the one-call layer
+ * (decoder_layer.c) route with, so that they choose the same experts with the same weights. k <= 64. */
+void moe_route_float(const float *x, int n, int H, const float *w, const float *b, int E, int k, int renormalize,
+                     int64_t *ids, float *topw, int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) if ((long)n * E * H > (1L << 20))")
+    for (int t = 0; t < n; t++) {
+        const float *xt = x + (size_t)t * H;
+        float p[E];
+        float mx = -INFINITY, sum = 0.f;
+        for (int e = 0; e < E; e++) {
+            const float *we = w + (size_t)e * H;
+            float dot = 0.f;
+            for (int i = 0; i < H; i++) dot += xt[i] * we[i];
+            p[e] = b ? dot + b[e] : dot;
+            mx = p[e] > mx ? p[e] : mx;
+        }
+        for (int e = 0; e < E; e++) sum += p[e] = expf(p[e] - mx);
+        for (int e = 0; e < E; e++) p[e] /= sum;
+        float *wt = topw + (size_t)t * k, chosen = 0.f;
+        int64_t *it = ids + (size_t)t * k;
+        top_k_float(p, 1, E, k, it, 1);
+        for (int j = 0; j < k; j++) { /* top_k_float's order is unset: descending, ties by index */
+            int best = j;
+            for (int i = j + 1; i < k; i++)
+                if (p[it[i]] > p[it[best]] || (p[it[i]] == p[it[best]] && it[i] < it[best])) best = i;
+            const int64_t s = it[j];
+            it[j] = it[best], it[best] = s;
+            chosen += wt[j] = p[it[j]];
+        }
+        if (renormalize)
+            for (int j = 0; j < k; j++) wt[j] /= chosen;
+    }
+}
