@@ -49,6 +49,7 @@ RETURNS_STATUS = {
     "gguf_amx_enable",
     "decoder_layer_float",
     "decoder_layers_float",
+    "delta_layer_float",
     "top_k_float",
 }
 RETURNS_LONG = {"gguf_r16_bytes"}
@@ -78,6 +79,7 @@ SIGNATURES = {
     "decoder_layer_float": [_p, _p, _p, _p, _i] + [_p] * 8 + [_i] * 4,
     "decoder_layers_float": [_p, _i, _p, _p, _p, _i] + [_p] * 8 + [_i] * 4,
     "top_k_float": [_p, _i, _i, _i, _p, _i],
+    "delta_layer_float": [_p, _p, _p, _p, _i, _p, _l, _p, _i],
     "moe_route_float": [_p, _i, _i, _p, _p, _i, _i, _i, _p, _p, _i],
     "gated_delta_net_decode": [_p, _l, _p, _i] + [_p] * 5 + [_i] + [_p] * 3 + [_f] + [_i] * 5 + [_p, _i],
 }

@@ -327,3 +327,122 @@ class FusedDecoderStack:
         if rc != 0:
             raise ValueError(f"decoder_layers_float: a kernel refused a layer's shapes (status {rc})")
         return out
+
+
+class DeltaDesc(ctypes.Structure):
+    """decoder_layer.c's DeltaDesc: a Gated DeltaNet decoder layer's shape, norms, DeltaNet weights and linears."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int),
+        ("inter", ctypes.c_int),
+        ("nk", ctypes.c_int),
+        ("nv", ctypes.c_int),
+        ("dk", ctypes.c_int),
+        ("dv", ctypes.c_int),
+        ("kernel", ctypes.c_int),
+        ("tiled", ctypes.c_int),
+        ("eps", ctypes.c_float),
+        ("norm_eps", ctypes.c_float),
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("conv_w", ctypes.c_void_p),
+        ("A_log", ctypes.c_void_p),
+        ("dt_bias", ctypes.c_void_p),
+        ("norm_w", ctypes.c_void_p),
+        ("qkvz", LayerLinear),
+        ("ba", LayerLinear),
+        ("out", LayerLinear),
+        ("gate_up", LayerLinear),
+        ("down", LayerLinear),
+    ]
+
+
+class FusedDeltaLayer:
+    """A Qwen3.5 decoder layer of linear attention (models/qwen3_5.py: input norm, the Gated DeltaNet's projections,
+    its one-token step, out_proj, post norm, SwiGLU MLP) run by one `delta_layer_float` call per decode step, with
+    the kernels the op-by-op layer calls (the DeltaNet step is ops.gated_delta_net_decode_'s), so the output is the
+    same. At batch 1 its ~12 Python-level ops cost about what its arithmetic does.
+
+    __call__(residual, x, state, meta) takes what the layer's forward does (state: the layer's float32 [slots,
+    state_size]; meta: the step's StateMetadata) and returns its MLP output [T, hidden], or None (nothing done)
+    unless every one of the T <= max_rows tokens is a decode of a sequence with a state, the tensors are float32 on
+    the CPU and the kernels are on. Raises ValueError when a kernel refuses a shape.
+    """
+
+    def __init__(self, lib, desc: DeltaDesc, keep: list[torch.Tensor], max_rows: int):
+        self.lib, self.desc, self.max_rows = lib, desc, max_rows
+        self._keep = keep  # the tensors whose addresses `desc` holds
+        self._desc_ref = ctypes.byref(desc)
+
+    @classmethod
+    def build(cls, layer) -> "FusedDeltaLayer | None":
+        """The fused form of `layer` (a Qwen3_5DecoderLayer of linear attention), or None where it has something
+        delta_layer_float does not compute (tensor parallelism, float weights, a mixture of experts, heads over
+        1024 wide)."""
+        lib = cpu_kernels.load()
+        net, mlp = getattr(layer, "linear_attn", None), layer.mlp
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if (
+            lib is None
+            or net is None
+            or not isinstance(mlp, SwiGLUMLP)
+            or max(net.dk, net.dv) > 1024
+            or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms)
+            or layer.input_layernorm.eps != layer.post_attention_layernorm.eps
+        ):
+            return None
+        modules = (net.in_proj_qkvz, net.in_proj_ba, net.out_proj, mlp.gate_up_proj, mlp.down_proj)
+        weights = [_segments(m) for m in modules]
+        if any(w is None for w in weights):
+            return None
+        # the DeltaNet's float32 tensors as the kernel reads them (the same tensors where they already are)
+        floats = [t.float().contiguous() for t in (net.conv1d.weight, net.A_log, net.dt_bias, net.norm.weight)]
+        qkvz, ba, out, gate_up, down = (_linear(m, w) for m, w in zip(modules, weights))
+        desc = DeltaDesc(
+            hidden=norms[0].shape[0],
+            inter=mlp.down_proj.quant_method.input_size,
+            nk=net.nk,
+            nv=net.nv,
+            dk=net.dk,
+            dv=net.dv,
+            kernel=net.kernel,
+            tiled=int(net.tiled_heads),
+            eps=layer.input_layernorm.eps,
+            norm_eps=net.norm.eps,
+            input_norm=norms[0].data_ptr(),
+            post_norm=norms[1].data_ptr(),
+            conv_w=floats[0].data_ptr(),
+            A_log=floats[1].data_ptr(),
+            dt_bias=floats[2].data_ptr(),
+            norm_w=floats[3].data_ptr(),
+            qkvz=qkvz,
+            ba=ba,
+            out=out,
+            gate_up=gate_up,
+            down=down,
+        )
+        max_rows = min([DECODE_MAX_ROWS] + [w.kernel_rows for segments in weights for w in segments])
+        return cls(lib, desc, list(norms) + floats, max_rows)
+
+    def __call__(self, residual, x, state, meta) -> torch.Tensor | None:
+        n = residual.shape[0]
+        tensors = (residual,) if x is None else (residual, x)
+        if (
+            n > self.max_rows
+            or not ops.kernels_enabled()
+            or meta.num_decodes != n
+            or not all(meta.has_initial_state[:n])
+            or state.dtype != torch.float32
+            or state.stride(1) != 1
+            or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)
+        ):
+            return None
+        out = torch.empty_like(residual)
+        slots = meta.state_indices[:n].to(torch.int64).contiguous()
+        rc = self.lib.delta_layer_float(
+            self._desc_ref, residual.data_ptr(), None if x is None else x.data_ptr(), out.data_ptr(), n,
+            state.data_ptr(), state.stride(0), slots.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"delta_layer_float: a kernel refused the layer's shapes (status {rc})")
+        return out

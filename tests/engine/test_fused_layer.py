@@ -197,6 +197,55 @@ def test_qwen3_moe_fuses_its_experts(llm, prompts, dtype, kernel, tmp_path, monk
             cached.cache_clear()
 
 
+@pytest.mark.parametrize("activations", ["int8", "float"])
+def test_qwen3_5_fuses_its_deltanet_layers(llm, prompts, activations, tmp_path, monkeypatch):
+    """Qwen3.5's Gated DeltaNet layers in one call per decode step (FusedDeltaLayer: the input norm, the
+    projections, the DeltaNet's one-token step on each sequence's state slot, out_proj, the post norm and the MLP),
+    on a Q8_0 file llama.cpp's converter makes of the tiny Qwen3.5 (value heads tiled as llama.cpp orders them),
+    on int8 activations (the default) and the exact float kernels: greedy tokens and logprobs of decode steps of 1
+    and 8 rows equal the op-by-op layers' bit for bit, while the fused layers really ran; the attention layers run
+    op by op."""
+    from models.layers.fused_layer import FusedDeltaLayer
+    from scripts import llama_cpp
+    from scripts.make_tiny_model import add_mtp_head, save_tiny_model
+
+    if llama_cpp.converter() is None:
+        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+    save_tiny_model("qwen3_5", tmp_path / "hf", llm.tokenizer)
+    add_mtp_head(tmp_path / "hf")
+    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
+    monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", activations)
+    for cached in CACHED:
+        cached.cache_clear()
+    calls = []
+    real = FusedDeltaLayer.__call__
+    monkeypatch.setattr(
+        FusedDeltaLayer, "__call__", lambda self, *a: calls.append(out := real(self, *a)) or out
+    )  # fmt: skip
+    try:
+        model_llm = make_llm(model=str(gguf))
+        layers = model_llm.engine.engine_core.executor.runner.model.layers
+        params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+        for batch in [prompts[:1], prompts]:  # 1-row and 8-row decode steps
+            for layer in layers:
+                layer.fused = False
+            plain = model_llm.generate(batch, params, use_tqdm=False)
+            for layer in layers:
+                layer.fused = None
+            calls.clear()
+            fused = model_llm.generate(batch, params, use_tqdm=False)
+            assert any(c is not None for c in calls), "the fused DeltaNet layer never ran"
+            for a, b in zip(fused, plain):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+                assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+        kinds = [isinstance(layer.fused, FusedDeltaLayer) for layer in layers]
+        assert kinds == [layer.is_linear for layer in layers] and any(kinds) and not all(kinds)
+    finally:
+        monkeypatch.undo()
+        for cached in CACHED:
+            cached.cache_clear()
+
+
 def test_long_steps_are_declined(llm):
     """A step of more rows than the layer's kernels take without dequantizing (max_rows) is declined: None,
     nothing computed, and the layer runs op by op."""

@@ -23,6 +23,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -213,4 +214,57 @@ int decoder_layers_float(const LayerDesc *const *L, int n, float *residual, cons
         if (rc) return rc;
     }
     return 0;
+}
+
+/* ---- A Gated DeltaNet decoder layer (Qwen3.5's linear-attention layers) in one call, for a decode step ----
+ * The sequence models/qwen3_5.py's Qwen3_5DecoderLayer runs op by op for a layer of linear attention:
+ *
+ *     h = RMSNorm(residual += x)
+ *     q k v | z = h Wqkvz^T, b | a = h Wba^T
+ *     o = DeltaNet step(q k v, z, a, b, state)   gated_delta_net_decode (recurrent.c), on each sequence's slot
+ *     h = RMSNorm(residual += o Wout^T)
+ *     x = (SiLU(h Wg^T) * (h Wu^T)) Wd^T
+ *
+ * with the same kernels, so that the result is the op-by-op layer's bit for bit. */
+typedef struct {
+    int hidden, inter, nk, nv, dk, dv, kernel, tiled;
+    float eps, norm_eps; /* the residual norms', the DeltaNet's gated head norm's */
+    const float *input_norm, *post_norm;
+    const float *conv_w, *A_log, *dt_bias, *norm_w; /* float32 [C, K], [nv], [nv], [dv] */
+    LayerLinear qkvz, ba, out, gate_up, down;
+} DeltaDesc;
+
+void gated_delta_net_decode(float *state, int64_t slot_stride, const int64_t *slots, int batch, float *qkv,
+                            const float *z, const float *a, const float *b, const float *conv_w, int kernel,
+                            const float *A_log, const float *dt_bias, const float *norm_w, float eps, int nk, int nv,
+                            int dk, int dv, int tiled, float *out, int threads);
+
+/* residual, x_in, x_out as decoder_layer_float takes them, for M decode tokens each of its own sequence; state
+ * float32 [slots, slot_stride] (the layer's, gated_delta_net_decode's layout), slots int64 [M] each sequence's.
+ * Returns 0, or the failing linear's status. */
+int delta_layer_float(const DeltaDesc *L, float *residual, const float *x_in, float *x_out, int M, float *state,
+                      int64_t slot_stride, const int64_t *slots, int nt) {
+    const int H = L->hidden, Z = L->nv * L->dv, C = 2 * L->nk * L->dk + Z, nv = L->nv;
+    float *ws = kernel_scratch(
+        2, sizeof(float) * (size_t)M * (H + (C + Z) + 2 * nv + C + Z + 2 * nv + Z + H + 3 * L->inter));
+    float *h = ws, *qz = h + (size_t)M * H, *ba = qz + (size_t)M * (C + Z), *qkv = ba + (size_t)M * 2 * nv;
+    float *z = qkv + (size_t)M * C, *b = z + (size_t)M * Z, *a = b + (size_t)M * nv, *o = a + (size_t)M * nv;
+    float *d = o + (size_t)M * Z, *gu = d + (size_t)M * H, *act = gu + (size_t)M * 2 * L->inter;
+    int rc;
+    add_rms_norm_float(residual, x_in, L->input_norm, h, M, H, L->eps, nt);
+    if ((rc = layer_linear(&L->qkvz, h, 0, H, qz, 0, M, nt)) || (rc = layer_linear(&L->ba, h, 0, H, ba, 0, M, nt)))
+        return rc;
+    for (int m = 0; m < M; m++) { /* the projections' parts, each contiguous, as the kernel takes them */
+        memcpy(qkv + (size_t)m * C, qz + (size_t)m * (C + Z), sizeof(float) * C);
+        memcpy(z + (size_t)m * Z, qz + (size_t)m * (C + Z) + C, sizeof(float) * Z);
+        memcpy(b + (size_t)m * nv, ba + (size_t)m * 2 * nv, sizeof(float) * nv);
+        memcpy(a + (size_t)m * nv, ba + (size_t)m * 2 * nv + nv, sizeof(float) * nv);
+    }
+    gated_delta_net_decode(state, slot_stride, slots, M, qkv, z, a, b, L->conv_w, L->kernel, L->A_log, L->dt_bias,
+                           L->norm_w, L->norm_eps, L->nk, nv, L->dk, L->dv, L->tiled, o, nt);
+    if ((rc = layer_linear(&L->out, o, 0, Z, d, 0, M, nt))) return rc;
+    add_rms_norm_float(residual, d, L->post_norm, h, M, H, L->eps, nt);
+    if ((rc = layer_linear(&L->gate_up, h, 0, H, gu, 0, M, nt))) return rc;
+    silu_and_mul_float(gu, act, M, L->inter, nt);
+    return layer_linear(&L->down, act, 0, L->inter, x_out, 0, M, nt);
 }
