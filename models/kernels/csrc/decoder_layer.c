@@ -130,6 +130,16 @@ static int layer_linear(const LayerLinear *w, const void *x, int x_bf16, int K, 
     return 0;
 }
 
+/* x_out [M, hidden] = (SiLU(h Wg^T) * (h Wu^T)) Wd^T, the layers' SwiGLU MLP, through gu [M, 2 inter] and act
+ * [M, inter]; returns 0 or the failing linear's status */
+static int swiglu_mlp(const LayerLinear *gate_up, const LayerLinear *down, const float *h, int H, int inter,
+                      float *gu, float *act, float *x_out, int M, int nt) {
+    int rc;
+    if ((rc = layer_linear(gate_up, h, 0, H, gu, 0, M, nt))) return rc;
+    silu_and_mul_float(gu, act, M, inter, nt);
+    return layer_linear(down, act, 0, inter, x_out, 0, M, nt);
+}
+
 /* Qwen3's q_norm and k_norm over each token's q | k rows (qkv_n apart), in place, as models/layers/layernorm.py's
  * HeadRMSNorm runs them op by op: add_rms_norm over each head's D values (bfloat16 heads widened first, exactly) */
 static void head_norms(const LayerDesc *L, void *qkv, int qkv_n, int M) {
@@ -193,9 +203,7 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
                         L->expert_type[1], L->experts[2], L->expert_type[2], L->num_experts, L->inter, NULL, NULL,
                         0.f, 0.f, 0, L->moe_kernel, x_out, nt);
     }
-    if ((rc = layer_linear(&L->gate_up, h, 0, H, gu, 0, M, nt))) return rc;
-    silu_and_mul_float(gu, act, M, L->inter, nt);
-    return layer_linear(&L->down, act, 0, L->inter, x_out, 0, M, nt);
+    return swiglu_mlp(&L->gate_up, &L->down, h, H, L->inter, gu, act, x_out, M, nt);
 }
 
 /* n consecutive layers L[0 .. n-1] of one step in one call (Python only per step): each layer's MLP output is the
@@ -264,7 +272,5 @@ int delta_layer_float(const DeltaDesc *L, float *residual, const float *x_in, fl
                            L->norm_w, L->norm_eps, L->nk, nv, L->dk, L->dv, L->tiled, o, nt);
     if ((rc = layer_linear(&L->out, o, 0, Z, d, 0, M, nt))) return rc;
     add_rms_norm_float(residual, d, L->post_norm, h, M, H, L->eps, nt);
-    if ((rc = layer_linear(&L->gate_up, h, 0, H, gu, 0, M, nt))) return rc;
-    silu_and_mul_float(gu, act, M, L->inter, nt);
-    return layer_linear(&L->down, act, 0, L->inter, x_out, 0, M, nt);
+    return swiglu_mlp(&L->gate_up, &L->down, h, H, L->inter, gu, act, x_out, M, nt);
 }

@@ -1480,6 +1480,14 @@ __attribute__((optimize("fp-contract=off"))) static void moe_accumulate(float *o
     for (int c = 0; c < n; c++) o[c] += (bias ? d[c] + bias[c] : d[c]) * w;
 }
 
+#if defined(__x86_64__)
+/* bytes of one expert's [rows, cols] weight: its GGUF blocks, or their R16 form */
+static size_t expert_bytes(int r16, int type, int rows, int cols) {
+    return r16 ? (size_t)gguf_r16_bytes(type, rows, cols)
+               : (size_t)rows * (cols / block_weights(type)) * block_bytes(type);
+}
+#endif
+
 /* A mixture-of-experts layer's routed experts for T tokens in one call: for each expert that tokens chose (in
  * expert order, as models/layers/fused_moe.py's loop), its tokens' rows of x gathered, gate and up, the activation,
  * down, then out[t] += topw (down + b2) for each of its tokens. SiLU(gate) up, or with `limit` > 0 gpt-oss's clamped
@@ -1505,12 +1513,8 @@ int gguf_moe(const float *x, int T, int hidden, const int64_t *ids, const float 
                   hidden % 16
             : !has_avx2() || !q8_type(t_gate) || !q8_type(t_up) || !q8_type(t_down))
         return -1;
-    const size_t gate_bytes = r16 ? (size_t)gguf_r16_bytes(t_gate, inter, hidden)
-                                  : (size_t)inter * (hidden / block_weights(t_gate)) * block_bytes(t_gate);
-    const size_t up_bytes = r16 ? (size_t)gguf_r16_bytes(t_up, inter, hidden)
-                                : (size_t)inter * (hidden / block_weights(t_up)) * block_bytes(t_up);
-    const size_t down_bytes = r16 ? (size_t)gguf_r16_bytes(t_down, hidden, inter)
-                                  : (size_t)hidden * (inter / block_weights(t_down)) * block_bytes(t_down);
+    const size_t gate_bytes = expert_bytes(r16, t_gate, inter, hidden);
+    const size_t up_bytes = expert_bytes(r16, t_up, inter, hidden), down_bytes = expert_bytes(r16, t_down, hidden, inter);
     const int pairs = T * top_k;
     /* the (token, choice) pairs grouped by expert, stably (a counting sort) */
     int *start = calloc((size_t)num_experts + 1, sizeof(int)), *order = malloc(sizeof(int) * (size_t)pairs);
