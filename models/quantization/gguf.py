@@ -43,6 +43,7 @@ R16_TYPES = (
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
     GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.MXFP4,
     GGMLQuantizationType.Q4_K,
     GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,

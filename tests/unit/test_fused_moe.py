@@ -183,20 +183,18 @@ def test_one_call_experts_equal_the_per_expert_loop(qtypes, limit, activation, t
     in torch): the tokens grouped by expert in the same order, each expert's gate and up (a K-quant gate and up
     share one activation quantization on blocks), the activation, down, the weighted sum. `layout` blocks: the
     file's blocks on the AVX2 int8 kernel (MINIVLLM_GGUF_KERNEL=avx2); r16: repacked at load for the AVX512-VNNI
-    kernel, each expert a range of 16-row groups (MXFP4 has no R16 layout and keeps its blocks). 256-wide rows so
+    kernel, each expert a range of 16-row groups (MXFP4's codes through a byte shuffle). 256-wide rows so
     that the K-quants' super-blocks fit; 300 tokens stand for a prompt's chunk (more than 8 rows per expert: the
     kernels' tiled loops)."""
     from models.kernels import cpu_kernels
     from models.kernels import ops as kernel_ops
-    from models.quantization.gguf import R16_TYPES, gguf_kernel, int8_activations, r16_int8
+    from models.quantization.gguf import gguf_kernel, int8_activations, r16_int8
 
     lib = cpu_kernels.load()
     if lib is None or not lib.gguf_q8_isa():
         pytest.skip("the CPU has no AVX2")
     if layout == "r16" and not lib.gguf_r16_isa():
         pytest.skip("the CPU has no AVX512-VNNI and BF16")
-    if layout == "r16" and qtypes[0] not in R16_TYPES:
-        pytest.skip("MXFP4 has no R16 layout")
     monkeypatch.setenv("MINIVLLM_GGUF_KERNEL", "avx2" if layout == "blocks" else "auto")
     monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
     for cached in (gguf_kernel, int8_activations, r16_int8):

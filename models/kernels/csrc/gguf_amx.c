@@ -79,13 +79,11 @@ AMX static void bf16_unpack(int type, const uint8_t *grp, int K, bf16 *dst) {
     const int rb = r16_record_bytes(type);
     __m512i wq[8];
     if (block_weights(type) == 32) {
-        const int cb = r16_code_bytes(type);
         for (int b = 0; b < K / 32; b++) {
             const uint8_t *rec = grp + (size_t)b * rb;
             r16_codes32(type, rec, wq);
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb)));
-            const __m512 o = type == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb + 32)))
-                                          : _mm512_mul_ps(d, _mm512_set1_ps(type == Q4_0 ? -8.f : -128.f));
+            __m512 d, o;
+            r16_scales32(type, rec, &d, &o);
             for (int z = 0; z < 8; z++) bf16_pairs(wq[z], d, o, dst + 512 * b + 64 * z);
         }
         return;

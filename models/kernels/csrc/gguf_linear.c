@@ -330,10 +330,10 @@ int gguf_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int t
  * Rows are padded to a multiple of 16 (zero rows) and stored group by group; within a group, block b
  * of all 16 rows is one record: the codes laid out so that one 64-byte load holds 4 codes of each of
  * the 16 rows (one int32 lane per row, what _mm512_dpbusd_epi32 multiplies by 4 broadcast activation
- * codes), then the 16 rows' float16 scales d, then (Q4_1) their float16 offsets m. 4-bit records: load
- * p (0..3) holds codes 4p..4p+3 in its low nibbles and 16+4p..16+4p+3 in its high nibbles. Q8_0: load
- * g (0..7) holds codes 4g..4g+3 as int8 + 128. A record has exactly the bytes of the 16 blocks it came
- * from (Q4_0 288, Q4_1 320, Q8_0 544), so repacking costs no memory beyond the padding rows; the
+ * codes), then the 16 rows' float16 scales d (MXFP4: their E8M0 bytes), then (Q4_1) their float16 offsets m. 4-bit
+ * records: load p (0..3) holds codes 4p..4p+3 in its low nibbles and 16+4p..16+4p+3 in its high nibbles (MXFP4's
+ * as the file has them, indices of its E2M1 values). Q8_0: load g (0..7) holds codes 4g..4g+3 as int8 + 128. A
+ * record has exactly the bytes of the 16 blocks it came from (Q4_0 288, Q4_1 320, Q8_0 544, MXFP4 272), so repacking costs no memory beyond the padding rows; the
  * layout is that of llama.cpp's repacked CPU weights (ggml-cpu repack.cpp), re-derived for VNNI. */
 
 /* code k (0..31) of lane r in a record */
@@ -351,7 +351,9 @@ static inline uint8_t r16_code(int type, const uint8_t *rec, int r, int k) {
  * (gguf_r16.h R16_Q6K_SHIFT); then the scales: Q4_K/Q5_K the 16 rows' float16 d and dmin and
  * the 6-bit sub-block scales and mins as bytes [8][16]; Q6_K the float16 d and the int8 scales per 16
  * as [16][16]. Records are 16 x (148, 180, 210) bytes against 16 x (144, 176, 210) in the file. */
-static int r16_type(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q5_K || type == Q6_K; }
+static int r16_type(int type) {
+    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == MXFP4 || type == Q4_K || type == Q5_K || type == Q6_K;
+}
 
 /* bytes of a repacked weight of N rows and K columns */
 long gguf_r16_bytes(int type, int N, int K) {
@@ -393,7 +395,8 @@ int gguf_repack_r16(int type, const uint8_t *src, int N, int K, uint8_t *dst) {
             const uint8_t *blk = row + (size_t)b * bb, *qb = q + (size_t)b * bw;
             if (bw == 32) {
                 const int cb = r16_code_bytes(type);
-                memcpy(rec + cb + 2 * r, blk, 2); /* d */
+                if (type == MXFP4) rec[cb + r] = blk[0]; /* e */
+                else memcpy(rec + cb + 2 * r, blk, 2); /* d */
                 if (type == Q4_1) memcpy(rec + cb + 32 + 2 * r, blk + 2, 2); /* m */
                 for (int k = 0; k < 32; k++) {
                     if (type == Q8_0) {
@@ -449,9 +452,14 @@ int gguf_r16_dequantize_rows(int type, const uint8_t *w, int K, const int64_t *i
                            * dst could alias the uint8_t record, so the compiler read them again for every value) */
             if (bw == 32) {
                 const int cb = r16_code_bytes(type);
-                const float d = fp16_to_f32(rec + cb + 2 * r);
-                const float m = type == Q4_1 ? fp16_to_f32(rec + cb + 32 + 2 * r) : type == Q4_0 ? -8.f * d : -128.f * d;
-                for (int k = 0; k < 32; k++) v[k] = d * (float)r16_code(type, rec, r, k) + m;
+                if (type == MXFP4) {
+                    const float d = e8m0_half(rec[cb + r]);
+                    for (int k = 0; k < 32; k++) v[k] = d * FP4_VALUES[r16_code(type, rec, r, k)];
+                } else {
+                    const float d = fp16_to_f32(rec + cb + 2 * r);
+                    const float m = type == Q4_1 ? fp16_to_f32(rec + cb + 32 + 2 * r) : type == Q4_0 ? -8.f * d : -128.f * d;
+                    for (int k = 0; k < 32; k++) v[k] = d * (float)r16_code(type, rec, r, k) + m;
+                }
             } else {
                 const int cb = r16_codes_end(type);
                 const float d = fp16_to_f32(rec + cb + 2 * r);
@@ -707,7 +715,7 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
 #define R16_GROUP_OF(NAME, I8, TYPE, MM)                                                                             \
     VNNI_BF16 static void NAME##_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nb, int m0, void *y, int y_bf16, \
                                                int y_stride, int n0, int nr) {                                       \
-        const int Kp = a->Kp, cb = r16_code_bytes(TYPE), rec_bytes = r16_record_bytes(TYPE);                         \
+        const int Kp = a->Kp, rec_bytes = r16_record_bytes(TYPE);                                                    \
         __m512 acc[MM]; /* the scaled dot products and the offsets' terms, summed together */                        \
         for (int j = 0; j < MM; j++) acc[j] = _mm512_setzero_ps();                                                   \
         for (int b = 0; b < nb; b++) {                                                                               \
@@ -716,9 +724,8 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
             __m512i wq[8], w02[8], w13[8]; /* wq[p]: codes 4p..4p+3, wq[p + 4]: codes 16 + 4p.. */                   \
             r16_codes32(TYPE, rec, wq);                                                                              \
             if (!I8) SPLIT_WORDS(wq, w02, w13)                                                                       \
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb)));                       \
-            const __m512 m = TYPE == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + cb + 32)))    \
-                                          : _mm512_mul_ps(d, _mm512_set1_ps(TYPE == Q4_0 ? -8.f : -128.f));          \
+            __m512 d, m;                                                                                             \
+            r16_scales32(TYPE, rec, &d, &m);                                                                         \
             __m512i is[MM]; /* each row's int32 sums of the 32 codes */                                              \
             if (I8) R16B_SUMS(a, m0, 32 * b, wq, 0, 8, MM, is);                                                      \
             else                                                                                                     \
@@ -857,12 +864,14 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
 INSTANCES(R16_GROUP, Q4_0)
 INSTANCES(R16_GROUP, Q4_1)
 INSTANCES(R16_GROUP, Q8_0)
+INSTANCES(R16_GROUP, MXFP4)
 INSTANCES(R16K_GROUP, Q4_K)
 INSTANCES(R16K_GROUP, Q5_K)
 INSTANCES(R16K_GROUP, Q6_K)
 INSTANCES8(R16B_GROUP, Q4_0)
 INSTANCES8(R16B_GROUP, Q4_1)
 INSTANCES8(R16B_GROUP, Q8_0)
+INSTANCES8(R16B_GROUP, MXFP4)
 INSTANCES8(R16Q_GROUP, Q4_K)
 INSTANCES8(R16Q_GROUP, Q5_K)
 INSTANCES8(R16Q_GROUP, Q6_K)
@@ -873,14 +882,22 @@ static int is_k_quant(int type) { return type == Q4_K || type == Q5_K || type ==
  * for the K-quants: r16q_group) */
 static r16_group_fn r16_group(int type, int mm, int i8) {
 #define FNS(T) {r16_group_##T##_1, r16_group_##T##_2, r16_group_##T##_3, r16_group_##T##_4}
-    static const r16_group_fn fns[6][R16_MM] = {FNS(Q4_0), FNS(Q4_1), FNS(Q8_0), FNS(Q4_K), FNS(Q5_K), FNS(Q6_K)};
+    static const r16_group_fn fns[7][R16_MM] = {FNS(Q4_0), FNS(Q4_1), FNS(Q8_0), FNS(Q4_K),
+                                                FNS(Q5_K), FNS(Q6_K), FNS(MXFP4)};
 #undef FNS
 #define FNS(T, G)                                                                                                   \
     {G##_##T##_1, G##_##T##_2, G##_##T##_3, G##_##T##_4, G##_##T##_5, G##_##T##_6, G##_##T##_7, G##_##T##_8}
-    static const r16_group_fn fns8[6][R16B_MM] = {FNS(Q4_0, r16b_group), FNS(Q4_1, r16b_group), FNS(Q8_0, r16b_group),
-                                                  FNS(Q4_K, r16q_group), FNS(Q5_K, r16q_group), FNS(Q6_K, r16q_group)};
+    static const r16_group_fn fns8[7][R16B_MM] = {FNS(Q4_0, r16b_group), FNS(Q4_1, r16b_group), FNS(Q8_0, r16b_group),
+                                                  FNS(Q4_K, r16q_group), FNS(Q5_K, r16q_group), FNS(Q6_K, r16q_group),
+                                                  FNS(MXFP4, r16b_group)};
 #undef FNS
-    const int t = type == Q4_0 ? 0 : type == Q4_1 ? 1 : type == Q8_0 ? 2 : type == Q4_K ? 3 : type == Q5_K ? 4 : 5;
+    const int t = type == Q4_0   ? 0
+                  : type == Q4_1 ? 1
+                  : type == Q8_0 ? 2
+                  : type == Q4_K ? 3
+                  : type == Q5_K ? 4
+                  : type == Q6_K ? 5
+                                 : 6;
     return i8 ? fns8[t][mm - 1] : fns[t][mm - 1];
 }
 

@@ -61,10 +61,13 @@ static inline __mmask64 bits64(const uint8_t *p) {
     return (__mmask64)v;
 }
 
-/* The unsigned codes of a 32-weight record (Q4_0, Q4_1, Q8_0 as code + 128) as 8 registers: wq[z] holds codes
- * 4z..4z+3 of each of the 16 rows, one int32 lane per row (the B operand of VNNI and of an AMX tile). */
+/* The unsigned codes of a 32-weight record (Q4_0, Q4_1, Q8_0 as code + 128, MXFP4 as its doubled E2M1 value + 12:
+ * 0..24, through a byte shuffle) as 8 registers: wq[z] holds codes 4z..4z+3 of each of the 16 rows, one int32 lane
+ * per row (the B operand of VNNI and of an AMX tile). */
 R16_INLINE void r16_codes32(int type, const uint8_t *rec, __m512i *wq) {
     const __m512i nib = _mm512_set1_epi8(0x0F);
+    /* ggml's kvalues_mxfp4 (the E2M1 values times two) plus 12, in each 128-bit lane */
+    const __m512i fp4 = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
     for (int p = 0; p < 4; p++) {
         if (type == Q8_0) {
             wq[p] = _mm512_loadu_si512(rec + 64 * p);
@@ -73,8 +76,27 @@ R16_INLINE void r16_codes32(int type, const uint8_t *rec, __m512i *wq) {
             const __m512i v = _mm512_loadu_si512(rec + 64 * p);
             wq[p] = _mm512_and_si512(v, nib);
             wq[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+            if (type == MXFP4) wq[p] = _mm512_shuffle_epi8(fp4, wq[p]), wq[p + 4] = _mm512_shuffle_epi8(fp4, wq[p + 4]);
         }
     }
+}
+
+/* The 16 rows' scale d and offset m of a 32-weight record, a weight being d code + m with r16_codes32's codes:
+ * float16 d after the codes, m = -8 d (Q4_0), -128 d (Q8_0), the float16 m after the d (Q4_1); MXFP4's E8M0 byte
+ * e per row as 2^(e - 128) (ggml's e8m0_to_fp32_half, subnormal for e < 2) with m = -12 d */
+R16_INLINE void r16_scales32(int type, const uint8_t *rec, __m512 *d, __m512 *m) {
+    const uint8_t *sc = rec + r16_code_bytes(type);
+    if (type == MXFP4) {
+        const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sc));
+        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+        const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+        *d = _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
+        *m = _mm512_mul_ps(*d, _mm512_set1_ps(-12.f));
+        return;
+    }
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+    *m = type == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)))
+                      : _mm512_mul_ps(*d, _mm512_set1_ps(type == Q4_0 ? -8.f : -128.f));
 }
 
 /* The same for sub-block jb (32 weights) of a Q4_K, Q5_K or Q6_K record: unsigned codes 0..15, 0..31, 0..63 */
