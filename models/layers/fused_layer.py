@@ -3,15 +3,16 @@
 At batch 1 a layer's arithmetic takes less time than the ~10 Python-level ops around it (module calls, ctypes
 argument packing, new tensors, OpenMP threads waking for each kernel). `FusedDecoderLayer` describes a Llama-family
 layer's tensors to the C entry point once and then runs the whole layer (both norms, the four GGUF linears, Qwen3's
-q/k norms, rotary, paged attention, SiLU-and-mul; or a Qwen3-MoE / Mixtral layer's router and GGUF experts in place
-of the MLP's linears) per call, with the same kernels the op-by-op path calls, so the output is the same; a
-quantized KV cache (--kv-cache-dtype) goes to the same attention kernel's quantized form. A bfloat16 GGUF model
-computes its norms and MLP in float32 and q, k, v and the attention in bfloat16 (models/layers/attention.py): the
-call does the same (attn_bf16). `FusedDecoderStack` runs a step's fused layers in one call. It is a hook with a null
-default: `build` returns None for a layer it cannot run (another device or dtype, a float checkpoint's weights,
-Granite's multipliers, soft caps, shared experts or expert biases, tensor parallelism), and a call returns None for
-a step of more than DECODE_MAX_ROWS tokens, or more than the layer's GGUF kernels take without dequantizing
-(`max_rows`: the least GGUFTensor.kernel_rows of its weights); the layer then runs op by op.
+q/k norms, rotary, paged attention, SiLU-and-mul; or a Qwen3-MoE / Mixtral / gpt-oss layer's router and GGUF
+experts in place of the MLP's linears; gpt-oss's attention sinks, o_proj bias, expert biases and clamped SwiGLU) per
+call, with the same kernels the op-by-op path calls, so the output is the same; a quantized KV cache
+(--kv-cache-dtype) goes to the same attention kernel's quantized form. A bfloat16 GGUF model computes its norms and
+MLP in float32 and q, k, v and the attention in bfloat16 (models/layers/attention.py): the call does the same
+(attn_bf16). `FusedDecoderStack` runs a step's fused layers in one call. It is a hook with a null default: `build`
+returns None for a layer it cannot run (another device or dtype, a float checkpoint's weights, Granite's
+multipliers, soft caps, shared experts, tensor parallelism), and a call returns None for a step of more than
+DECODE_MAX_ROWS tokens, or more than the layer's GGUF kernels take without dequantizing (`max_rows`: the least
+GGUFTensor.kernel_rows of its weights); the layer then runs op by op.
 """
 
 import ctypes
@@ -80,12 +81,18 @@ class LayerDesc(ctypes.Structure):
         ("router_bias", ctypes.c_void_p),
         ("experts", ctypes.c_void_p * 3),
         ("expert_type", ctypes.c_int * 3),
+        ("expert_b13", ctypes.c_void_p),
+        ("expert_b2", ctypes.c_void_p),
+        ("swiglu_limit", ctypes.c_float),
+        ("swiglu_alpha", ctypes.c_float),
+        ("sinks", ctypes.c_void_p),
     ]
 
 
 def _segments(module, bias_dtype: torch.dtype = torch.float32) -> list[GGUFTensor] | None:
     """The stacked GGUF weights of a ColumnParallelLinear / RowParallelLinear that are all blocks the CPU kernels
-    take, as the file has them or repacked to R16 (a bias allowed in `bias_dtype`, the output's), else None."""
+    take, as the file has them or repacked to R16 (a bias allowed in `bias_dtype`, the output's, or in bfloat16 for
+    a float32 output: _bias widens it), else None."""
     method = module.quant_method
     if not isinstance(method, GGUFLinearMethod) or getattr(module, "tp", None) is not None:
         return None
@@ -93,14 +100,21 @@ def _segments(module, bias_dtype: torch.dtype = torch.float32) -> list[GGUFTenso
     if not 1 <= len(segments) <= MAX_SEGMENTS or any(not isinstance(w, GGUFTensor) for w in segments):
         return None
     bias = getattr(module, "bias", None)
-    if bias is not None and (bias.dtype != bias_dtype or bias.device.type != "cpu"):
+    widens = bias_dtype == torch.float32 and bias is not None and bias.dtype == torch.bfloat16
+    if bias is not None and ((bias.dtype != bias_dtype and not widens) or bias.device.type != "cpu"):
         return None
     return segments
 
 
-def _linear(module, segments: list[GGUFTensor]) -> LayerLinear:
-    """decoder_layer.c's description of `module` with weights `segments` (from _segments)."""
-    bias = getattr(module, "bias", None)
+def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t as the float32 the op-by-op layer adds or passes (a bfloat16 model's biases and sinks widened, exactly, as
+    torch's promotion and the kernels' `.float()` do), contiguous; None for None."""
+    return None if t is None else t.float().contiguous()
+
+
+def _linear(module, segments: list[GGUFTensor], bias: torch.Tensor | None) -> LayerLinear:
+    """decoder_layer.c's description of `module` with weights `segments` (from _segments) and `bias` (the module's,
+    in the output's dtype: kept referenced by the caller)."""
     desc = LayerLinear(n=len(segments), bias=None if bias is None else bias.data_ptr())
     for i, w in enumerate(segments):
         if w.r16:
@@ -113,8 +127,8 @@ def _linear(module, segments: list[GGUFTensor]) -> LayerLinear:
 
 def _experts(mlp) -> tuple[list[GGUFTensor], int] | None:
     """A SparseMoeBlock's expert weights and gguf_moe's kernel for them (ops.moe_kernel), where decoder_layer.c
-    computes the block as its forward does: quantized experts on one rank with SiLU and no biases, no shared expert,
-    a float32 router; else None."""
+    computes the block as its forward does: quantized experts on one rank with SiLU or gpt-oss's clamped SwiGLU,
+    float32 biases if any, no shared expert, a float32 router; else None."""
     experts = getattr(mlp, "experts", None)
     if not isinstance(mlp, SparseMoeBlock) or mlp.shared_expert is not None or not 0 < mlp.top_k <= 64:
         return None
@@ -122,8 +136,6 @@ def _experts(mlp) -> tuple[list[GGUFTensor], int] | None:
     if (
         not isinstance(method, GGUFMoEMethod)
         or experts.tp is not None
-        or experts.w13_bias is not None
-        or experts.swiglu_limit is not None
         or experts.activation != "silu"
         or any(not isinstance(b, GGUFTensor) for b in method.blocks)
     ):
@@ -165,8 +177,7 @@ class FusedDecoderLayer:
             or backend.logits_soft_cap
             or backend.dtype not in (None, torch.float32, torch.bfloat16)
             or attn.rotary_dim != attn.head_dim
-            or attn.sinks is not None
-            or attn.o_proj.bias is not None
+            or (attn.sinks is not None and attn.sinks.device.type != "cpu")
             or layer.residual_multiplier != 1.0
             or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms)
             or layer.input_layernorm.eps != layer.post_attention_layernorm.eps
@@ -191,7 +202,11 @@ class FusedDecoderLayer:
         weights += [_segments(m) for m in modules[1:]]
         if any(w is None for w in weights):
             return None
-        qkv, o, *mlp_linears = (_linear(m, w) for m, w in zip(modules, weights))
+        # q | k | v's bias in their dtype; o_proj's and the MLP's added to float32 outputs, widened as torch does
+        qkv_bias = getattr(attn.qkv_proj, "bias", None)
+        qkv_bias = qkv_bias if qkv_bias is None or qkv_bias.dtype == attn_dtype else _float32(qkv_bias)
+        biases = [qkv_bias] + [_float32(getattr(m, "bias", None)) for m in modules[1:]]
+        qkv, o, *mlp_linears = (_linear(m, w, b) for m, w, b in zip(modules, weights, biases))
         gate_up, down = mlp_linears or (LayerLinear(), LayerLinear())
         desc = LayerDesc(
             hidden=norms[0].shape[0],
@@ -216,7 +231,10 @@ class FusedDecoderLayer:
             k_norm=None if attn.k_norm is None else attn.k_norm.weight.data_ptr(),
             qk_eps=0.0 if attn.q_norm is None else attn.q_norm.eps,
         )
-        keep = list(norms) + [n.weight for n in head_norms if n is not None]
+        keep = list(norms) + [n.weight for n in head_norms if n is not None] + [b for b in biases if b is not None]
+        if attn.sinks is not None:
+            keep.append(sinks := _float32(attn.sinks))
+            desc.sinks = sinks.data_ptr()
         if experts is not None:
             blocks, desc.moe_kernel = experts
             desc.num_experts, desc.top_k, desc.renormalize = mlp.experts.num_experts, mlp.top_k, int(mlp.renormalize)
@@ -226,6 +244,12 @@ class FusedDecoderLayer:
                 desc.experts[i], desc.expert_type[i] = b.data.data_ptr(), int(b.qtype)
             weights.append(blocks)
             keep += [mlp.gate.weight] + [b.data for b in blocks]
+            moe = mlp.experts  # gguf_moe's biases float32, as ops.gguf_moe passes them
+            for field, bias in (("expert_b13", _float32(moe.w13_bias)), ("expert_b2", _float32(moe.w2_bias))):
+                if bias is not None:
+                    setattr(desc, field, bias.data_ptr())
+                    keep.append(bias)
+            desc.swiglu_limit, desc.swiglu_alpha = moe.swiglu_limit or 0.0, moe.swiglu_alpha
         max_rows = min([DECODE_MAX_ROWS] + [w.kernel_rows for segments in weights for w in segments])
         return cls(lib, desc, backend, keep, max_rows, attn_dtype)
 
@@ -397,7 +421,8 @@ class FusedDeltaLayer:
             return None
         # the DeltaNet's float32 tensors as the kernel reads them (the same tensors where they already are)
         floats = [t.float().contiguous() for t in (net.conv1d.weight, net.A_log, net.dt_bias, net.norm.weight)]
-        qkvz, ba, out, gate_up, down = (_linear(m, w) for m, w in zip(modules, weights))
+        biases = [_float32(getattr(m, "bias", None)) for m in modules]
+        qkvz, ba, out, gate_up, down = (_linear(m, w, b) for m, w, b in zip(modules, weights, biases))
         desc = DeltaDesc(
             hidden=norms[0].shape[0],
             inter=mlp.down_proj.quant_method.input_size,
@@ -422,7 +447,7 @@ class FusedDeltaLayer:
             down=down,
         )
         max_rows = min([DECODE_MAX_ROWS] + [w.kernel_rows for segments in weights for w in segments])
-        return cls(lib, desc, list(norms) + floats, max_rows)
+        return cls(lib, desc, list(norms) + floats + [b for b in biases if b is not None], max_rows)
 
     def __call__(self, residual, x, state, meta) -> torch.Tensor | None:
         n = residual.shape[0]

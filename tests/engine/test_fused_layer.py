@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from engine import SamplingParams
 from models.kernels import cpu_kernels
@@ -41,9 +42,9 @@ def _generate(llm, prompts, mode: str, params):
                 layer.fused = f
 
 
-def _assert_fused_equals_plain(llm, prompts, monkeypatch) -> None:
-    """Greedy tokens and their logprobs of decode steps of 1 and 8 rows, the whole stack in one call and one call
-    per layer against op by op, bit for bit, while each fused path really ran."""
+def _assert_fused_equals_plain(llm, prompts, monkeypatch, stack: bool = True) -> None:
+    """Greedy tokens and their logprobs of decode steps of 1 and 8 rows, the whole stack in one call (unless not
+    `stack`) and one call per layer against op by op, bit for bit, while each fused path really ran."""
     calls = []
     for cls in (FusedDecoderLayer, FusedDecoderStack):
 
@@ -56,7 +57,7 @@ def _assert_fused_equals_plain(llm, prompts, monkeypatch) -> None:
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
     for batch in [prompts[:1], prompts]:  # 1-row and 8-row decode steps
         plain = _generate(llm, batch, "plain", params)
-        for mode, cls in [("stack", FusedDecoderStack), ("layers", FusedDecoderLayer)]:
+        for mode, cls in [("stack", FusedDecoderStack)] * stack + [("layers", FusedDecoderLayer)]:
             calls.clear()
             fused = _generate(llm, batch, mode, params)
             assert (cls, True) in calls, f"the fused path ({mode}) never ran"
@@ -191,6 +192,42 @@ def test_qwen3_moe_fuses_its_experts(llm, prompts, dtype, kernel, tmp_path, monk
         assert [layer.fused.desc.num_experts for layer in layers] == [8, 8]
         r16 = kernel == "auto" and bool(cpu_kernels.load().gguf_r16_isa())
         assert {layer.fused.desc.moe_kernel for layer in layers} == {2 if r16 else 0}
+    finally:
+        monkeypatch.undo()
+        for cached in CACHED:
+            cached.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpt_oss_fuses_its_layers(llm, prompts, dtype, tmp_path, monkeypatch):
+    """gpt-oss's layers in one call each (its sliding and full layers are two KV cache groups, so no one-call
+    stack): attention sinks, the q/k/v and o_proj biases, the router's bias and its MXFP4 experts with their biases
+    and clamped SwiGLU inside the call, on the GGUF llama.cpp's converter makes of the tiny gpt-oss (MXFP4 experts,
+    Q8_0 else), on int8 activations (the default): greedy tokens and logprobs equal the op-by-op layers' bit for bit
+    while the fused layers really ran."""
+    from scripts import llama_cpp
+    from scripts.make_tiny_model import save_mxfp4_copy, save_tiny_model
+
+    if llama_cpp.converter() is None:
+        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+    if not cpu_kernels.load().gguf_q8_isa():
+        pytest.skip("the CPU has no AVX2")
+    save_tiny_model("gpt_oss", tmp_path / "hf", llm.tokenizer, mxfp4=True, swiglu_limit=7.0)
+    save_mxfp4_copy(tmp_path / "hf", tmp_path / "mxfp4")
+    gguf = llama_cpp.convert(tmp_path / "mxfp4", tmp_path / "model.gguf", outtype="q8_0")
+    monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
+    for cached in CACHED:
+        cached.cache_clear()
+    try:
+        model_llm = make_llm(model=str(gguf), dtype=dtype)
+        _assert_fused_equals_plain(model_llm, prompts, monkeypatch, stack=False)
+        layers = model_llm.engine.engine_core.executor.runner.model.layers
+        assert all(isinstance(layer.fused, FusedDecoderLayer) for layer in layers)
+        descs = [layer.fused.desc for layer in layers]
+        assert all(d.sinks and d.o.bias and d.expert_b13 and d.expert_b2 and d.swiglu_limit == 7.0 for d in descs)
+        assert {d.expert_type[0] for d in descs} == {int(GGMLQuantizationType.MXFP4)}
+        window = model_llm.engine.engine_core.executor.runner.model.config.sliding_window
+        assert sorted({d.window for d in descs}) == [0, window]
     finally:
         monkeypatch.undo()
         for cached in CACHED:

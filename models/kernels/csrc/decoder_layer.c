@@ -58,6 +58,12 @@ typedef struct {
     const float *router, *router_bias;
     const uint8_t *experts[3];
     int expert_type[3];
+    /* gpt-oss: the experts' biases float32 [E, 2 inter] (gate | up) and [E, hidden] or NULL, its clamped SwiGLU's
+     * limit (0: SiLU) and alpha, as gguf_moe takes them; a learnt logit per query head joining each softmax (float32
+     * [num_heads], the attention's sinks) or NULL */
+    const float *expert_b13, *expert_b2;
+    float swiglu_limit, swiglu_alpha;
+    const float *sinks;
 } LayerDesc;
 
 int gguf_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
@@ -184,7 +190,7 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
 #define ATTEND(NAME, q, out, kvq)                                                                                  \
     paged_attention_##NAME(q, qkv_n, (q) + nq, qkv_n, (q) + nq + nkv, qkv_n, k_cache, v_cache, slot_mapping, M,       \
                            block_tables, seq_lens, query_start_loc, out, num_seqs, L->num_heads, L->num_kv_heads, D, \
-                           L->block_size, max_blocks, L->scale, L->window, 0.f, nt, isa, kvq, NULL)
+                           L->block_size, max_blocks, L->scale, L->window, 0.f, nt, isa, kvq, L->sinks)
     if (L->attn_bf16) {
         bf16 *q = (bf16 *)qkv, *a = (bf16 *)attn;
         if (L->use_rope) rotary_bf16(q, M, L->num_heads + L->num_kv_heads, qkv_n, D, cos_t, sin_t, nt);
@@ -200,8 +206,8 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
     if (L->num_experts) {
         moe_route_float(h, M, H, L->router, L->router_bias, L->num_experts, L->top_k, L->renormalize, ids, topw, nt);
         return gguf_moe(h, M, H, ids, topw, L->top_k, L->experts[0], L->expert_type[0], L->experts[1],
-                        L->expert_type[1], L->experts[2], L->expert_type[2], L->num_experts, L->inter, NULL, NULL,
-                        0.f, 0.f, 0, L->moe_kernel, x_out, nt);
+                        L->expert_type[1], L->experts[2], L->expert_type[2], L->num_experts, L->inter, L->expert_b13,
+                        L->expert_b2, L->swiglu_limit, L->swiglu_alpha, 0, L->moe_kernel, x_out, nt);
     }
     return swiglu_mlp(&L->gate_up, &L->down, h, H, L->inter, gu, act, x_out, M, nt);
 }
