@@ -25,7 +25,7 @@ from models.attention.kv_cache_dtype import STORAGE
 from models.kernels import cpu_kernels, ops
 from models.layers.fused_moe import SparseMoeBlock
 from models.layers.mlp import SwiGLUMLP
-from models.quantization.gguf import GGUFLinearMethod, GGUFMoEMethod, GGUFTensor
+from models.quantization.gguf import R16_COPY_MIN_ROWS, GGUFLinearMethod, GGUFMoEMethod, GGUFTensor, r16_int8
 
 MAX_SEGMENTS = 3
 # LayerLinear.kernel: the kernel of a segment (decoder_layer.c's gguf_linear, gguf_q8_linear, gguf_r16_linear)
@@ -45,6 +45,9 @@ class LayerLinear(ctypes.Structure):
         ("rows", ctypes.c_int * MAX_SEGMENTS),
         ("kernel", ctypes.c_int * MAX_SEGMENTS),
         ("bias", ctypes.c_void_p),
+        ("copy", ctypes.c_void_p * MAX_SEGMENTS),
+        ("copy_kernel", ctypes.c_int),
+        ("copy_rows", ctypes.c_int),
     ]
 
 
@@ -116,7 +119,10 @@ def _linear(module, segments: list[GGUFTensor], bias: torch.Tensor | None) -> La
     """decoder_layer.c's description of `module` with weights `segments` (from _segments) and `bias` (the module's,
     in the output's dtype: kept referenced by the caller)."""
     desc = LayerLinear(n=len(segments), bias=None if bias is None else bias.data_ptr())
+    desc.copy_kernel, desc.copy_rows = (KERNEL_R16_INT8 if r16_int8() else KERNEL_R16), R16_COPY_MIN_ROWS
     for i, w in enumerate(segments):
+        if w.r16_copy is not None:  # a large Q8_0 weight's blocks for a few rows, its R16 copy for more
+            desc.copy[i] = w.r16_copy.data_ptr()
         if w.r16:
             kernel = KERNEL_R16_INT8 if w.int8 else KERNEL_R16
         else:

@@ -53,14 +53,15 @@ FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # rows of x up to which the portable kernel beats dequantize-then-GEMM on weights kept as blocks
 PORTABLE_MAX_ROWS = 8
-# under float32 activations a Q8_0 weight over this many bytes keeps its blocks for the AVX2 int8 kernel, every other
-# repacks for the AVX512-VNNI kernel: at one row a large weight streams from DRAM, and the VNNI kernel on int8
-# activations read large Q8_0 weights at 26-30 GB/s against the blocks' 36-45 (the default model's 30 MB LM head),
-# the other R16 types as fast as or faster than their blocks (Q4_K 32-39 GB/s against 29-37, Q6_K 32-37 against
-# 28-34, prefetching whole records), and 1.3-2.5x faster from a few rows; the Llama-3.2-1B shape's batch-1 decode
-# took 17-24 ms all repacked against 23-28 with its >8 MiB weights on blocks (AMD EPYC with AVX512-VNNI, 2 threads:
+# a Q8_0 weight over this many bytes keeps its blocks for the AVX2 int8 kernel (float32 and bfloat16 activations
+# alike), every other repacks for the AVX512-VNNI kernel: at one row a large weight streams from DRAM, and the VNNI
+# kernel on int8 activations read large Q8_0 weights at 26-30 GB/s against the blocks' 36-45 (the default model's
+# 30 MB LM head; gpt-oss-20b's 615 MB one, bfloat16 activations, read faster from its blocks too), the other R16
+# types as fast as or faster than their blocks (Q4_K 32-39 GB/s against 29-37, Q6_K 32-37 against 28-34,
+# prefetching whole records), and 1.3-2.5x faster from a few rows; the Llama-3.2-1B shape's batch-1 decode took
+# 17-24 ms all repacked against 23-28 with its >8 MiB weights on blocks (AMD EPYC with AVX512-VNNI, 2 threads:
 # docs/benchmarks.md)
-R16_FLOAT32_MAX_BYTES = 8 << 20
+R16_Q8_0_MAX_BYTES = 8 << 20
 # such a weight also gets an R16 copy for steps of at least this many rows: the blocks' AVX2 kernel ran the default
 # model's LM head at 64 rows at 90 GMAC/s against the VNNI kernel's 255 (a W64 decode step's LM head 23 -> 9 ms), for
 # the copy's bytes (30 MB there) kept beside the blocks
@@ -292,11 +293,11 @@ class GGUFLinearMethod:
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
         """Stacks the loaded projections into segments (float ones in `dtype`, but F16 and BF16 ones kept 16-bit
         under float32: half the bytes, the same values) and repacks the quantized ones for the AVX512-VNNI kernel
-        where the CPU has it (int8 activations per 32, or int16 with MINIVLLM_GGUF_ACTIVATIONS=int16; under
-        float32 Q8_0 weights over R16_FLOAT32_MAX_BYTES keep their blocks for the AVX2 int8 kernel, faster at one
-        row, with an R16 copy for steps of R16_COPY_MIN_ROWS rows), except with MINIVLLM_GGUF_ACTIVATIONS=float,
-        which keeps the blocks for the exact float32 kernel; probes AMX (amx_tiles). Raises ValueError when a
-        projection is missing, for a bad MINIVLLM_GGUF_ACTIVATIONS or MINIVLLM_GGUF_KERNEL, or for
+        where the CPU has it (int8 activations per 32, or int16 with MINIVLLM_GGUF_ACTIVATIONS=int16; Q8_0 weights
+        over R16_Q8_0_MAX_BYTES keep their blocks for the AVX2 int8 kernel, faster at one row, with an R16 copy for
+        steps of R16_COPY_MIN_ROWS rows), except with MINIVLLM_GGUF_ACTIVATIONS=float, which keeps the blocks for
+        the exact float32 kernel (bfloat16 activations repack all the same); probes AMX (amx_tiles). Raises
+        ValueError when a projection is missing, for a bad MINIVLLM_GGUF_ACTIVATIONS or MINIVLLM_GGUF_KERNEL, or for
         MINIVLLM_GGUF_KERNEL=amx where AMX cannot run (read here, at load, rather than at a request's first step)."""
         int8_activations()
         r16_int8()
@@ -320,11 +321,11 @@ class GGUFLinearMethod:
         for _, w in self.segments:
             if isinstance(w, GGUFTensor):
                 w.rows = w.data.shape[0]
-                large_q8 = w.qtype == GGMLQuantizationType.Q8_0 and w.data.nbytes > R16_FLOAT32_MAX_BYTES
-                if dtype == torch.bfloat16 or (activations_mode() != "float" and not large_q8):
-                    w.repack()
-                elif activations_mode() != "float":
+                large_q8 = w.qtype == GGMLQuantizationType.Q8_0 and w.data.nbytes > R16_Q8_0_MAX_BYTES
+                if large_q8 and activations_mode() != "float":
                     w.add_r16_copy()
+                elif dtype == torch.bfloat16 or activations_mode() != "float":
+                    w.repack()
 
     @property
     def nbytes(self) -> int:

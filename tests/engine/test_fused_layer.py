@@ -105,7 +105,7 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel
         else:
             want = KERNEL_INT8 if quantized else KERNEL_EXACT
         assert kinds == {want}, kinds
-        if r16:  # the 30 MB Q8_0 LM head is over R16_FLOAT32_MAX_BYTES: its blocks for one row (and an R16 copy)
+        if r16:  # the 30 MB Q8_0 LM head is over R16_Q8_0_MAX_BYTES: its blocks for one row (and an R16 copy)
             assert set(llm.engine.engine_core.executor.runner.weight_bytes) >= {"Q4_1 (R16)", "Q8_0", "Q8_0 (R16 copy)"}
     finally:
         monkeypatch.undo()
@@ -162,6 +162,37 @@ def test_qwen3_fuses_its_head_norms(llm, prompts, dtype, tmp_path, monkeypatch):
     _assert_fused_equals_plain(qwen3, prompts, monkeypatch)
     layers = qwen3.engine.engine_core.executor.runner.model.layers
     assert all(isinstance(layer.fused, FusedDecoderLayer) and layer.fused.desc.q_norm for layer in layers)
+
+
+@pytest.mark.skipif(not cpu_kernels.load().gguf_r16_isa(), reason="the CPU has no AVX512-VNNI + BF16 (R16 copies)")
+def test_q8_0_blocks_and_their_r16_copy_in_the_fused_layer(llm, prompts, tmp_path, monkeypatch):
+    """A Q8_0 weight over R16_Q8_0_MAX_BYTES keeps its blocks with an R16 copy beside them (made 0 here, so that
+    every weight of the tiny Qwen3's Q8_0 file llama.cpp's converter makes does): the one-call layer takes the
+    blocks for steps of fewer than R16_COPY_MIN_ROWS rows and the copy for more, as GGUFTensor.matmul does, so
+    greedy tokens and logprobs of 1- and 8-row decode steps equal the op-by-op layers' bit for bit."""
+    from models.quantization import gguf as gguf_method
+    from scripts import llama_cpp
+    from scripts.make_tiny_model import save_tiny_model
+
+    if llama_cpp.converter() is None:
+        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+    save_tiny_model("qwen3", tmp_path / "hf", llm.tokenizer)
+    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
+    monkeypatch.setattr(gguf_method, "R16_Q8_0_MAX_BYTES", 0)
+    monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
+    for cached in CACHED:
+        cached.cache_clear()
+    try:
+        qwen3 = make_llm(model=str(gguf), dtype="bfloat16")
+        _assert_fused_equals_plain(qwen3, prompts, monkeypatch)
+        descs = [layer.fused.desc for layer in qwen3.engine.engine_core.executor.runner.model.layers]
+        assert all(d.qkv.copy[0] and d.o.copy[0] and d.down.copy[0] and d.qkv.kernel[0] == KERNEL_INT8 for d in descs)
+        assert {d.qkv.copy_kernel for d in descs} == {KERNEL_R16_INT8}
+        assert "Q8_0 (R16 copy)" in qwen3.engine.engine_core.executor.runner.weight_bytes
+    finally:
+        monkeypatch.undo()
+        for cached in CACHED:
+            cached.cache_clear()
 
 
 @pytest.mark.parametrize("dtype, kernel", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "avx2")])

@@ -161,7 +161,7 @@ def test_gguf_tensor_repacks_for_bfloat16_only_where_the_cpu_can():
 
 @pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI + BF16 (R16 kernels)")
 def test_an_r16_copy_takes_steps_of_many_rows():
-    """A Q8_0 weight that keeps its blocks under float32 (over R16_FLOAT32_MAX_BYTES) gets an R16 copy: a step of
+    """A Q8_0 weight that keeps its blocks (over R16_Q8_0_MAX_BYTES) gets an R16 copy: a step of
     R16_COPY_MIN_ROWS rows or more runs on the copy (its result is the repacked weight's, bit for bit), fewer on
     the blocks; both are the weight's product to int8 activations' rounding."""
     raw = random_blocks(T.Q8_0, 48, 256, seed=5)

@@ -38,6 +38,10 @@ typedef struct {
                           3: gguf_r16_linear_i8 */
     const void *bias; /* [sum rows] in the output's dtype (float32, or bfloat16 for a bfloat16 model's qkv), or
                          NULL */
+    /* a segment's R16 copy beside its blocks (a large Q8_0 weight: GGUFTensor.r16_copy) or NULL, taken with
+     * kernel copy_kernel for steps of at least copy_rows rows, as GGUFTensor.matmul takes it */
+    const uint8_t *copy[3];
+    int copy_kernel, copy_rows;
 } LayerLinear;
 
 typedef struct {
@@ -115,13 +119,15 @@ static int out_rows(const LayerLinear *w) {
 static int layer_linear(const LayerLinear *w, const void *x, int x_bf16, int K, void *y, int y_bf16, int M, int nt) {
     const int N = out_rows(w);
     for (int s = 0, at = 0; s < w->n; at += w->rows[s], s++) {
+        const int copy = w->copy[s] && M >= w->copy_rows, k = copy ? w->copy_kernel : w->kernel[s];
         int (*const kernel)(const void *, int, int, const uint8_t *, int, void *, int, int, int, int, int, int) =
-            w->kernel[s] == 3   ? gguf_r16_linear_i8
-            : w->kernel[s] == 2 ? gguf_r16_linear
-            : w->kernel[s] == 1 ? gguf_q8_linear
-                                : gguf_linear;
+            k == 3   ? gguf_r16_linear_i8
+            : k == 2 ? gguf_r16_linear
+            : k == 1 ? gguf_q8_linear
+                     : gguf_linear;
         void *ys = y_bf16 ? (void *)((bf16 *)y + at) : (void *)((float *)y + at);
-        const int rc = kernel(x, x_bf16, K, w->data[s], w->type[s], ys, y_bf16, N, M, w->rows[s], K, nt);
+        const int rc = kernel(x, x_bf16, K, copy ? w->copy[s] : w->data[s], w->type[s], ys, y_bf16, N, M, w->rows[s],
+                              K, nt);
         if (rc != 0) return rc;
     }
     if (w->bias && y_bf16)
