@@ -95,7 +95,7 @@ class LayerDesc(ctypes.Structure):
 def _segments(module, bias_dtype: torch.dtype = torch.float32) -> list[GGUFTensor] | None:
     """The stacked GGUF weights of a ColumnParallelLinear / RowParallelLinear that are all blocks the CPU kernels
     take, as the file has them or repacked to R16 (a bias allowed in `bias_dtype`, the output's, or in bfloat16 for
-    a float32 output: _bias widens it), else None."""
+    a float32 output: _float32 widens it), else None."""
     method = module.quant_method
     if not isinstance(method, GGUFLinearMethod) or getattr(module, "tp", None) is not None:
         return None

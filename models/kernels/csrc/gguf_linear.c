@@ -330,11 +330,12 @@ int gguf_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int t
  * Rows are padded to a multiple of 16 (zero rows) and stored group by group; within a group, block b
  * of all 16 rows is one record: the codes laid out so that one 64-byte load holds 4 codes of each of
  * the 16 rows (one int32 lane per row, what _mm512_dpbusd_epi32 multiplies by 4 broadcast activation
- * codes), then the 16 rows' float16 scales d (MXFP4: their E8M0 bytes), then (Q4_1) their float16 offsets m. 4-bit
- * records: load p (0..3) holds codes 4p..4p+3 in its low nibbles and 16+4p..16+4p+3 in its high nibbles (MXFP4's
- * as the file has them, indices of its E2M1 values). Q8_0: load g (0..7) holds codes 4g..4g+3 as int8 + 128. A
- * record has exactly the bytes of the 16 blocks it came from (Q4_0 288, Q4_1 320, Q8_0 544, MXFP4 272), so repacking costs no memory beyond the padding rows; the
- * layout is that of llama.cpp's repacked CPU weights (ggml-cpu repack.cpp), re-derived for VNNI. */
+ * codes), then the 16 rows' float16 scales d (MXFP4: their E8M0 bytes), then (Q4_1) their float16 offsets m.
+ * 4-bit records: load p (0..3) holds codes 4p..4p+3 in its low nibbles and 16+4p..16+4p+3 in its high nibbles
+ * (MXFP4's as the file has them, indices of its E2M1 values). Q8_0: load g (0..7) holds codes 4g..4g+3 as int8 +
+ * 128. A record has exactly the bytes of the 16 blocks it came from (Q4_0 288, Q4_1 320, Q8_0 544, MXFP4 272), so
+ * repacking costs no memory beyond the padding rows; the layout is that of llama.cpp's repacked CPU weights
+ * (ggml-cpu repack.cpp), re-derived for VNNI. */
 
 /* code k (0..31) of lane r in a record */
 static inline uint8_t r16_code(int type, const uint8_t *rec, int r, int k) {
