@@ -1,5 +1,6 @@
 """The decoder layer in one C call (models/layers/fused_layer.py) against the same layer op by op."""
 
+import contextlib
 import json
 
 import pytest
@@ -20,6 +21,22 @@ from models.quantization.gguf import amx_tiles, gguf_kernel, int8_activations, r
 from tests.engines import make_llm
 
 CACHED = (gguf_kernel, amx_tiles, int8_activations, r16_int8)
+
+
+@contextlib.contextmanager
+def _gguf_settings(monkeypatch, **env: str):
+    """The block's engines under these MINIVLLM_GGUF_* variables (their cached readers cleared); after it,
+    everything the test patched is restored and the suite's settings are read again."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for cached in CACHED:
+        cached.cache_clear()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        for cached in CACHED:
+            cached.cache_clear()
 
 
 def _generate(llm, prompts, mode: str, params):
@@ -84,17 +101,13 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel
     64 rows), with the VNNI kernel's int16 activations, with the AVX2 int8 kernel on the file's blocks forced, and
     over an fp8 KV cache."""
     quantized = activations in ("int8", "int16")
-    if quantized:
-        if not cpu_kernels.load().gguf_q8_isa():
-            pytest.skip("the CPU has no AVX2")
-        monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", activations)
-        monkeypatch.setenv("MINIVLLM_GGUF_KERNEL", kernel)
-        for cached in CACHED:
-            cached.cache_clear()
-    if quantized or kv_cache_dtype != "auto":
-        llm = make_llm(kv_cache_dtype=kv_cache_dtype)
-    r16 = quantized and kernel == "auto" and bool(cpu_kernels.load().gguf_r16_isa())
-    try:
+    if quantized and not cpu_kernels.load().gguf_q8_isa():
+        pytest.skip("the CPU has no AVX2")
+    env = dict(MINIVLLM_GGUF_ACTIVATIONS=activations, MINIVLLM_GGUF_KERNEL=kernel) if quantized else {}
+    with _gguf_settings(monkeypatch, **env):
+        if quantized or kv_cache_dtype != "auto":
+            llm = make_llm(kv_cache_dtype=kv_cache_dtype)
+        r16 = quantized and kernel == "auto" and bool(cpu_kernels.load().gguf_r16_isa())
         _assert_fused_equals_plain(llm, prompts, monkeypatch)
         layers = llm.engine.engine_core.executor.runner.model.layers
         assert all(isinstance(layer.fused, FusedDecoderLayer) for layer in layers)
@@ -107,10 +120,6 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel
         assert kinds == {want}, kinds
         if r16:  # the 30 MB Q8_0 LM head is over R16_Q8_0_MAX_BYTES: its blocks for one row (and an R16 copy)
             assert set(llm.engine.engine_core.executor.runner.weight_bytes) >= {"Q4_1 (R16)", "Q8_0", "Q8_0 (R16 copy)"}
-    finally:
-        monkeypatch.undo()
-        for cached in CACHED:  # the suite's settings again once the variables are restored
-            cached.cache_clear()
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
@@ -179,20 +188,13 @@ def test_q8_0_blocks_and_their_r16_copy_in_the_fused_layer(llm, prompts, tmp_pat
     save_tiny_model("qwen3", tmp_path / "hf", llm.tokenizer)
     gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
     monkeypatch.setattr(gguf_method, "R16_Q8_0_MAX_BYTES", 0)
-    monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
-    for cached in CACHED:
-        cached.cache_clear()
-    try:
+    with _gguf_settings(monkeypatch, MINIVLLM_GGUF_ACTIVATIONS="int8"):
         qwen3 = make_llm(model=str(gguf), dtype="bfloat16")
         _assert_fused_equals_plain(qwen3, prompts, monkeypatch)
         descs = [layer.fused.desc for layer in qwen3.engine.engine_core.executor.runner.model.layers]
         assert all(d.qkv.copy[0] and d.o.copy[0] and d.down.copy[0] and d.qkv.kernel[0] == KERNEL_INT8 for d in descs)
         assert {d.qkv.copy_kernel for d in descs} == {KERNEL_R16_INT8}
         assert "Q8_0 (R16 copy)" in qwen3.engine.engine_core.executor.runner.weight_bytes
-    finally:
-        monkeypatch.undo()
-        for cached in CACHED:
-            cached.cache_clear()
 
 
 @pytest.mark.parametrize("dtype, kernel", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "avx2")])
@@ -211,11 +213,7 @@ def test_qwen3_moe_fuses_its_experts(llm, prompts, dtype, kernel, tmp_path, monk
         pytest.skip("the CPU has no AVX2")
     save_tiny_model("qwen3_moe", tmp_path / "hf", llm.tokenizer, mlp_only_layers=[])
     gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
-    monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
-    monkeypatch.setenv("MINIVLLM_GGUF_KERNEL", kernel)
-    for cached in CACHED:
-        cached.cache_clear()
-    try:
+    with _gguf_settings(monkeypatch, MINIVLLM_GGUF_ACTIVATIONS="int8", MINIVLLM_GGUF_KERNEL=kernel):
         moe = make_llm(model=str(gguf), dtype=dtype)
         _assert_fused_equals_plain(moe, prompts, monkeypatch)
         layers = moe.engine.engine_core.executor.runner.model.layers
@@ -223,10 +221,6 @@ def test_qwen3_moe_fuses_its_experts(llm, prompts, dtype, kernel, tmp_path, monk
         assert [layer.fused.desc.num_experts for layer in layers] == [8, 8]
         r16 = kernel == "auto" and bool(cpu_kernels.load().gguf_r16_isa())
         assert {layer.fused.desc.moe_kernel for layer in layers} == {2 if r16 else 0}
-    finally:
-        monkeypatch.undo()
-        for cached in CACHED:
-            cached.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -246,10 +240,7 @@ def test_gpt_oss_fuses_its_layers(llm, prompts, dtype, tmp_path, monkeypatch):
     save_tiny_model("gpt_oss", tmp_path / "hf", llm.tokenizer, mxfp4=True, swiglu_limit=7.0)
     save_mxfp4_copy(tmp_path / "hf", tmp_path / "mxfp4")
     gguf = llama_cpp.convert(tmp_path / "mxfp4", tmp_path / "model.gguf", outtype="q8_0")
-    monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
-    for cached in CACHED:
-        cached.cache_clear()
-    try:
+    with _gguf_settings(monkeypatch, MINIVLLM_GGUF_ACTIVATIONS="int8"):
         model_llm = make_llm(model=str(gguf), dtype=dtype)
         _assert_fused_equals_plain(model_llm, prompts, monkeypatch, stack=False)
         layers = model_llm.engine.engine_core.executor.runner.model.layers
@@ -259,10 +250,6 @@ def test_gpt_oss_fuses_its_layers(llm, prompts, dtype, tmp_path, monkeypatch):
         assert {d.expert_type[0] for d in descs} == {int(GGMLQuantizationType.MXFP4)}
         window = model_llm.engine.engine_core.executor.runner.model.config.sliding_window
         assert sorted({d.window for d in descs}) == [0, window]
-    finally:
-        monkeypatch.undo()
-        for cached in CACHED:
-            cached.cache_clear()
 
 
 @pytest.mark.parametrize("activations", ["int8", "float"])
@@ -282,15 +269,12 @@ def test_qwen3_5_fuses_its_deltanet_layers(llm, prompts, activations, tmp_path, 
     save_tiny_model("qwen3_5", tmp_path / "hf", llm.tokenizer)
     add_mtp_head(tmp_path / "hf")
     gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
-    monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", activations)
-    for cached in CACHED:
-        cached.cache_clear()
     calls = []
     real = FusedDeltaLayer.__call__
     monkeypatch.setattr(
         FusedDeltaLayer, "__call__", lambda self, *a: calls.append(out := real(self, *a)) or out
     )  # fmt: skip
-    try:
+    with _gguf_settings(monkeypatch, MINIVLLM_GGUF_ACTIVATIONS=activations):
         model_llm = make_llm(model=str(gguf))
         layers = model_llm.engine.engine_core.executor.runner.model.layers
         params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
@@ -308,10 +292,6 @@ def test_qwen3_5_fuses_its_deltanet_layers(llm, prompts, activations, tmp_path, 
                 assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
         kinds = [isinstance(layer.fused, FusedDeltaLayer) for layer in layers]
         assert kinds == [layer.is_linear for layer in layers] and any(kinds) and not all(kinds)
-    finally:
-        monkeypatch.undo()
-        for cached in CACHED:
-            cached.cache_clear()
 
 
 def test_long_steps_are_declined(llm):
