@@ -22,7 +22,7 @@ from models.distributed.pipeline import PPMissingLayer, PPStage
 from models.layers.attention import SelfAttention
 from models.layers.checkpoint import keep_norms_float32, load_checkpoint
 from models.layers.decoder_stack import run_layers
-from models.layers.fused_layer import FusedDeltaLayer
+from models.layers.fused_layer import FusedDecoderLayer, FusedDeltaLayer
 from models.layers.fused_moe import SparseMoeBlock, is_sparse_layer
 from models.layers.gated_delta_net import GatedDeltaNet
 from models.layers.layernorm import RMSNorm
@@ -65,16 +65,19 @@ class Qwen3_5DecoderLayer(nn.Module):
             if is_sparse_layer(config, layer)
             else SwiGLUMLP(hidden, config.intermediate_size, tp, quant_config)
         )
-        # a DeltaNet layer in one C call for decode steps (models/layers/fused_layer.py): built at the first step,
-        # once the weights are loaded; False where the layer has something the C entry point lacks
-        self.fused: FusedDeltaLayer | bool | None = None
+        # the layer in one C call for decode steps (models/layers/fused_layer.py: FusedDeltaLayer for a DeltaNet
+        # layer, FusedDecoderLayer for gated attention): built at the first step, once the weights are loaded; False
+        # where the layer has something the C entry point lacks
+        self.fused: FusedDeltaLayer | FusedDecoderLayer | bool | None = None
 
     def forward(self, residual, x, rope, cache, meta):
         """As Lfm2DecoderLayer.forward: a DeltaNet layer's cache and meta are its state tensor and StateMetadata."""
         if self.fused is None:
-            self.fused = (self.is_linear and FusedDeltaLayer.build(self)) or False
-        if self.fused and (out := self.fused(residual, x, cache, meta)) is not None:
-            return out
+            self.fused = (FusedDeltaLayer.build(self) if self.is_linear else FusedDecoderLayer.build(self)) or False
+        if self.fused:
+            out = self.fused(residual, x, cache, meta) if self.is_linear else self.fused(residual, x, rope, cache, meta)
+            if out is not None:
+                return out
         h = self.input_layernorm(residual, x)
         x = self.linear_attn(h, cache, meta) if self.is_linear else self.self_attn(h, rope, cache, meta)
         return self.mlp(self.post_attention_layernorm(residual, x))

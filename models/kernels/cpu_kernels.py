@@ -86,7 +86,8 @@ SIGNATURES = {
 for _t in ("float", "bf16"):
     SIGNATURES |= {
         f"add_rms_norm_{_t}": [_p, _p, _p, _p, _i, _i, _f, _i],
-        f"rotary_{_t}": [_p, _i, _i, _i, _i, _p, _p, _i],
+        f"rotary_{_t}": [_p, _i, _i, _i, _i, _i, _p, _p, _i],
+        f"sigmoid_gate_{_t}": [_p, _i, _p, _i, _i, _i, _i],
         f"silu_and_mul_{_t}": [_p, _p, _i, _i, _i],
         f"gelu_tanh_and_mul_{_t}": [_p, _p, _i, _i, _i],
     }

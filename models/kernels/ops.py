@@ -1,10 +1,10 @@
 """The decoder layer's ops: the C kernels of `models/kernels/csrc/` on the CPU, Triton kernels on CUDA
 (models/kernels/triton_ops.py), torch everywhere else.
 
-Each op takes and returns plain tensors, so the model (`models/llama.py`, `models/layers/linear.py`)
-reads the same on every device. On the CPU (float32 or bfloat16, kernels built) residual-add + RMSNorm,
-rotary, SiLU-and-mul and GELU-and-mul are one C pass each instead of several torch ops, and bfloat16 linears over few
-rows (decode steps up to `SMALL_M` sequences) run a weight-streaming kernel (see models/kernels/csrc/linear.c).
+Each op takes and returns plain tensors, so the model (`models/llama.py`, `models/layers/linear.py`) reads the same
+on every device. On the CPU (float32 or bfloat16, kernels built) residual-add + RMSNorm, rotary, SiLU-and-mul,
+GELU-and-mul and the sigmoid output gate are one C pass each instead of several torch ops, and bfloat16 linears over
+few rows (decode steps up to `SMALL_M` sequences) run a weight-streaming kernel (see models/kernels/csrc/linear.c).
 On CUDA with Triton (every CUDA build of torch has it) those three and the K/V cache write are one kernel each.
 A missing compiler or another device takes the torch path, which computes the same thing.
 """
@@ -120,16 +120,16 @@ def gated_delta_net_decode_(state, slots, qkv, z, a, b, conv_w, A_log, dt_bias, 
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotates x [T, heads, head_dim] in place by its tokens' angles, rotate-half RoPE (Su et al. 2021).
+    """Rotates x [T, heads, rot] in place by its tokens' angles, rotate-half RoPE (Su et al. 2021).
 
-    x may be a view with a token stride (the q and k heads of the fused qkv output); cos, sin: float32
-    [T, head_dim // 2].
+    x may be a view with a token stride (the q and k heads of the fused qkv output) and a head stride (the first
+    `rot` features of each head: partial rotary, Phi-3, Qwen3.5); cos, sin: float32 [T, rot // 2].
     """
     dense = x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
     if dense and cos.is_contiguous() and sin.is_contiguous() and (tri := _cuda(x)) is not None:
         return tri.rotary_(x, cos, sin)
     lib = _lib(x)
-    if lib is None or not dense:
+    if lib is None or x.stride(-1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()):
         c, s = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
@@ -139,11 +139,26 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         x.shape[0],
         x.shape[1],
         x.stride(0),
+        x.stride(1),
         x.shape[2],
         cos.data_ptr(),
         sin.data_ptr(),
         torch.get_num_threads(),
     )
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) in x's dtype (the sigmoid rounded to it first, as torch's ops round it): Qwen3.5's gated
+    attention output (Qiu et al. 2025). x [T, n] contiguous, gate [T, n] with any token stride (a part of the fused
+    qkv output); one C pass on the CPU, in place of x's storage, which the one-call layer calls too
+    (decoder_layer.c), so that both compute the same bits; torch ops elsewhere (a new tensor)."""
+    lib = _lib(x)
+    if lib is None or gate.dtype != x.dtype or not x.is_contiguous() or gate.stride(-1) != 1 or x.dim() != 2:
+        return x * torch.sigmoid(gate)
+    getattr(lib, f"sigmoid_gate_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(), x.stride(0), gate.data_ptr(), gate.stride(0), x.shape[0], x.shape[1], torch.get_num_threads()
+    )
+    return x
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

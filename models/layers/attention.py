@@ -88,9 +88,10 @@ class SelfAttention(nn.Module):
         if self.use_rope:  # q and k in place, in one go
             ops.rotary_(qkv[:, : self.num_heads + self.num_kv_heads, : self.rotary_dim], *rope)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.sinks)
+        o = o.reshape(-1, self.q_size)
         if gate:  # Qwen3.5: each feature of the attention output gated by sigmoid of its own projection
-            o = o.view_as(gate[0]) * torch.sigmoid(gate[0])
-        return self.o_proj(o.reshape(-1, self.q_size), out_dtype=x.dtype)
+            o = ops.sigmoid_gate(o, gate[0].flatten(1))
+        return self.o_proj(o, out_dtype=x.dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         """Copies this rank's heads of the checkpoint's sinks (float32 [total heads]) into `param`."""

@@ -3,16 +3,16 @@
 At batch 1 a layer's arithmetic takes less time than the ~10 Python-level ops around it (module calls, ctypes
 argument packing, new tensors, OpenMP threads waking for each kernel). `FusedDecoderLayer` describes a Llama-family
 layer's tensors to the C entry point once and then runs the whole layer (both norms, the four GGUF linears, Qwen3's
-q/k norms, rotary, paged attention, SiLU-and-mul; or a Qwen3-MoE / Mixtral / gpt-oss layer's router and GGUF
-experts in place of the MLP's linears; gpt-oss's attention sinks, o_proj bias, expert biases and clamped SwiGLU) per
-call, with the same kernels the op-by-op path calls, so the output is the same; a quantized KV cache
-(--kv-cache-dtype) goes to the same attention kernel's quantized form. A bfloat16 GGUF model computes its norms and
-MLP in float32 and q, k, v and the attention in bfloat16 (models/layers/attention.py): the call does the same
-(attn_bf16). `FusedDecoderStack` runs a step's fused layers in one call. It is a hook with a null default: `build`
-returns None for a layer it cannot run (another device or dtype, a float checkpoint's weights, Granite's
-multipliers, soft caps, shared experts, tensor parallelism), and a call returns None for a step of more than
-DECODE_MAX_ROWS tokens, or more than the layer's GGUF kernels take without dequantizing (`max_rows`: the least
-GGUFTensor.kernel_rows of its weights); the layer then runs op by op.
+q/k norms, rotary, paged attention, SiLU-and-mul; or a Qwen3-MoE / Mixtral / gpt-oss layer's router and GGUF experts
+in place of the MLP's linears; gpt-oss's attention sinks, o_proj bias, expert biases and clamped SwiGLU; partial
+rotary and Qwen3.5's sigmoid output gate) per call, with the same kernels the op-by-op path calls, so the output is
+the same; a quantized KV cache (--kv-cache-dtype) goes to the same attention kernel's quantized form. A bfloat16
+GGUF model computes its norms and MLP in float32 and q, k, v and the attention in bfloat16
+(models/layers/attention.py): the call does the same (attn_bf16). `FusedDecoderStack` runs a step's fused layers in
+one call. It is a hook with a null default: `build` returns None for a layer it cannot run (another device or dtype,
+a float checkpoint's weights, Granite's multipliers, soft caps, shared experts, tensor parallelism), and a call
+returns None for a step of more than DECODE_MAX_ROWS tokens, or more than the layer's GGUF kernels take without
+dequantizing (`max_rows`: the least GGUFTensor.kernel_rows of its weights); the layer then runs op by op.
 """
 
 import ctypes
@@ -27,7 +27,7 @@ from models.layers.fused_moe import SparseMoeBlock
 from models.layers.mlp import SwiGLUMLP
 from models.quantization.gguf import R16_COPY_MIN_ROWS, GGUFLinearMethod, GGUFMoEMethod, GGUFTensor, r16_int8
 
-MAX_SEGMENTS = 3
+MAX_SEGMENTS = 4  # decoder_layer.c's: q | k | v | Qwen3.5's output gate
 # LayerLinear.kernel: the kernel of a segment (decoder_layer.c's gguf_linear, gguf_q8_linear, gguf_r16_linear)
 KERNEL_EXACT, KERNEL_INT8, KERNEL_R16, KERNEL_R16_INT8 = 0, 1, 2, 3
 # the most rows a call takes: a decode step's (a prompt's chunk gains nothing from one call per layer)
@@ -89,6 +89,8 @@ class LayerDesc(ctypes.Structure):
         ("swiglu_limit", ctypes.c_float),
         ("swiglu_alpha", ctypes.c_float),
         ("sinks", ctypes.c_void_p),
+        ("rotary_dim", ctypes.c_int),
+        ("output_gate", ctypes.c_int),
     ]
 
 
@@ -182,9 +184,8 @@ class FusedDecoderLayer:
             or not isinstance(backend, CPUBackend)
             or backend.logits_soft_cap
             or backend.dtype not in (None, torch.float32, torch.bfloat16)
-            or attn.rotary_dim != attn.head_dim
             or (attn.sinks is not None and attn.sinks.device.type != "cpu")
-            or layer.residual_multiplier != 1.0
+            or getattr(layer, "residual_multiplier", 1.0) != 1.0
             or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms)
             or layer.input_layernorm.eps != layer.post_attention_layernorm.eps
         ):
@@ -236,6 +237,8 @@ class FusedDecoderLayer:
             q_norm=None if attn.q_norm is None else attn.q_norm.weight.data_ptr(),
             k_norm=None if attn.k_norm is None else attn.k_norm.weight.data_ptr(),
             qk_eps=0.0 if attn.q_norm is None else attn.q_norm.eps,
+            rotary_dim=attn.rotary_dim,
+            output_gate=int(attn.output_gate),
         )
         keep = list(norms) + [n.weight for n in head_norms if n is not None] + [b for b in biases if b is not None]
         if attn.sinks is not None:

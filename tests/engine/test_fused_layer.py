@@ -59,11 +59,10 @@ def _generate(llm, prompts, mode: str, params):
                 layer.fused = f
 
 
-def _assert_fused_equals_plain(llm, prompts, monkeypatch, stack: bool = True) -> None:
-    """Greedy tokens and their logprobs of decode steps of 1 and 8 rows, the whole stack in one call (unless not
-    `stack`) and one call per layer against op by op, bit for bit, while each fused path really ran."""
+def _counting(monkeypatch, *classes) -> list[tuple[type, bool]]:
+    """A list that gets (class, whether it computed the step) for every call of the classes' instances."""
     calls = []
-    for cls in (FusedDecoderLayer, FusedDecoderStack):
+    for cls in classes:
 
         def counted(self, *args, real=cls.__call__):
             out = real(self, *args)
@@ -71,6 +70,13 @@ def _assert_fused_equals_plain(llm, prompts, monkeypatch, stack: bool = True) ->
             return out
 
         monkeypatch.setattr(cls, "__call__", counted)
+    return calls
+
+
+def _assert_fused_equals_plain(llm, prompts, monkeypatch, stack: bool = True) -> None:
+    """Greedy tokens and their logprobs of decode steps of 1 and 8 rows, the whole stack in one call (unless not
+    `stack`) and one call per layer against op by op, bit for bit, while each fused path really ran."""
+    calls = _counting(monkeypatch, FusedDecoderLayer, FusedDecoderStack)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
     for batch in [prompts[:1], prompts]:  # 1-row and 8-row decode steps
         plain = _generate(llm, batch, "plain", params)
@@ -252,14 +258,15 @@ def test_gpt_oss_fuses_its_layers(llm, prompts, dtype, tmp_path, monkeypatch):
         assert sorted({d.window for d in descs}) == [0, window]
 
 
-@pytest.mark.parametrize("activations", ["int8", "float"])
-def test_qwen3_5_fuses_its_deltanet_layers(llm, prompts, activations, tmp_path, monkeypatch):
-    """Qwen3.5's Gated DeltaNet layers in one call per decode step (FusedDeltaLayer: the input norm, the
-    projections, the DeltaNet's one-token step on each sequence's state slot, out_proj, the post norm and the MLP),
-    on a Q8_0 file llama.cpp's converter makes of the tiny Qwen3.5 (value heads tiled as llama.cpp orders them),
-    on int8 activations (the default) and the exact float kernels: greedy tokens and logprobs of decode steps of 1
-    and 8 rows equal the op-by-op layers' bit for bit, while the fused layers really ran; the attention layers run
-    op by op."""
+@pytest.mark.parametrize("activations, dtype", [("int8", "auto"), ("float", "auto"), ("int8", "float32")])
+def test_qwen3_5_fuses_its_layers(llm, prompts, activations, dtype, tmp_path, monkeypatch):
+    """Qwen3.5's layers in one call each per decode step: its Gated DeltaNet layers (FusedDeltaLayer: the input norm,
+    the projections, the DeltaNet's one-token step on each sequence's state slot, out_proj, the post norm and the
+    MLP) and its gated attention layers (FusedDecoderLayer with partial rotary and the sigmoid output gate), on a
+    Q8_0 file llama.cpp's converter makes of the tiny Qwen3.5 (value heads tiled as llama.cpp orders them), on int8
+    activations (the default) and the exact float kernels, in the default dtype (bfloat16 where the CPU has it)
+    and float32: greedy tokens and logprobs of decode steps of 1 and 8 rows equal the op-by-op layers' bit for bit,
+    while both fused layers really ran."""
     from models.layers.fused_layer import FusedDeltaLayer
     from scripts import llama_cpp
     from scripts.make_tiny_model import add_mtp_head, save_tiny_model
@@ -269,13 +276,9 @@ def test_qwen3_5_fuses_its_deltanet_layers(llm, prompts, activations, tmp_path, 
     save_tiny_model("qwen3_5", tmp_path / "hf", llm.tokenizer)
     add_mtp_head(tmp_path / "hf")
     gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
-    calls = []
-    real = FusedDeltaLayer.__call__
-    monkeypatch.setattr(
-        FusedDeltaLayer, "__call__", lambda self, *a: calls.append(out := real(self, *a)) or out
-    )  # fmt: skip
+    calls = _counting(monkeypatch, FusedDeltaLayer, FusedDecoderLayer)
     with _gguf_settings(monkeypatch, MINIVLLM_GGUF_ACTIVATIONS=activations):
-        model_llm = make_llm(model=str(gguf))
+        model_llm = make_llm(model=str(gguf), dtype=dtype)
         layers = model_llm.engine.engine_core.executor.runner.model.layers
         params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
         for batch in [prompts[:1], prompts]:  # 1-row and 8-row decode steps
@@ -286,12 +289,15 @@ def test_qwen3_5_fuses_its_deltanet_layers(llm, prompts, activations, tmp_path, 
                 layer.fused = None
             calls.clear()
             fused = model_llm.generate(batch, params, use_tqdm=False)
-            assert any(c is not None for c in calls), "the fused DeltaNet layer never ran"
+            assert {(FusedDeltaLayer, True), (FusedDecoderLayer, True)} <= set(calls), "a fused layer never ran"
             for a, b in zip(fused, plain):
                 assert a.outputs[0].token_ids == b.outputs[0].token_ids
                 assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
-        kinds = [isinstance(layer.fused, FusedDeltaLayer) for layer in layers]
-        assert kinds == [layer.is_linear for layer in layers] and any(kinds) and not all(kinds)
+        kinds = [FusedDeltaLayer if layer.is_linear else FusedDecoderLayer for layer in layers]
+        assert [type(layer.fused) for layer in layers] == kinds and len(set(kinds)) == 2
+        attention = [layer.fused.desc for layer in layers if not layer.is_linear]
+        head_dim = model_llm.engine.engine_core.executor.runner.model.config.head_dim
+        assert all(d.output_gate and 0 < d.rotary_dim < head_dim for d in attention)
 
 
 def test_long_steps_are_declined(llm):

@@ -1,4 +1,4 @@
-"""The C layer ops (residual-add + RMSNorm, rotary, SiLU-and-mul, the small-batch bfloat16 linear)
+"""The C layer ops (residual-add + RMSNorm, rotary, SiLU-and-mul, the sigmoid gate, the small-batch bfloat16 linear)
 against the torch computations they replace, on random data of the model's shapes."""
 
 import pytest
@@ -62,6 +62,42 @@ def test_rotary_in_place_on_a_strided_view(dtype):
     ops.rotary_(x, cos, sin)
     torch.testing.assert_close(x.float(), expect, atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(qkv[:, 12:], v_before)  # the v heads are left alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rotary_rotates_each_heads_leading_features_only(dtype, monkeypatch):
+    """Partial rotary (Qwen3.5's first quarter, Phi-3's): the kernel on the leading 16 of each 64-feature head of a
+    fused qkv view (token and head strides) against the float32 formula, the other features and the v heads left
+    alone, through the C kernel (not torch's fallback)."""
+    torch.manual_seed(0)
+    qkv = torch.randn(5, 9 + 3 + 3, 64, dtype=dtype)
+    before = qkv.clone()
+    cos, sin = torch.randn(5, 8), torch.randn(5, 8)
+    x = qkv[:, :12, :16]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    expect = torch.cat((x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]), dim=-1)
+    monkeypatch.setattr(torch, "cat", None)  # the fallback's: the kernel must take this view
+    ops.rotary_(x, cos, sin)
+    monkeypatch.undo()
+    torch.testing.assert_close(x.float(), expect, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(qkv[:, :12, 16:], before[:, :12, 16:]) and torch.equal(qkv[:, 12:], before[:, 12:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sigmoid_gate(dtype):
+    """Qwen3.5's output gate x * sigmoid(gate) in place, the gate a strided part of a fused projection, against
+    torch's ops (the sigmoid rounded to the dtype, then the product), gates from 1e-2 to ~300 of both signs (past
+    -88, where exp overflows float32)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 512, dtype=dtype)
+    fused = torch.randn(6, 3 * 512, dtype=dtype)
+    fused[:, 1024:] *= torch.logspace(-2, 2.5, 512, dtype=dtype) * torch.tensor([1.0, -1.0]).repeat(256).to(dtype)
+    gate = fused[:, 1024:]
+    expect = x * torch.sigmoid(gate)
+    out = ops.sigmoid_gate(x, gate)
+    assert out.data_ptr() == x.data_ptr() and out.dtype == dtype
+    atol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expect.float(), atol=atol, rtol=atol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

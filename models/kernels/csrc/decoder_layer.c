@@ -7,6 +7,7 @@
  *     q | k | v = h Wqkv^T (+ b)               gguf_r16_linear / gguf_q8_linear / gguf_linear, per segment
  *     rotate q and k                           rotary_float
  *     a = attention(q, k, v, paged cache)      paged_attention_float[_q] (writes the new K/V first)
+ *     a *= sigmoid(g)                          sigmoid_gate_float (Qwen3.5's gated attention: q | k | v | g)
  *     h = RMSNorm(residual += a Wo^T)
  *     x = (SiLU(h Wg^T) * (h Wu^T)) Wd^T       silu_and_mul_float between two linears
  *
@@ -28,19 +29,20 @@
 #include "bf16.h"
 
 #define MAX_HEADS_DIM 16384 /* (query heads) x head_dim of a layer whose q and k heads the call normalizes */
+#define MAX_SEGMENTS 4      /* fused_layer.py's: q | k | v | Qwen3.5's output gate */
 
-/* one linear layer's weight: up to 3 stacked segments of GGUF blocks (q | k in Q4_K and v in Q6_K, say) */
+/* one linear layer's weight: up to MAX_SEGMENTS stacked segments of GGUF blocks (q | k in Q4_K, v in Q6_K, say) */
 typedef struct {
     int n;
-    const uint8_t *data[3];
-    int type[3], rows[3];
-    int kernel[3];     /* 0: the exact float32 kernel, 1: gguf_q8_linear (int8 activations), 2: gguf_r16_linear,
+    const uint8_t *data[MAX_SEGMENTS];
+    int type[MAX_SEGMENTS], rows[MAX_SEGMENTS];
+    int kernel[MAX_SEGMENTS];     /* 0: the exact float32 kernel, 1: gguf_q8_linear (int8 activations), 2: gguf_r16_linear,
                           3: gguf_r16_linear_i8 */
     const void *bias; /* [sum rows] in the output's dtype (float32, or bfloat16 for a bfloat16 model's qkv), or
                          NULL */
     /* a segment's R16 copy beside its blocks (a large Q8_0 weight: GGUFTensor.r16_copy) or NULL, taken with
      * kernel copy_kernel for steps of at least copy_rows rows, as GGUFTensor.matmul takes it */
-    const uint8_t *copy[3];
+    const uint8_t *copy[MAX_SEGMENTS];
     int copy_kernel, copy_rows;
 } LayerLinear;
 
@@ -68,6 +70,10 @@ typedef struct {
     const float *expert_b13, *expert_b2;
     float swiglu_limit, swiglu_alpha;
     const float *sinks;
+    /* Qwen3.5's attention: the leading `rotary_dim` features of each head rotate (partial rotary; 0 for
+     * all), and with `output_gate` qkv holds a fourth part, [num_heads * head_dim] gates, and the attention's output
+     * is multiplied by their sigmoid before o_proj (sigmoid_gate_float / _bf16) */
+    int rotary_dim, output_gate;
 } LayerDesc;
 
 int gguf_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
@@ -82,11 +88,15 @@ void add_rms_norm_float(float *residual, const float *delta, const float *weight
                         int hidden, float eps, int num_threads);
 void add_rms_norm_bf16(float *residual, const bf16 *delta, const bf16 *weight, bf16 *out, int num_tokens, int hidden,
                        float eps, int num_threads);
-void rotary_float(float *x, int num_tokens, int heads, int stride, int D, const float *cos_t, const float *sin_t,
-                  int num_threads);
+void rotary_float(float *x, int num_tokens, int heads, int stride, int head_stride, int D, const float *cos_t,
+                  const float *sin_t, int num_threads);
 void silu_and_mul_float(const float *gate_up, float *out, int num_tokens, int inter, int num_threads);
-void rotary_bf16(bf16 *x, int num_tokens, int heads, int stride, int D, const float *cos_t, const float *sin_t,
-                 int num_threads);
+void rotary_bf16(bf16 *x, int num_tokens, int heads, int stride, int head_stride, int D, const float *cos_t,
+                 const float *sin_t, int num_threads);
+void sigmoid_gate_float(float *x, int x_stride, const float *gate, int gate_stride, int num_tokens, int n,
+                        int num_threads);
+void sigmoid_gate_bf16(bf16 *x, int x_stride, const bf16 *gate, int gate_stride, int num_tokens, int n,
+                       int num_threads);
 /* models/kernels/csrc/paged_attention.c's entry points: activations in T, the cache in TC */
 #define PAGED_ATTENTION_DECL(NAME, T, TC)                                                                          \
     int paged_attention_##NAME(const T *q, int q_stride, const T *k, int k_stride, const T *v, int v_stride,        \
@@ -182,7 +192,8 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
                         const int64_t *slot_mapping, const int32_t *block_tables, const int32_t *seq_lens,
                         const int32_t *query_start_loc, int num_seqs, int max_blocks, int isa, int nt) {
     const int H = L->hidden, D = L->head_dim, nq = L->num_heads * D, nkv = L->num_kv_heads * D;
-    const int qkv_n = nq + 2 * nkv;
+    const int qkv_n = nq + 2 * nkv + (L->output_gate ? nq : 0), heads = L->num_heads + L->num_kv_heads;
+    const int rot = L->rotary_dim ? L->rotary_dim : D;
     const size_t floats = ((size_t)M * (H + qkv_n + nq + H + 2 * L->inter + L->inter + L->top_k) + 1) & ~(size_t)1;
     float *ws = kernel_scratch(2, sizeof(float) * floats + sizeof(int64_t) * (size_t)M * L->top_k);
     float *h = ws, *qkv = h + (size_t)M * H, *attn = qkv + (size_t)M * qkv_n, *o = attn + (size_t)M * nq;
@@ -199,11 +210,13 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
                            L->block_size, max_blocks, L->scale, L->window, 0.f, nt, isa, kvq, L->sinks)
     if (L->attn_bf16) {
         bf16 *q = (bf16 *)qkv, *a = (bf16 *)attn;
-        if (L->use_rope) rotary_bf16(q, M, L->num_heads + L->num_kv_heads, qkv_n, D, cos_t, sin_t, nt);
+        if (L->use_rope) rotary_bf16(q, M, heads, qkv_n, D, rot, cos_t, sin_t, nt);
         rc = L->kvq ? ATTEND(bf16_q, q, a, L->kvq) : ATTEND(bf16, q, a, 0);
+        if (!rc && L->output_gate) sigmoid_gate_bf16(a, nq, q + nq + 2 * nkv, qkv_n, M, nq, nt);
     } else {
-        if (L->use_rope) rotary_float(qkv, M, L->num_heads + L->num_kv_heads, qkv_n, D, cos_t, sin_t, nt);
+        if (L->use_rope) rotary_float(qkv, M, heads, qkv_n, D, rot, cos_t, sin_t, nt);
         rc = L->kvq ? ATTEND(float_q, qkv, attn, L->kvq) : ATTEND(float, qkv, attn, 0);
+        if (!rc && L->output_gate) sigmoid_gate_float(attn, nq, qkv + nq + 2 * nkv, qkv_n, M, nq, nt);
     }
 #undef ATTEND
     if (rc) return rc;

@@ -1,6 +1,6 @@
 /* The decoder layer's elementwise ops, one pass each, for float32 and bfloat16 activations:
  * residual-add + RMSNorm (Zhang & Sennrich 2019), rotary embedding (Su et al. 2021) in place, and
- * SiLU(gate) * up (SwiGLU, Shazeer 2020). All math in float32.
+ * SiLU(gate) * up (SwiGLU, Shazeer 2020), the sigmoid output gate. All math in float32.
  *
  * The residual stream is float32 [num_tokens, hidden] whatever the model dtype: adding each
  * sublayer's output to it in float32 instead of rounding the sum to bfloat16 every layer keeps
@@ -36,18 +36,18 @@ static inline float f32_id(float x) { return x; }
 ADD_RMS_NORM(float, f32_id, f32_id)
 ADD_RMS_NORM(bf16, bf16_to_f32, f32_to_bf16)
 
-/* Rotate-half RoPE in place on x [T, heads, D] (token row stride `stride` elements, heads contiguous):
- * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [T, D / 2] float32 of each token's
- * position. */
+/* Rotate-half RoPE in place on the first D features of each head of x [T, heads, ...] (token row stride `stride`
+ * elements, heads `head_stride` apart: D itself where every feature rotates, the head's size for partial rotary):
+ * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [T, D / 2] float32 of each token's position. */
 #define ROTARY(T, TO_F32, FROM_F32)                                                                    \
-    void rotary_##T(T *x, int num_tokens, int heads, int stride, int D, const float *cos_t,           \
-                    const float *sin_t, int num_threads) {                                             \
+    void rotary_##T(T *x, int num_tokens, int heads, int stride, int head_stride, int D,             \
+                    const float *cos_t, const float *sin_t, int num_threads) {                         \
         const int half = D / 2;                                                                        \
         _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
         for (int t = 0; t < num_tokens; t++) {                                                         \
             const float *c = cos_t + (size_t)t * half, *s = sin_t + (size_t)t * half;                  \
             for (int h = 0; h < heads; h++) {                                                          \
-                T *x1 = x + (size_t)t * stride + (size_t)h * D, *x2 = x1 + half;                       \
+                T *x1 = x + (size_t)t * stride + (size_t)h * head_stride, *x2 = x1 + half;             \
                 for (int i = 0; i < half; i++) {                                                       \
                     const float a = TO_F32(x1[i]), b = TO_F32(x2[i]);                                  \
                     x1[i] = FROM_F32(a * c[i] - b * s[i]);                                             \
@@ -82,6 +82,27 @@ ACT_AND_MUL(silu, silu, float, f32_id, f32_id)
 ACT_AND_MUL(silu, silu, bf16, bf16_to_f32, f32_to_bf16)
 ACT_AND_MUL(gelu_tanh, gelu_tanh, float, f32_id, f32_id)
 ACT_AND_MUL(gelu_tanh, gelu_tanh, bf16, bf16_to_f32, f32_to_bf16)
+
+/* x [T, n] (row stride x_stride) *= sigmoid(gate [T, n], row stride gate_stride), in place: the gated attention
+ * output of Qwen3.5 (Qiu et al. 2025, "Gated Attention for Large Language Models"), as torch computes
+ * `x * torch.sigmoid(gate)` in x's dtype: the sigmoid rounded to T, then the product rounded to T. The op-by-op layer
+ * (ops.sigmoid_gate_) and the one-call layer (decoder_layer.c) both call it, so that they agree bit for bit. */
+static inline float sigmoid(float a) { return 1.f / (1.f + expf(fminf(-a, 88.f))); }
+#define SIGMOID_GATE(T, TO_F32, FROM_F32)                                                              \
+    void sigmoid_gate_##T(T *x, int x_stride, const T *gate, int gate_stride, int num_tokens, int n,  \
+                          int num_threads) {                                                           \
+        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
+        for (int t = 0; t < num_tokens; t++) {                                                         \
+            T *xt = x + (size_t)t * x_stride;                                                          \
+            const T *g = gate + (size_t)t * gate_stride;                                               \
+            for (int i = 0; i < n; i++) {                                                              \
+                const float s = TO_F32(FROM_F32(sigmoid(TO_F32(g[i])))); /* rounded as torch.sigmoid's */ \
+                xt[i] = FROM_F32(TO_F32(xt[i]) * s);                                                   \
+            }                                                                                          \
+        }                                                                                              \
+    }
+SIGMOID_GATE(float, f32_id, f32_id)
+SIGMOID_GATE(bf16, bf16_to_f32, f32_to_bf16)
 
 /* out [n, k] (int64) = the column indices of each row's k largest values of x [n, v] float32 (k <= 64, in no set
  * order; of equal values the first ones seen). One pass per row: a span of 64 values whose maximum is not above
