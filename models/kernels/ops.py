@@ -349,6 +349,23 @@ def refine_top(out: torch.Tensor, hidden: torch.Tensor, rows) -> None:
         out.scatter_(1, top, torch.bmm(rows(top), hidden.float()[:, :, None])[:, :, 0])
 
 
+def gguf_refine_top(out: torch.Tensor, hidden: torch.Tensor, data: torch.Tensor, qtype: int, r16: bool) -> bool:
+    """refine_top for an LM head of GGUF blocks `data` (R16 where `r16`) in one C call (gguf_linear.c
+    gguf_refine_top: each row's top-k, their rows dequantized, their float32 dot products with hidden float32
+    [N, D]); False, nothing done, where it does not apply (no kernels, not float32 CPU tensors)."""
+    lib = _lib(hidden)
+    if lib is None or hidden.dtype != torch.float32 or not (hidden.is_contiguous() and out.is_contiguous()):
+        return False
+    n, v = out.shape
+    return (
+        lib.gguf_refine_top(
+            hidden.data_ptr(), n, hidden.shape[1], data.data_ptr(), int(qtype), int(r16), out.data_ptr(), v,
+            min(REFINE_TOP, v), torch.get_num_threads(),
+        )
+        == 0
+    )  # fmt: skip
+
+
 @functools.cache
 def _float_out_mm(device: torch.device) -> bool:
     """True where torch.mm takes out_dtype=float32 for bfloat16 / float16 inputs on this device (CUDA,

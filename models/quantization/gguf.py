@@ -395,6 +395,9 @@ class GGUFEmbeddingMethod:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.linear.apply(hidden).float()
+        w = self.weight
+        if isinstance(w, GGUFTensor) and ops.gguf_refine_top(out, hidden, w.data, w.qtype, w.r16):
+            return out
         ops.refine_top(out, hidden, lambda top: self.rows(top.flatten(), torch.float32).view(*top.shape, -1))
         return out
 

@@ -52,6 +52,31 @@ def test_dequantize_is_exact(qtype):
     assert torch.equal(bf, torch.from_numpy(ref).bfloat16())
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q4_K, T.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("r16", [False, True])
+@pytest.mark.parametrize("n", [1, 3, 11])
+def test_refine_top_in_one_call(qtype, r16, n):
+    """An LM head's top REFINE_TOP logits of each row rescored in one C call (ops.gguf_refine_top: the rows from
+    the blocks, or from R16) equal the torch path's (ops.refine_top over gguf-py's dequantized rows) to float32
+    rounding, the top chosen the same and every other logit left as it was; rows past 8 over threads."""
+    if r16 and not vnni():
+        pytest.skip("the CPU has no AVX512-VNNI + BF16 (R16 kernels)")
+    vocab, cols = 300, 2 * GGML_QUANT_SIZES[qtype][0]
+    raw = random_blocks(qtype, vocab, cols, seed=3)
+    w = torch.from_numpy(reference(raw, qtype, cols))
+    torch.manual_seed(0)
+    hidden = torch.randn(n, cols)
+    out = hidden @ w.T + torch.randn(n, vocab) * 0.5  # the quantized product's error, roughly
+    expect, top = out.clone(), ops.top_indices(out, ops.REFINE_TOP)  # the candidates: the noisy logits' best
+    ops.refine_top(expect, hidden, lambda top: w[top])
+    data = ops.gguf_repack_r16(raw, qtype, cols) if r16 else raw
+    assert ops.gguf_refine_top(out, hidden, data, qtype, r16)
+    torch.testing.assert_close(out, expect, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out.gather(1, top), (hidden @ w.T).gather(1, top), atol=1e-4, rtol=1e-5)  # exact
+    untouched = torch.ones_like(out, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.equal(out[untouched], expect[untouched])
+
+
 @pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI + BF16 (R16 kernels)")
 @pytest.mark.parametrize("qtype", R16_TYPES, ids=lambda t: t.name)
 def test_r16_repack_is_lossless(qtype):

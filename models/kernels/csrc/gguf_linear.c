@@ -241,7 +241,8 @@ int gguf_dequantize(int type, const uint8_t *src, int rows, int cols, void *dst,
     if (bw == 0 || cols % bw) return -1;
     const int nb = cols / bw;
     const size_t row_bytes = (size_t)nb * block_bytes(type);
-    _Pragma("omp parallel num_threads(num_threads) if (rows > 1)") {
+    /* a few rows (the LM head rows that ops.refine_top rescores) cost less than waking the threads */
+    _Pragma("omp parallel num_threads(num_threads) if ((size_t)rows * cols > 65536)") {
         uint8_t *q = malloc((size_t)cols);
         float *scale = malloc(sizeof(float) * (cols / 16)), *min = malloc(sizeof(float) * (cols / 16));
         float *q_f = dst_bf16 ? malloc(sizeof(float) * (size_t)cols) : NULL; /* a float32 row before rounding */
@@ -260,6 +261,39 @@ int gguf_dequantize(int type, const uint8_t *src, int rows, int cols, void *dst,
             }
         }
         free(q), free(scale), free(min), free(q_f);
+    }
+    return 0;
+}
+
+void top_k_float(const float *x, int n, int v, int k, int64_t *out, int num_threads); /* layer_ops.c */
+long gguf_r16_bytes(int type, int N, int K);
+int gguf_r16_dequantize_rows(int type, const uint8_t *w, int K, const int64_t *ids, int n, void *dst, int dst_bf16,
+                             int num_threads);
+
+/* Each row's k highest logits of out [n, V] (float32, in place) recomputed as exact float32 dot products of
+ * hidden [n, K] (float32) with their rows of the LM head w [V, K] (ggml blocks, or R16 where `r16`), each row
+ * dequantized as gguf_dequantize does: models/kernels/ops.py refine_top's arithmetic (top_k_float, the rows, their
+ * dot products) in one call, where its five small ops cost ~0.2 ms a decode step with the caches cold from the
+ * layers' weights. k <= 64. Returns 0, or -1 for a type without a kernel. */
+int gguf_refine_top(const float *hidden, int n, int K, const uint8_t *w, int type, int r16, float *out, int V, int k,
+                    int num_threads) {
+    const int bw = block_weights(type);
+    if (bw == 0 || K % bw || k > 64 || (r16 && gguf_r16_bytes(type, 1, K) < 0)) return -1;
+    const size_t row_bytes = (size_t)(K / bw) * block_bytes(type);
+    _Pragma("omp parallel for num_threads(num_threads) if (n > 8)")
+    for (int r = 0; r < n; r++) {
+        int64_t ids[64];
+        float *row = malloc(sizeof(float) * (size_t)K), *o = out + (size_t)r * V;
+        const float *x = hidden + (size_t)r * K;
+        top_k_float(o, 1, V, k, ids, 1);
+        for (int j = 0; j < k; j++) {
+            if (r16) gguf_r16_dequantize_rows(type, w, K, ids + j, 1, row, 0, 1);
+            else gguf_dequantize(type, w + (size_t)ids[j] * row_bytes, 1, K, row, 0, 1);
+            float dot = 0.f;
+            for (int i = 0; i < K; i++) dot += x[i] * row[i];
+            o[ids[j]] = dot;
+        }
+        free(row);
     }
     return 0;
 }
