@@ -229,8 +229,10 @@ def main():
     cfg = llm.engine.engine_core.executor.runner.model.config if llm else load_config(resolve_model(None))
     weights = llm.engine.engine_core.executor.runner.weight_bytes if llm else None
     quantized = bool(weights) and any(not k.startswith(("float", "bfloat")) for k in weights)
-    # the linears' and LM head's bytes as held (norms are a rounding error)
-    shape = ModelShape.of(cfg, dtype.itemsize, sum(weights.values()) if quantized else None)
+    # the linears' and LM head's bytes as held (norms are a rounding error); a weight's R16 copy beside its blocks is
+    # read in place of them at steps of R16_COPY_MIN_ROWS rows or more, never with them: counted once
+    read = sum(v for k, v in weights.items() if not k.endswith("(R16 copy)")) if quantized else None
+    shape = ModelShape.of(cfg, dtype.itemsize, read)
     if args.device == "cpu":
         shapes = linear_shapes(cfg)
         gemm = {m: measure_gemm(m, shapes, dtype) for m in GEMM_ROWS}
