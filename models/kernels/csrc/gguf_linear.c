@@ -233,6 +233,18 @@ static void unpack_row(int type, const uint8_t *row, int nb, uint8_t *q, float *
     }
 }
 
+/* One row of `nb` blocks (`cols` weights) into float32 o [cols], through the scratch q [cols], scale and min
+ * [cols / 16]: the weights gguf-py's dequantize() gives, bit for bit. */
+static void dequantize_row(int type, const uint8_t *src, int nb, int cols, uint8_t *q, float *scale, float *min,
+                           float *o) {
+    unpack_row(type, src, nb, q, scale, min);
+    const float *table = code_table(type);
+    if (table)
+        for (int k = 0; k < cols; k++) o[k] = scale[k / 16] * table[q[k]];
+    else
+        for (int k = 0; k < cols; k++) o[k] = scale[k / 16] * (float)q[k] + min[k / 16];
+}
+
 /* Dequantizes `rows` rows of `cols` weights to float32 (dst_bf16 0) or bfloat16 (1): the weights
  * gguf-py's dequantize() gives, bit for bit in float32. Returns -1 for an unknown type or cols not a
  * whole number of blocks. */
@@ -248,13 +260,8 @@ int gguf_dequantize(int type, const uint8_t *src, int rows, int cols, void *dst,
         float *q_f = dst_bf16 ? malloc(sizeof(float) * (size_t)cols) : NULL; /* a float32 row before rounding */
         _Pragma("omp for schedule(static)")
         for (int r = 0; r < rows; r++) {
-            unpack_row(type, src + r * row_bytes, nb, q, scale, min);
             float *o = dst_bf16 ? (float *)q_f : (float *)dst + (size_t)r * cols;
-            const float *table = code_table(type);
-            if (table)
-                for (int k = 0; k < cols; k++) o[k] = scale[k / 16] * table[q[k]];
-            else
-                for (int k = 0; k < cols; k++) o[k] = scale[k / 16] * (float)q[k] + min[k / 16];
+            dequantize_row(type, src + r * row_bytes, nb, cols, q, scale, min, o);
             if (dst_bf16) {
                 bf16 *ob = (bf16 *)dst + (size_t)r * cols;
                 for (int k = 0; k < cols; k++) ob[k] = f32_to_bf16(o[k]);
@@ -279,21 +286,26 @@ int gguf_refine_top(const float *hidden, int n, int K, const uint8_t *w, int typ
                     int num_threads) {
     const int bw = block_weights(type);
     if (bw == 0 || K % bw || k > 64 || (r16 && gguf_r16_bytes(type, 1, K) < 0)) return -1;
-    const size_t row_bytes = (size_t)(K / bw) * block_bytes(type);
-    _Pragma("omp parallel for num_threads(num_threads) if (n > 8)")
-    for (int r = 0; r < n; r++) {
-        int64_t ids[64];
-        float *row = malloc(sizeof(float) * (size_t)K), *o = out + (size_t)r * V;
-        const float *x = hidden + (size_t)r * K;
-        top_k_float(o, 1, V, k, ids, 1);
-        for (int j = 0; j < k; j++) {
-            if (r16) gguf_r16_dequantize_rows(type, w, K, ids + j, 1, row, 0, 1);
-            else gguf_dequantize(type, w + (size_t)ids[j] * row_bytes, 1, K, row, 0, 1);
-            float dot = 0.f;
-            for (int i = 0; i < K; i++) dot += x[i] * row[i];
-            o[ids[j]] = dot;
+    const int nb = K / bw;
+    const size_t row_bytes = (size_t)nb * block_bytes(type);
+    _Pragma("omp parallel num_threads(num_threads) if (n > 8)") {
+        float *row = malloc(sizeof(float) * (size_t)(K + K / 8)), *scale = row + K, *min = scale + K / 16;
+        uint8_t *q = malloc((size_t)K);
+        _Pragma("omp for schedule(static)")
+        for (int r = 0; r < n; r++) {
+            int64_t ids[64];
+            float *o = out + (size_t)r * V;
+            const float *x = hidden + (size_t)r * K;
+            top_k_float(o, 1, V, k, ids, 1);
+            for (int j = 0; j < k; j++) {
+                if (r16) gguf_r16_dequantize_rows(type, w, K, ids + j, 1, row, 0, 1);
+                else dequantize_row(type, w + (size_t)ids[j] * row_bytes, nb, K, q, scale, min, row);
+                float dot = 0.f;
+                for (int i = 0; i < K; i++) dot += x[i] * row[i];
+                o[ids[j]] = dot;
+            }
         }
-        free(row);
+        free(row), free(q);
     }
     return 0;
 }
