@@ -123,7 +123,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotates x [T, heads, rot] in place by its tokens' angles, rotate-half RoPE (Su et al. 2021).
 
     x may be a view with a token stride (the q and k heads of the fused qkv output) and a head stride (the first
-    `rot` features of each head: partial rotary, Phi-3, Qwen3.5); cos, sin: float32 [T, rot // 2].
+    `rot` features of each head: partial rotary, Phi-4-mini, Qwen3.5); cos, sin: float32 [T, rot // 2].
     """
     dense = x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
     if dense and cos.is_contiguous() and sin.is_contiguous() and (tri := _cuda(x)) is not None:
@@ -150,8 +150,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(gate) in x's dtype (the sigmoid rounded to it first, as torch's ops round it): Qwen3.5's gated
     attention output (Qiu et al. 2025). x [T, n] contiguous, gate [T, n] with any token stride (a part of the fused
-    qkv output); one C pass on the CPU, in place of x's storage, which the one-call layer calls too
-    (decoder_layer.c), so that both compute the same bits; torch ops elsewhere (a new tensor)."""
+    qkv output); on the CPU one C pass that overwrites x and returns it (the one-call layer calls the same kernel,
+    decoder_layer.c, so both compute the same bits); elsewhere torch ops into a new tensor."""
     lib = _lib(x)
     if lib is None or gate.dtype != x.dtype or not x.is_contiguous() or gate.stride(-1) != 1 or x.dim() != 2:
         return x * torch.sigmoid(gate)

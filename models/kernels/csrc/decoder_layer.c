@@ -36,8 +36,8 @@ typedef struct {
     int n;
     const uint8_t *data[MAX_SEGMENTS];
     int type[MAX_SEGMENTS], rows[MAX_SEGMENTS];
-    int kernel[MAX_SEGMENTS];     /* 0: the exact float32 kernel, 1: gguf_q8_linear (int8 activations), 2: gguf_r16_linear,
-                          3: gguf_r16_linear_i8 */
+    /* 0: the exact float32 kernel, 1: gguf_q8_linear (int8 activations), 2: gguf_r16_linear, 3: gguf_r16_linear_i8 */
+    int kernel[MAX_SEGMENTS];
     const void *bias; /* [sum rows] in the output's dtype (float32, or bfloat16 for a bfloat16 model's qkv), or
                          NULL */
     /* a segment's R16 copy beside its blocks (a large Q8_0 weight: GGUFTensor.r16_copy) or NULL, taken with

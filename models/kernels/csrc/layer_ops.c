@@ -86,7 +86,7 @@ ACT_AND_MUL(gelu_tanh, gelu_tanh, bf16, bf16_to_f32, f32_to_bf16)
 /* x [T, n] (row stride x_stride) *= sigmoid(gate [T, n], row stride gate_stride), in place: the gated attention
  * output of Qwen3.5 (Qiu et al. 2025, "Gated Attention for Large Language Models"), as torch computes
  * `x * torch.sigmoid(gate)` in x's dtype: the sigmoid rounded to T, then the product rounded to T. The op-by-op layer
- * (ops.sigmoid_gate_) and the one-call layer (decoder_layer.c) both call it, so that they agree bit for bit. */
+ * (ops.sigmoid_gate) and the one-call layer (decoder_layer.c) both call it, so that they agree bit for bit. */
 static inline float sigmoid(float a) { return 1.f / (1.f + expf(fminf(-a, 88.f))); }
 #define SIGMOID_GATE(T, TO_F32, FROM_F32)                                                              \
     void sigmoid_gate_##T(T *x, int x_stride, const T *gate, int gate_stride, int num_tokens, int n,  \
