@@ -197,18 +197,28 @@ def build_model_inputs(
     `num_logits[i]` positions (0: none). Rows with one token must come first (the attention metadata's
     decodes). Returns the inputs and the rows' start offsets in the flat batch (query_start_loc, int64
     [rows + 1])."""
-    counts = np.fromiter(map(len, token_ids), np.int64, len(token_ids))
+    n = len(token_ids)
     starts = np.asarray(starts, dtype=np.int64)
+    # a decode step (a token and its logits a row, the common step) skips the general case's index arithmetic:
+    # with the caches cold from the layers' weights each small numpy op costs microseconds
+    decode = all(len(ids) == 1 for ids in token_ids) and all(w == 1 for w in num_logits)
+    if decode:
+        counts, qsl = np.ones(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64)
+        row_of_token, positions = qsl[:-1], starts
+        input_ids = np.fromiter((ids[0] for ids in token_ids), np.int64, n)
+    else:
+        counts = np.fromiter(map(len, token_ids), np.int64, n)
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        # position of every token: its row's start + its rank inside the row
+        row_of_token = np.repeat(np.arange(n), counts)
+        positions = starts[row_of_token] + np.arange(qsl[-1]) - qsl[row_of_token]
+        input_ids = np.fromiter((t for ids in token_ids for t in ids), np.int64, int(qsl[-1]))
     seq_lens = starts + counts
-    qsl = np.zeros(len(token_ids) + 1, dtype=np.int64)
-    np.cumsum(counts, out=qsl[1:])
-    # position of every token: its row's start + its rank inside the row
-    row_of_token = np.repeat(np.arange(len(token_ids)), counts)
-    positions = starts[row_of_token] + np.arange(qsl[-1]) - qsl[row_of_token]
-    input_ids = np.fromiter((t for ids in token_ids for t in ids), np.int64, int(qsl[-1]))
     query_start_loc = torch.from_numpy(qsl.astype(np.int32)).to(device)
     seq_lens_t = torch.from_numpy(seq_lens.astype(np.int32)).to(device)
-    num_decodes, qsl_cpu, seq_lens_cpu = int((counts == 1).sum()), qsl.tolist(), seq_lens.tolist()
+    num_decodes = n if decode else int((counts == 1).sum())
+    qsl_cpu, seq_lens_cpu = qsl.tolist(), seq_lens.tolist()
     metas = []
     for g in range(len(block_tables[0])):
         if g == state_group:
@@ -230,10 +240,12 @@ def build_model_inputs(
                 seq_lens_cpu=seq_lens_cpu,
             )
         )
-    # the last w tokens of each row with logits: row end - w + rank inside those
-    widths = np.asarray(num_logits, dtype=np.int64)
-    rank = np.arange(widths.sum()) - np.repeat(np.cumsum(widths) - widths, widths)
-    logits_indices = torch.from_numpy(np.repeat(qsl[1:] - widths, widths) + rank).to(device)
+    if decode:
+        logits_indices = torch.from_numpy(row_of_token).to(device)
+    else:  # the last w tokens of each row with logits: row end - w + rank inside those
+        widths = np.asarray(num_logits, dtype=np.int64)
+        rank = np.arange(widths.sum()) - np.repeat(np.cumsum(widths) - widths, widths)
+        logits_indices = torch.from_numpy(np.repeat(qsl[1:] - widths, widths) + rank).to(device)
     return ModelInputs(
         torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device), tuple(metas), logits_indices
     ), qsl

@@ -6,7 +6,7 @@ import torch
 
 from engine.core.step_io import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
-from engine.worker.input_batch import InputBatch
+from engine.worker.input_batch import InputBatch, build_model_inputs
 
 BLOCK = 4
 
@@ -119,3 +119,27 @@ def test_each_kv_cache_group_gets_its_own_block_tables_and_slots():
     assert full.seq_lens is sliding.seq_lens and full.num_decodes == sliding.num_decodes == 0
     batch.update_states(SchedulerOutput(scheduled_cached_reqs=cached(("a", [1], [], 10, False))))
     assert batch.requests["a"].block_ids == ([5, 6, 7], [0, 8, 9])
+
+
+def test_a_decode_step_builds_what_the_general_rows_build():
+    """A step of decodes only (a token and its logits a row) takes a shorter path; its inputs equal those the general
+    path builds for the same rows (forced by a prompt row after them that gives no logits), in each of two KV cache
+    groups: token ids, positions, slots, block tables, sequence lengths, row offsets and logits rows."""
+    rows = [[11], [12], [13]]
+    starts = [9, 0, 4]
+    tables = [([5, 6, 7], [0, 8, 9]), ([1], [2]), ([3, 4], [0, 10])]
+    cpu = torch.device("cpu")
+    decode, qsl = build_model_inputs(rows, starts, tables, [1, 1, 1], BLOCK, cpu)
+    general, qsl_g = build_model_inputs(
+        rows + [[20, 21]], starts + [0], tables + [([11], [12])], [1, 1, 1, 0], BLOCK, cpu
+    )
+    assert decode.input_ids.tolist() == general.input_ids.tolist()[:3] == [11, 12, 13]
+    assert decode.positions.tolist() == general.positions.tolist()[:3] == [9, 0, 4]
+    assert decode.logits_indices.tolist() == general.logits_indices.tolist() == [0, 1, 2]
+    assert qsl.tolist() == qsl_g.tolist()[:4]
+    for d, g in zip(decode.attn_metadata, general.attn_metadata, strict=True):
+        assert d.slot_mapping.tolist() == g.slot_mapping.tolist()[:3]
+        assert d.seq_lens.tolist() == g.seq_lens.tolist()[:3] and d.query_start_loc.tolist() == qsl.tolist()
+        assert d.block_tables.tolist() == [r[: d.block_tables.shape[1]] for r in g.block_tables.tolist()[:3]]
+        assert d.num_decodes == g.num_decodes == 3 and d.seq_lens_cpu == [10, 1, 5]
+    assert decode.attn_metadata[0].slot_mapping.tolist() == [7 * BLOCK + 1, 1 * BLOCK, 4 * BLOCK]
