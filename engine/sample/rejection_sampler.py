@@ -7,7 +7,7 @@ import torch
 
 from engine.outputs import Logprob
 from engine.sample.bitmask import apply_token_bitmask
-from engine.sample.sampler import Sampler
+from engine.sample.sampler import Sampler, _needs_processing
 
 
 class WithDrafts:
@@ -65,6 +65,8 @@ class RejectionSampler(Sampler):
         tokens allowed to requests[grammar_rows[k]] (structured outputs; such requests have no drafts).
         Returns each request's new tokens (accepted drafts + one more) and their Logprob|None (from the
         raw logits, as `Sampler`)."""
+        if grammar_bitmask is None and all(_plain_greedy(r) for r in requests):  # the common decode: one argmax a row
+            return [[t] for t in logits.argmax(dim=-1).tolist()], [[None] for _ in requests]
         views = [WithDrafts(r, r.spec_token_ids[:j]) for r in requests for j in range(len(r.spec_token_ids) + 1)]
         if grammar_bitmask is not None:
             first_row = np.cumsum([0] + [len(r.spec_token_ids) + 1 for r in requests])
@@ -116,6 +118,13 @@ class RejectionSampler(Sampler):
             for i, t, q_row in zip(random_rows, self._draw(q, sub).tolist(), q):
                 tokens[i], qs[i] = t, q_row
         return tokens, qs
+
+
+def _plain_greedy(r) -> bool:
+    """A greedy request without drafts, logprobs or logits processing: its token is its raw logits' argmax, what the
+    general path computes for it."""
+    p = r.params
+    return not r.spec_token_ids and p.greedy and p.logprobs is None and not _needs_processing(r)
 
 
 def _verify_greedy(drafts: list[int], targets: list[int]) -> list[int]:
