@@ -41,10 +41,12 @@ def _gguf_settings(monkeypatch, **env: str):
 
 def _generate(llm, prompts, mode: str, params):
     """Generates with every layer fused where it can be, as one C call for the whole stack (the default), or one
-    call per layer ("layers"), or every layer op by op ("plain")."""
+    call per layer ("layers"), or every layer op by op ("plain"). A model without a one-call stack (Qwen3.5) runs
+    its layers' calls in both fused modes."""
     model = llm.engine.engine_core.executor.runner.model
-    saved = model.fused_stack, [layer.fused for layer in model.layers]
-    if mode == "layers":
+    has_stack = hasattr(model, "fused_stack")
+    saved = getattr(model, "fused_stack", None), [layer.fused for layer in model.layers]
+    if mode == "layers" and has_stack:
         model.fused_stack = False
     elif mode == "plain":
         for layer in model.layers:
@@ -52,7 +54,7 @@ def _generate(llm, prompts, mode: str, params):
     try:
         return llm.generate(prompts, params, use_tqdm=False)
     finally:  # what the mode turned off (and a stack built over turned-off layers) as it was
-        if mode != "stack":
+        if mode != "stack" and has_stack:
             model.fused_stack = saved[0]
         if mode == "plain":
             for layer, f in zip(model.layers, saved[1]):
@@ -73,17 +75,20 @@ def _counting(monkeypatch, *classes) -> list[tuple[type, bool]]:
     return calls
 
 
-def _assert_fused_equals_plain(llm, prompts, monkeypatch, stack: bool = True) -> None:
+def _assert_fused_equals_plain(
+    llm, prompts, monkeypatch, stack: bool = True, layer_classes: tuple = (FusedDecoderLayer,)
+) -> None:
     """Greedy tokens and their logprobs of decode steps of 1 and 8 rows, the whole stack in one call (unless not
-    `stack`) and one call per layer against op by op, bit for bit, while each fused path really ran."""
-    calls = _counting(monkeypatch, FusedDecoderLayer, FusedDecoderStack)
+    `stack`) and one call per layer against op by op, bit for bit, while each fused path really ran (in the per-layer
+    mode, every one of `layer_classes`)."""
+    calls = _counting(monkeypatch, FusedDecoderStack, *layer_classes)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
     for batch in [prompts[:1], prompts]:  # 1-row and 8-row decode steps
         plain = _generate(llm, batch, "plain", params)
-        for mode, cls in [("stack", FusedDecoderStack)] * stack + [("layers", FusedDecoderLayer)]:
+        for mode, ran in [("stack", (FusedDecoderStack,))] * stack + [("layers", layer_classes)]:
             calls.clear()
             fused = _generate(llm, batch, mode, params)
-            assert (cls, True) in calls, f"the fused path ({mode}) never ran"
+            assert {(cls, True) for cls in ran} <= set(calls), f"a fused path ({mode}) never ran"
             for a, b in zip(fused, plain):
                 assert a.outputs[0].token_ids == b.outputs[0].token_ids
                 assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
@@ -276,23 +281,12 @@ def test_qwen3_5_fuses_its_layers(llm, prompts, activations, dtype, tmp_path, mo
     save_tiny_model("qwen3_5", tmp_path / "hf", llm.tokenizer)
     add_mtp_head(tmp_path / "hf")
     gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
-    calls = _counting(monkeypatch, FusedDeltaLayer, FusedDecoderLayer)
     with _gguf_settings(monkeypatch, MINIVLLM_GGUF_ACTIVATIONS=activations):
         model_llm = make_llm(model=str(gguf), dtype=dtype)
         layers = model_llm.engine.engine_core.executor.runner.model.layers
-        params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
-        for batch in [prompts[:1], prompts]:  # 1-row and 8-row decode steps
-            for layer in layers:
-                layer.fused = False
-            plain = model_llm.generate(batch, params, use_tqdm=False)
-            for layer in layers:
-                layer.fused = None
-            calls.clear()
-            fused = model_llm.generate(batch, params, use_tqdm=False)
-            assert {(FusedDeltaLayer, True), (FusedDecoderLayer, True)} <= set(calls), "a fused layer never ran"
-            for a, b in zip(fused, plain):
-                assert a.outputs[0].token_ids == b.outputs[0].token_ids
-                assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]
+        _assert_fused_equals_plain(
+            model_llm, prompts, monkeypatch, stack=False, layer_classes=(FusedDeltaLayer, FusedDecoderLayer)
+        )
         kinds = [FusedDeltaLayer if layer.is_linear else FusedDecoderLayer for layer in layers]
         assert [type(layer.fused) for layer in layers] == kinds and len(set(kinds)) == 2
         attention = [layer.fused.desc for layer in layers if not layer.is_linear]

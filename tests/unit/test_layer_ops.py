@@ -66,9 +66,9 @@ def test_rotary_in_place_on_a_strided_view(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_partial_rotary_rotates_each_heads_leading_features_only(dtype, monkeypatch):
-    """Partial rotary (Qwen3.5's first quarter, Phi-3's): the kernel on the leading 16 of each 64-feature head of a
-    fused qkv view (token and head strides) against the float32 formula, the other features and the v heads left
-    alone, through the C kernel (not torch's fallback)."""
+    """Partial rotary (Qwen3.5's first quarter, Phi-4-mini's three quarters): the kernel on the leading 16 of each
+    64-feature head of a fused qkv view (token and head strides) against the float32 formula, the other features and
+    the v heads left alone, through the C kernel (not torch's fallback)."""
     torch.manual_seed(0)
     qkv = torch.randn(5, 9 + 3 + 3, 64, dtype=dtype)
     before = qkv.clone()
