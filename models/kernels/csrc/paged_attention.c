@@ -353,23 +353,29 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
                 s[j] = s2[0][j];                                                                       \
                 for (int c = 1; c < SCORE_CHAINS; c++) s[j] = _mm512_add_ps(s[j], s2[c][j]);                  \
             }                                                                                          \
-            float alpha[RB];                                                                           \
+            /* each row's rescale exp(m_old - m_new), all RB rows in one vector exp after the loop (a scalar expf \
+             * a row and chunk cost a prompt's attention ~20%) */                                        \
+            float alpha[16] = {0}, esum[RB];                                                           \
+            __mmask16 fresh = 0; /* rows with no max before this chunk: alpha 0 */                     \
             int32_t pw[RB][CHUNK / 2]; /* bfloat16 weight pairs of keys 2q, 2q + 1 */                  \
             for (int j = 0; j < RB; j++) {                                                             \
                 const int r = row[j], qpos = tk->first_pos + r / tk->G;                                \
                 const __mmask16 seen = live & _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(qpos)) \
                     & _mm512_cmpgt_epi32_mask(key_pos, _mm512_set1_epi32(tk->window ? qpos - tk->window : -1)); \
-                alpha[j] = 1.f;                                                                        \
+                esum[j] = 0.f;                                                                         \
                 _mm256_storeu_si256((__m256i *)pw[j], _mm256_setzero_si256());                        \
                 if (!seen || r0 + j >= tk->R) continue;                                                \
                 const __m512 sc = _mm512_mask_mov_ps(neg, seen, _mm512_mul_ps(s[j], scale));           \
                 const float mx = fmaxf(tk->m[r], _mm512_reduce_max_ps(sc));                            \
                 const __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx)))); \
-                alpha[j] = IS_NEG_INF(tk->m[r]) ? 0.f : expf(tk->m[r] - mx);                           \
-                tk->l[r] = tk->l[r] * alpha[j] + _mm512_reduce_add_ps(e);                              \
+                if (IS_NEG_INF(tk->m[r])) fresh |= (__mmask16)(1u << j);                               \
+                else alpha[j] = tk->m[r] - mx;                                                         \
+                esum[j] = _mm512_reduce_add_ps(e);                                                     \
                 tk->m[r] = mx;                                                                         \
                 _mm256_storeu_si256((__m256i *)pw[j], (__m256i)_mm512_cvtneps_pbh(e));                 \
             }                                                                                          \
+            _mm512_storeu_ps(alpha, _mm512_maskz_mov_ps((__mmask16)~fresh, exp512(_mm512_loadu_ps(alpha)))); \
+            for (int j = 0; j < RB && r0 + j < tk->R; j++) tk->l[row[j]] = tk->l[row[j]] * alpha[j] + esum[j]; \
             __m512 acc[RB][NV];                                                                        \
             for (int j = 0; j < RB; j++)                                                               \
                 for (int c = 0; c < NV; c++)                                                           \
