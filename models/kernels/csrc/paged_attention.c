@@ -265,7 +265,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 kvq_row8(const uin
 
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-/* exp(x) for x <= 0 (softmax arguments), |relative error| < 2e-7: 2^n * e^r with a degree-6 polynomial. */
+/* exp(x) for x <= 0 (softmax arguments; up to LAZY_MAX above 0 in the chunks), |relative error| < 2e-7: 2^n * e^r with a degree-6 polynomial. */
 AVX512BF16 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
@@ -311,6 +311,7 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
  * _mm512_dpbf16_ps waited on their latency (a decode step at depth 4,000: 3.45-3.6 ms of attention against
  * 2.98-3.01 with 4 chains, fp8 cache; 4.28-4.49 against 3.35-3.79 bfloat16; scripts/bench_attention.py) */
 #define SCORE_CHAINS 4
+#define LAZY_MAX 8.f /* natural-log units a score may pass a row's running max before it moves */
 #define CHUNK_AVX512(D, RB)                                                                            \
     AVX512BF16 static void chunk_avx512_##D##_##RB(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n) { \
         enum { NV = D / 16, NP = D / 2 };                                                              \
@@ -366,7 +367,12 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
                 _mm256_storeu_si256((__m256i *)pw[j], _mm256_setzero_si256());                        \
                 if (!seen || r0 + j >= tk->R) continue;                                                \
                 const __m512 sc = _mm512_mask_mov_ps(neg, seen, _mm512_mul_ps(s[j], scale));           \
-                const float mx = fmaxf(tk->m[r], _mm512_reduce_max_ps(sc));                            \
+                /* the running max moves only when a score passes it by LAZY_MAX (FlashAttention-4's lazy  \
+                 * rescaling): no reduction and no rescale in most chunks; l and acc then hold the weights    \
+                 * exp(s - m) <= e^LAZY_MAX, with the same m, so acc / l is unchanged */                     \
+                const float mx = _mm512_cmp_ps_mask(sc, _mm512_set1_ps(tk->m[r] + LAZY_MAX), _CMP_GT_OQ)  \
+                                     ? fmaxf(tk->m[r], _mm512_reduce_max_ps(sc))                       \
+                                     : tk->m[r];                                                       \
                 const __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx)))); \
                 if (IS_NEG_INF(tk->m[r])) fresh |= (__mmask16)(1u << j);                               \
                 else alpha[j] = tk->m[r] - mx;                                                         \
