@@ -358,6 +358,7 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
              * a row and chunk cost a prompt's attention ~20%) */                                        \
             float alpha[16] = {0}, esum[RB];                                                           \
             __mmask16 fresh = 0; /* rows with no max before this chunk: alpha 0 */                     \
+            int moved = 0;       /* a row's max moved: rescale (else every alpha is 1) */              \
             int32_t pw[RB][CHUNK / 2]; /* bfloat16 weight pairs of keys 2q, 2q + 1 */                  \
             for (int j = 0; j < RB; j++) {                                                             \
                 const int r = row[j], qpos = tk->first_pos + r / tk->G;                                \
@@ -376,17 +377,24 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
                 const __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx)))); \
                 if (IS_NEG_INF(tk->m[r])) fresh |= (__mmask16)(1u << j);                               \
                 else alpha[j] = tk->m[r] - mx;                                                         \
+                moved |= mx != tk->m[r];                                                               \
                 esum[j] = _mm512_reduce_add_ps(e);                                                     \
                 tk->m[r] = mx;                                                                         \
                 _mm256_storeu_si256((__m256i *)pw[j], (__m256i)_mm512_cvtneps_pbh(e));                 \
             }                                                                                          \
-            _mm512_storeu_ps(alpha, _mm512_maskz_mov_ps((__mmask16)~fresh, exp512(_mm512_loadu_ps(alpha)))); \
-            for (int j = 0; j < RB && r0 + j < tk->R; j++) tk->l[row[j]] = tk->l[row[j]] * alpha[j] + esum[j]; \
             __m512 acc[RB][NV];                                                                        \
-            for (int j = 0; j < RB; j++)                                                               \
-                for (int c = 0; c < NV; c++)                                                           \
-                    acc[j][c] = _mm512_mul_ps(_mm512_loadu_ps(tk->acc + (size_t)row[j] * D + 16 * c),  \
-                                              _mm512_set1_ps(alpha[j]));                               \
+            if (moved) {                                                                               \
+                _mm512_storeu_ps(alpha, _mm512_maskz_mov_ps((__mmask16)~fresh, exp512(_mm512_loadu_ps(alpha)))); \
+                for (int j = 0; j < RB && r0 + j < tk->R; j++) tk->l[row[j]] = tk->l[row[j]] * alpha[j] + esum[j]; \
+                for (int j = 0; j < RB; j++)                                                           \
+                    for (int c = 0; c < NV; c++)                                                       \
+                        acc[j][c] = _mm512_mul_ps(_mm512_loadu_ps(tk->acc + (size_t)row[j] * D + 16 * c), \
+                                                  _mm512_set1_ps(alpha[j]));                           \
+            } else {                                                                                   \
+                for (int j = 0; j < RB && r0 + j < tk->R; j++) tk->l[row[j]] += esum[j];               \
+                for (int j = 0; j < RB; j++)                                                           \
+                    for (int c = 0; c < NV; c++) acc[j][c] = _mm512_loadu_ps(tk->acc + (size_t)row[j] * D + 16 * c); \
+            }                                                                                          \
             for (int q = 0; q < (n + 1) / 2; q++)                                                      \
                 for (int j = 0; j < RB; j++) {                                                         \
                     const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[j][q]);                          \
