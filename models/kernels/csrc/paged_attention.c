@@ -72,6 +72,7 @@ typedef struct {
     float softcap;     /* 0 = none */
     float m[MAX_ROWS]; /* running max of each row's scores */
     float l[MAX_ROWS]; /* running sum of exp(score - m) */
+    float *lv;         /* [R, 16] the AVX-512 chunks' l per lane, summed into l by unpermute_acc */
     float *acc;        /* [R, D] running sum of exp(score - m) * v */
     float *qf;         /* [R, D] queries in float32 (portable path) */
     const bf16 *qb[MAX_ROWS]; /* query rows in bfloat16 (AVX512-BF16 path) */
@@ -356,7 +357,8 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
             }                                                                                          \
             /* each row's rescale exp(m_old - m_new), all RB rows in one vector exp after the loop (a scalar expf \
              * a row and chunk cost a prompt's attention ~20%) */                                        \
-            float alpha[16] = {0}, esum[RB];                                                           \
+            float alpha[16] = {0};                                                                     \
+            __m512 e[RB]; /* each row's weights exp(s - m), its sum added per lane to lv */               \
             __mmask16 fresh = 0; /* rows with no max before this chunk: alpha 0 */                     \
             int moved = 0;       /* a row's max moved: rescale (else every alpha is 1) */              \
             int32_t pw[RB][CHUNK / 2]; /* bfloat16 weight pairs of keys 2q, 2q + 1 */                  \
@@ -364,7 +366,7 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
                 const int r = row[j], qpos = tk->first_pos + r / tk->G;                                \
                 const __mmask16 seen = live & _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(qpos)) \
                     & _mm512_cmpgt_epi32_mask(key_pos, _mm512_set1_epi32(tk->window ? qpos - tk->window : -1)); \
-                esum[j] = 0.f;                                                                         \
+                e[j] = _mm512_setzero_ps();                                                            \
                 _mm256_storeu_si256((__m256i *)pw[j], _mm256_setzero_si256());                        \
                 if (!seen || r0 + j >= tk->R) continue;                                                \
                 const __m512 sc = _mm512_mask_mov_ps(neg, seen, _mm512_mul_ps(s[j], scale));           \
@@ -374,24 +376,29 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
                 const float mx = _mm512_cmp_ps_mask(sc, _mm512_set1_ps(tk->m[r] + LAZY_MAX), _CMP_GT_OQ)  \
                                      ? fmaxf(tk->m[r], _mm512_reduce_max_ps(sc))                       \
                                      : tk->m[r];                                                       \
-                const __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx)))); \
+                e[j] = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));      \
                 if (IS_NEG_INF(tk->m[r])) fresh |= (__mmask16)(1u << j);                               \
                 else alpha[j] = tk->m[r] - mx;                                                         \
                 moved |= mx != tk->m[r];                                                               \
-                esum[j] = _mm512_reduce_add_ps(e);                                                     \
                 tk->m[r] = mx;                                                                         \
-                _mm256_storeu_si256((__m256i *)pw[j], (__m256i)_mm512_cvtneps_pbh(e));                 \
+                _mm256_storeu_si256((__m256i *)pw[j], (__m256i)_mm512_cvtneps_pbh(e[j]));              \
             }                                                                                          \
             __m512 acc[RB][NV];                                                                        \
             if (moved) {                                                                               \
                 _mm512_storeu_ps(alpha, _mm512_maskz_mov_ps((__mmask16)~fresh, exp512(_mm512_loadu_ps(alpha)))); \
-                for (int j = 0; j < RB && r0 + j < tk->R; j++) tk->l[row[j]] = tk->l[row[j]] * alpha[j] + esum[j]; \
+                for (int j = 0; j < RB && r0 + j < tk->R; j++) {                                       \
+                    float *lv = tk->lv + 16 * row[j];                                                  \
+                    _mm512_storeu_ps(lv, _mm512_fmadd_ps(_mm512_loadu_ps(lv), _mm512_set1_ps(alpha[j]), e[j])); \
+                }                                                                                      \
                 for (int j = 0; j < RB; j++)                                                           \
                     for (int c = 0; c < NV; c++)                                                       \
                         acc[j][c] = _mm512_mul_ps(_mm512_loadu_ps(tk->acc + (size_t)row[j] * D + 16 * c), \
                                                   _mm512_set1_ps(alpha[j]));                           \
             } else {                                                                                   \
-                for (int j = 0; j < RB && r0 + j < tk->R; j++) tk->l[row[j]] += esum[j];               \
+                for (int j = 0; j < RB && r0 + j < tk->R; j++) {                                       \
+                    float *lv = tk->lv + 16 * row[j];                                                  \
+                    _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), e[j]));                    \
+                }                                                                                      \
                 for (int j = 0; j < RB; j++)                                                           \
                     for (int c = 0; c < NV; c++) acc[j][c] = _mm512_loadu_ps(tk->acc + (size_t)row[j] * D + 16 * c); \
             }                                                                                          \
@@ -414,6 +421,7 @@ CHUNK_AVX512(128, 2)
 /* The AVX-512 chunks accumulate each 32 dims c*32.. in two registers in unpack order (v = 2c holds
  * dims 8L..8L+3 of each 128-bit lane L at 4L.., v = 2c + 1 dims 8L+4..8L+7): back to dim order. */
 AVX512BF16 static void unpermute_acc(Task *tk) {
+    for (int r = 0; r < tk->R; r++) tk->l[r] += _mm512_reduce_add_ps(_mm512_loadu_ps(tk->lv + 16 * r));
     for (int r = 0; r < tk->R; r++)
         for (int c = 0; c < tk->D / 32; c++) {
             float *a = tk->acc + (size_t)r * tk->D + 32 * c;
@@ -808,7 +816,8 @@ static inline float sink_inverse(const float *sinks, int head, float m, float l)
         }                                                                                              \
         const size_t row_floats = (size_t)MAX_ROWS * D;                                                \
         /* per thread: acc, qf, a key and a value chunk; per unit when split: acc, m, l */             \
-        const size_t ws_floats = 3 * row_floats + 2 * CHUNK * D; /* acc, qf, bfloat16 queries, K/V chunk */ \
+        /* acc, qf, bfloat16 queries, K/V chunk, lv */                                                 \
+        const size_t ws_floats = 3 * row_floats + 2 * CHUNK * D + 16 * MAX_ROWS;                      \
         float *thread_ws = kernel_scratch(0, sizeof(float) * (size_t)num_threads * ws_floats);        \
         float *part_ws = parts > 1 ? kernel_scratch(1, sizeof(float) * (size_t)num_tasks * parts * (row_floats + 2 * MAX_ROWS)) \
                                    : NULL;                                                             \
@@ -823,7 +832,7 @@ static inline float sink_inverse(const float *sinks, int head, float m, float l)
             Task tk = {.R = nq * G, .G = G, .D = D, .row = row, .kvq = kvq,                             \
                        .first_pos = seq_lens[s] - ti.q_len + ti.j_first,                              \
                        .window = window, .scale = scale, .softcap = softcap, .acc = ws,                \
-                       .qf = ws + row_floats};                                                         \
+                       .qf = ws + row_floats, .lv = ws + 3 * row_floats + 2 * CHUNK * D};              \
             const int L = tk.first_pos + nq; /* keys up to the tile's last query */                    \
             /* the first key the tile's first query sees */                                            \
             const int lo = window && tk.first_pos - window + 1 > 0 ? tk.first_pos - window + 1 : 0;    \
@@ -842,6 +851,7 @@ static inline float sink_inverse(const float *sinks, int head, float m, float l)
                 tk.l[r] = 0.f;                                                                         \
             }                                                                                          \
             memset(tk.acc, 0, sizeof(float) * tk.R * D);                                               \
+            memset(tk.lv, 0, sizeof(float) * 16 * tk.R);                                               \
             if (k_begin < k_end)                                                                       \
                 run_keys_##TC(&tk, k_cache, v_cache, block_tables + (size_t)s * max_blocks, k_begin,  \
                               k_end, h, num_kv_heads, bs, avx, ws + 3 * row_floats);                   \
