@@ -2,6 +2,7 @@
 from the input processor as scheduler `Request`s; each step's news goes out as EngineCoreOutputs to the
 output processor."""
 
+import gc
 import logging
 import time
 from collections import deque
@@ -100,6 +101,13 @@ class EngineCore:
         stats = self.scheduler.spec_decoding_stats
         self.spec_logging = SpecDecodingLogging(stats) if stats is not None else None
         self.step_log = StepLog()  # recent steps, for the dashboard
+        # The start-up heap (the model, its weights' Python objects, the tokenizer) out of the cyclic collector's way:
+        # collections then traverse only what requests allocate (vLLM's freeze_gc_heap). A batch-1 decode step at
+        # depth 4,000 spent ~5% of its time in gc_collect_main; 7.70 -> 7.35 and 7.11 -> 6.65 ms median, alternating.
+        # Unfrozen first: an engine dropped earlier in this process (tests, scripts) is collected now, not kept.
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
     def add_request(self, request: Request) -> None:
         self.kv_connector.check_request(request.kv_transfer_params, request.num_prompt_tokens, 1)
@@ -176,6 +184,8 @@ class EngineCore:
         self.kv.pool.uncache(self.kv.pool.blocks)
 
     def shutdown(self) -> None:
-        """Stops the KV connector and the executor's processes."""
+        """Stops the KV connector and the executor's processes; the heap frozen at start-up goes back to the
+        collector."""
         self.kv_connector.close()
         self.executor.shutdown()
+        gc.unfreeze()

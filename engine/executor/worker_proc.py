@@ -7,6 +7,7 @@ A rank on another host than rank 0's sends it a heartbeat every second and exits
 answered one for HEARTBEAT_TIMEOUT."""
 
 import argparse
+import gc
 import logging
 import os
 import pickle
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             config.tensor_parallel_size,
         )
         runner = build_rank_runner(config, load_config(args.model_dir), args.model_dir, group)
+        gc.collect()  # the start-up heap out of the cyclic collector's way, as EngineCore does
+        gc.freeze()
         while (step := group.recv_step()) is not None:
             output = runner.execute_model(*step)
             if output is not None:  # the driver of a pipeline (rank 0 drives without stages)

@@ -189,6 +189,30 @@ static inline uint8_t fp8_encode(float x, const float *table, int top) {
     return (uint8_t)(c | (x < 0.f ? 0x80 : 0));
 }
 
+#if defined(__x86_64__)
+/* fp8_encode of 16 values at once (AVX-512), the same codes: the float's mantissa rounded to the format's M bits to
+ * nearest even by an integer add on its bits (the carry moving the exponent), its exponent rebiased; below the
+ * smallest normal the step count round(|x| / step), to nearest even; at or past the largest finite value (or NaN)
+ * that value's code; the sign bit where x < 0. A decode step writes 2 x num_kv_heads rows a layer, and the binary
+ * search took ~3% of a batch-1 step at depth 4,000. */
+__attribute__((target("avx512f,avx512bw"))) static void fp8_encode16(const float *x, uint8_t *dst, int kvq) {
+    const int M = kvq == 2 ? 3 : 2, bias = kvq == 2 ? 7 : 15, top = kvq == 2 ? 0x7E : 0x7B;
+    const float max = kvq == 2 ? 448.f : 57344.f, min_normal = kvq == 2 ? 0x1p-6f : 0x1p-14f;
+    const float per_step = kvq == 2 ? 512.f : 65536.f; /* 1 / the subnormal step */
+    const __m512 v = _mm512_loadu_ps(x), a = _mm512_abs_ps(v);
+    const __m512i bits = _mm512_castps_si512(a), S = _mm512_set1_epi32(23 - M);
+    const __m512i lsb = _mm512_and_si512(_mm512_srlv_epi32(bits, S), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32((1 << (22 - M)) - 1), lsb));
+    __m512i code = _mm512_sub_epi32(_mm512_srlv_epi32(r, S), _mm512_set1_epi32((127 - bias) << M));
+    code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(a, _mm512_set1_ps(min_normal), _CMP_LT_OQ),
+                                 _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(per_step))));
+    code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(a, _mm512_set1_ps(max), _CMP_NLT_UQ), _mm512_set1_epi32(top));
+    code = _mm512_mask_or_epi32(code, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), code,
+                                _mm512_set1_epi32(0x80));
+    _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(code));
+}
+#endif
+
 /* Bytes of one quantized K or V row of D values (D % 32 == 0 for int8). */
 static inline int kvq_row_bytes(int D, int kvq) { return kvq == 1 ? D + D / 32 * (int)sizeof(float) : D; }
 
@@ -205,7 +229,12 @@ static void kvq_store(uint8_t *dst, const float *x, int D, int kvq) {
     } else {
         const float *table = kvq == 2 ? FP8_E4M3 : FP8_E5M2;
         const int top = kvq == 2 ? 0x7E : 0x7B;
-        for (int d = 0; d < D; d++) dst[d] = fp8_encode(x[d], table, top);
+        int d = 0;
+#if defined(__x86_64__)
+        if (__builtin_cpu_supports("avx512bw"))
+            for (; d + 16 <= D; d += 16) fp8_encode16(x + d, dst + d, kvq);
+#endif
+        for (; d < D; d++) dst[d] = fp8_encode(x[d], table, top);
     }
 }
 
