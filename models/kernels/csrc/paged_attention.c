@@ -71,7 +71,7 @@ typedef struct {
     float scale;
     float softcap;     /* 0 = none */
     float m[MAX_ROWS]; /* running max of each row's scores */
-    float l[MAX_ROWS]; /* running sum of exp(score - m) */
+    float l[MAX_ROWS]; /* running sum of exp(score - m) (the AVX-512 chunks': in lv until unpermute_acc) */
     float *lv;         /* [R, 16] the AVX-512 chunks' l per lane, summed into l by unpermute_acc */
     float *acc;        /* [R, D] running sum of exp(score - m) * v */
     float *qf;         /* [R, D] queries in float32 (portable path) */
@@ -448,7 +448,8 @@ CHUNK_AVX512(128, 1)
 CHUNK_AVX512(128, 2)
 
 /* The AVX-512 chunks accumulate each 32 dims c*32.. in two registers in unpack order (v = 2c holds
- * dims 8L..8L+3 of each 128-bit lane L at 4L.., v = 2c + 1 dims 8L+4..8L+7): back to dim order. */
+ * dims 8L..8L+3 of each 128-bit lane L at 4L.., v = 2c + 1 dims 8L+4..8L+7): back to dim order; and their running
+ * sums per lane (lv) into l. Called once when a task's keys are done. */
 AVX512BF16 static void unpermute_acc(Task *tk) {
     for (int r = 0; r < tk->R; r++) tk->l[r] += _mm512_reduce_add_ps(_mm512_loadu_ps(tk->lv + 16 * r));
     for (int r = 0; r < tk->R; r++)
