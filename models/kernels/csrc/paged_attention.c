@@ -295,7 +295,8 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 kvq_row8(const uin
 
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-/* exp(x) for x <= 0 (softmax arguments; up to LAZY_MAX above 0 in the chunks), |relative error| < 2e-7: 2^n * e^r with a degree-6 polynomial. */
+/* exp(x) for x <= 0 (softmax arguments; up to LAZY_MAX above 0 in the chunks), |relative error| < 2e-7: 2^n * e^r
+ * with a degree-6 polynomial. */
 AVX512BF16 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
@@ -331,17 +332,18 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
     }
 }
 
+/* independent dot-product chains per query row for a chunk's scores, added at the end: one chain of NP dependent
+ * _mm512_dpbf16_ps waited on their latency (a decode step at depth 4,000: 3.45-3.6 ms of attention against
+ * 2.98-3.01 with 4 chains, fp8 cache; 4.28-4.49 against 3.35-3.79 bfloat16; scripts/bench_attention.py) */
+#define SCORE_CHAINS 4
+#define LAZY_MAX 8.f /* natural-log units a score may pass a row's running max before it moves */
+
 /* AVX512-BF16 chunk step for head_dim D (64 or 128), RB query rows at a time. The chunk's keys are
  * transposed into bfloat16 pairs (kt[p] = pair p of all 16 keys), so one dot-product sweep over a query
  * row gives its 16 scores in one register (products exact, sums float32) with no horizontal sums; the
  * softmax runs on those registers; then P V is again dot products of bfloat16 pairs, weights of two
  * keys against their interleaved values, into RB rows x D float32 accumulators held in registers
  * (P in bfloat16 for P V, as FlashAttention does). */
-/* independent dot-product chains per query row for a chunk's scores, added at the end: one chain of NP dependent
- * _mm512_dpbf16_ps waited on their latency (a decode step at depth 4,000: 3.45-3.6 ms of attention against
- * 2.98-3.01 with 4 chains, fp8 cache; 4.28-4.49 against 3.35-3.79 bfloat16; scripts/bench_attention.py) */
-#define SCORE_CHAINS 4
-#define LAZY_MAX 8.f /* natural-log units a score may pass a row's running max before it moves */
 #define CHUNK_AVX512(D, RB)                                                                            \
     AVX512BF16 static void chunk_avx512_##D##_##RB(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n) { \
         enum { NV = D / 16, NP = D / 2 };                                                              \
