@@ -275,6 +275,9 @@ int gguf_amx_enable(int min_rows) {
     return 0;
 }
 
+/* 1 where gguf_r16_linear takes steps of M rows of x to the tiles (AMX on, M at its threshold or above), else 0 */
+int gguf_amx_takes(int M) { return amx_min_rows > 0 && M >= amx_min_rows; }
+
 /* y = x W^T for W in R16 on AMX tiles (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; x float32 or bfloat16 [M, K] rows
  * x_stride apart, y float32 or bfloat16 rows y_stride apart). Returns 1 without writing where AMX is off, M is
  * below the threshold or the type or K has no R16 layout. */

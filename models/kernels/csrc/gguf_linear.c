@@ -964,44 +964,86 @@ int gguf_r16_isa(void) {
 #endif
 }
 
+/* The activations' buffers of an R16 product of M rows of K (int8: int8 codes, per 256 against the K-quants), carved
+ * from `ws` (gguf_r16_acts_bytes of it, 64-byte aligned), or their bytes where ws is NULL */
+#if defined(__x86_64__)
+static size_t r16_acts(Acts *a, void *ws, int type, int M, int K, int int8) {
+    const size_t Kp = (size_t)(K + 63) / 64 * 64;
+    const int q8k = int8 && is_k_quant(type); /* int8 activations meet a K-quant per 256 (r16q_group) */
+    const size_t bytes[6] = {(int8 ? 1 : sizeof(int16_t)) * M * Kp, sizeof(float) * M * (Kp / 32),
+                             q8k ? 0 : sizeof(float) * M * (Kp / 16), q8k ? 0 : sizeof(float) * M * (Kp / 32),
+                             q8k ? sizeof(int16_t) * M * (Kp / 16) : 0, q8k ? sizeof(int16_t) * M * (Kp / 32) : 0};
+    void *at[6];
+    size_t total = 0;
+    for (int i = 0; i < 6; i++) {
+        at[i] = bytes[i] && ws ? (char *)ws + total : NULL;
+        total += (bytes[i] + 63) / 64 * 64;
+    }
+    if (a)
+        *a = (Acts){.Kp = (int)Kp, .xq = at[0], .xd = at[1], .xsum = at[2], .xsum32 = at[3], .is16 = at[4],
+                    .is32 = at[5]};
+    return total;
+}
+#endif
+
+size_t gguf_r16_acts_bytes(int type, int M, int K, int int8) {
+#if defined(__x86_64__)
+    return r16_acts(NULL, NULL, type, M, K, int8);
+#else
+    (void)type, (void)M, (void)K, (void)int8;
+    return 0;
+#endif
+}
+
+/* y = x W^T on R16 weights by the calling thread's team: inside a parallel region, every thread of the team calls it
+ * with the same arguments (`ws` shared: gguf_r16_acts_bytes, untouched by any other thread until every one has
+ * returned); it returns on every thread once y is whole. The arithmetic and the split of the work are gguf_r16_linear's
+ * (_i8's with int8), which runs it on a team of its own. The caller has checked what r16_linear checks (the type has
+ * an R16 layout, the CPU AVX512-VNNI and BF16, AMX not taking M rows). */
+void gguf_r16_linear_team(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                          int y_stride, int M, int N, int K, int int8, void *ws) {
+#if defined(__x86_64__)
+    const int nb = K / block_weights(type), groups = (N + 15) / 16;
+    const size_t group_bytes = (size_t)nb * r16_record_bytes(type);
+    Acts a;
+    r16_acts(&a, ws, type, M, K, int8);
+    const int q8k = int8 && is_k_quant(type);
+    const int step = int8 ? R16B_MM : R16_MM;
+    /* R16_CHUNK_BYTES of codes a chunk, whole steps of rows */
+    const int fit = (int)(R16_CHUNK_BYTES / ((int8 ? 1 : 2) * (long)a.Kp)) / step * step, chunk = fit > step ? fit : step;
+    _Pragma("omp for schedule(static)")
+    for (int m = 0; m < M; m++) (q8k ? prepare_row8k : int8 ? prepare_row8 : prepare_row)(&a, x, x_bf16, x_stride, K, m);
+    /* rows of x in chunks whose codes stay in L2 while every group of weights passes over them (unchunked,
+     * a 2,048-row prompt chunk's codes were streamed again from L3 for each 16 weight rows); the chunks are
+     * independent, so no thread waits for the others between them */
+    for (int c0 = 0; c0 < M; c0 += chunk) {
+        const int c1 = M - c0 < chunk ? M : c0 + chunk;
+        _Pragma("omp for schedule(static) nowait")
+        for (int g = 0; g < groups; g++) {
+            const int nr = N - 16 * g < 16 ? N - 16 * g : 16;
+            for (int m0 = c0; m0 < c1; m0 += step) {
+                const int mm = c1 - m0 < step ? c1 - m0 : step;
+                r16_group(type, mm, int8)(&a, w + g * group_bytes, nb, m0, y, y_bf16, y_stride, 16 * g, nr);
+            }
+        }
+    }
+    _Pragma("omp barrier")
+#else
+    (void)x, (void)x_bf16, (void)x_stride, (void)w, (void)type, (void)y, (void)y_bf16, (void)y_stride, (void)M;
+    (void)N, (void)K, (void)int8, (void)ws;
+#endif
+}
+
 static int r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
                       int y_stride, int M, int N, int K, int num_threads, int int8) {
 #if defined(__x86_64__)
     if (gguf_r16_bytes(type, 1, K) < 0 || !has_vnni_bf16()) return -1;
     const int amx = gguf_amx_r16_linear(x, x_bf16, x_stride, w, type, y, y_bf16, y_stride, M, N, K, num_threads);
     if (amx <= 0) return amx; /* done on AMX tiles */
-    const int nb = K / block_weights(type), groups = (N + 15) / 16;
-    const size_t group_bytes = (size_t)nb * r16_record_bytes(type);
-    Acts a = {.Kp = (K + 63) / 64 * 64};
-    a.xq = malloc((int8 ? 1 : sizeof(int16_t)) * (size_t)M * a.Kp);
-    a.xd = malloc(sizeof(float) * (size_t)M * (a.Kp / 32));
-    const int q8k = int8 && is_k_quant(type); /* int8 activations meet a K-quant per 256 (r16q_group) */
-    a.xsum = q8k ? NULL : malloc(sizeof(float) * (size_t)M * (a.Kp / 16));
-    a.xsum32 = q8k ? NULL : malloc(sizeof(float) * (size_t)M * (a.Kp / 32));
-    a.is16 = q8k ? malloc(sizeof(int16_t) * (size_t)M * (a.Kp / 16)) : NULL;
-    a.is32 = q8k ? malloc(sizeof(int16_t) * (size_t)M * (a.Kp / 32)) : NULL;
-    const int step = int8 ? R16B_MM : R16_MM;
-    /* R16_CHUNK_BYTES of codes a chunk, whole steps of rows */
-    const int fit = (int)(R16_CHUNK_BYTES / ((int8 ? 1 : 2) * (long)a.Kp)) / step * step, chunk = fit > step ? fit : step;
-    _Pragma("omp parallel num_threads(num_threads)") {
-        _Pragma("omp for schedule(static)")
-        for (int m = 0; m < M; m++) (q8k ? prepare_row8k : int8 ? prepare_row8 : prepare_row)(&a, x, x_bf16, x_stride, K, m);
-        /* rows of x in chunks whose codes stay in L2 while every group of weights passes over them (unchunked,
-         * a 2,048-row prompt chunk's codes were streamed again from L3 for each 16 weight rows); the chunks are
-         * independent, so no thread waits for the others between them */
-        for (int c0 = 0; c0 < M; c0 += chunk) {
-            const int c1 = M - c0 < chunk ? M : c0 + chunk;
-            _Pragma("omp for schedule(static) nowait")
-            for (int g = 0; g < groups; g++) {
-                const int nr = N - 16 * g < 16 ? N - 16 * g : 16;
-                for (int m0 = c0; m0 < c1; m0 += step) {
-                    const int mm = c1 - m0 < step ? c1 - m0 : step;
-                    r16_group(type, mm, int8)(&a, w + g * group_bytes, nb, m0, y, y_bf16, y_stride, 16 * g, nr);
-                }
-            }
-        }
-    }
-    free(a.xq), free(a.xd), free(a.xsum), free(a.xsum32), free(a.is16), free(a.is32);
+    void *ws = aligned_alloc(64, gguf_r16_acts_bytes(type, M, K, int8));
+    _Pragma("omp parallel num_threads(num_threads)")
+    gguf_r16_linear_team(x, x_bf16, x_stride, w, type, y, y_bf16, y_stride, M, N, K, int8, ws);
+    free(ws);
     return 0;
 #else
     (void)x, (void)x_bf16, (void)x_stride, (void)w, (void)type, (void)y, (void)y_bf16, (void)y_stride, (void)M;

@@ -14,25 +14,42 @@
 #include "bf16.h"
 static inline float f32_id(float x) { return x; }
 
+/* Each op below is a function of one token, NAME_tok(..., t), run over the tokens two ways: NAME(...) on a team of
+ * its own (past one token), and NAME_team(...) by the calling thread's team, inside a parallel region every one of
+ * its threads enters with the same arguments (decoder_layer.c's one region a step: no team woken per op). The
+ * tokens are shared out statically, each computed as by NAME, and NAME_team returns on every thread once all are
+ * done (the `omp for`'s barrier). */
+#define OVER_TOKENS(NAME, PARAMS, ARGS)                                                                \
+    void NAME PARAMS {                                                                                 \
+        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
+        for (int t = 0; t < num_tokens; t++) NAME##_tok ARGS;                                          \
+    }                                                                                                  \
+    void NAME##_team PARAMS {                                                                          \
+        (void)num_threads;                                                                             \
+        _Pragma("omp for schedule(static)")                                                            \
+        for (int t = 0; t < num_tokens; t++) NAME##_tok ARGS;                                          \
+    }
+
 /* residual [T, H] float32 += delta [T, H] (model dtype; NULL = nothing to add);
  * out [T, H] (model dtype) = weight [H] (model dtype) * residual / sqrt(mean(residual^2) + eps). */
 #define ADD_RMS_NORM(T, TO_F32, FROM_F32)                                                              \
-    void add_rms_norm_##T(float *residual, const T *delta, const T *weight, T *out, int num_tokens,    \
-                          int hidden, float eps, int num_threads) {                                   \
-        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
-        for (int t = 0; t < num_tokens; t++) {                                                         \
-            float *x = residual + (size_t)t * hidden;                                                  \
-            if (delta) {                                                                               \
-                const T *dx = delta + (size_t)t * hidden;                                              \
-                for (int i = 0; i < hidden; i++) x[i] += TO_F32(dx[i]);                                \
-            }                                                                                          \
-            float ss = 0.f;                                                                            \
-            for (int i = 0; i < hidden; i++) ss += x[i] * x[i];                                        \
-            const float inv = 1.f / sqrtf(ss / hidden + eps);                                          \
-            T *o = out + (size_t)t * hidden;                                                           \
-            for (int i = 0; i < hidden; i++) o[i] = FROM_F32(TO_F32(weight[i]) * (x[i] * inv));        \
+    static inline void add_rms_norm_##T##_tok(float *residual, const T *delta, const T *weight, T *out, int t, \
+                                              int hidden, float eps) {                                 \
+        float *x = residual + (size_t)t * hidden;                                                      \
+        if (delta) {                                                                                   \
+            const T *dx = delta + (size_t)t * hidden;                                                  \
+            for (int i = 0; i < hidden; i++) x[i] += TO_F32(dx[i]);                                    \
         }                                                                                              \
-    }
+        float ss = 0.f;                                                                                \
+        for (int i = 0; i < hidden; i++) ss += x[i] * x[i];                                            \
+        const float inv = 1.f / sqrtf(ss / hidden + eps);                                              \
+        T *o = out + (size_t)t * hidden;                                                               \
+        for (int i = 0; i < hidden; i++) o[i] = FROM_F32(TO_F32(weight[i]) * (x[i] * inv));            \
+    }                                                                                                  \
+    OVER_TOKENS(add_rms_norm_##T,                                                                      \
+                (float *residual, const T *delta, const T *weight, T *out, int num_tokens, int hidden, float eps, \
+                 int num_threads),                                                                     \
+                (residual, delta, weight, out, t, hidden, eps))
 ADD_RMS_NORM(float, f32_id, f32_id)
 ADD_RMS_NORM(bf16, bf16_to_f32, f32_to_bf16)
 
@@ -40,22 +57,23 @@ ADD_RMS_NORM(bf16, bf16_to_f32, f32_to_bf16)
  * elements, heads `head_stride` apart: D itself where every feature rotates, the head's size for partial rotary):
  * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [T, D / 2] float32 of each token's position. */
 #define ROTARY(T, TO_F32, FROM_F32)                                                                    \
-    void rotary_##T(T *x, int num_tokens, int heads, int stride, int head_stride, int D,             \
-                    const float *cos_t, const float *sin_t, int num_threads) {                         \
+    static inline void rotary_##T##_tok(T *x, int t, int heads, int stride, int head_stride, int D,    \
+                                        const float *cos_t, const float *sin_t) {                      \
         const int half = D / 2;                                                                        \
-        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
-        for (int t = 0; t < num_tokens; t++) {                                                         \
-            const float *c = cos_t + (size_t)t * half, *s = sin_t + (size_t)t * half;                  \
-            for (int h = 0; h < heads; h++) {                                                          \
-                T *x1 = x + (size_t)t * stride + (size_t)h * head_stride, *x2 = x1 + half;             \
-                for (int i = 0; i < half; i++) {                                                       \
-                    const float a = TO_F32(x1[i]), b = TO_F32(x2[i]);                                  \
-                    x1[i] = FROM_F32(a * c[i] - b * s[i]);                                             \
-                    x2[i] = FROM_F32(b * c[i] + a * s[i]);                                             \
-                }                                                                                      \
+        const float *c = cos_t + (size_t)t * half, *s = sin_t + (size_t)t * half;                      \
+        for (int h = 0; h < heads; h++) {                                                              \
+            T *x1 = x + (size_t)t * stride + (size_t)h * head_stride, *x2 = x1 + half;                 \
+            for (int i = 0; i < half; i++) {                                                           \
+                const float a = TO_F32(x1[i]), b = TO_F32(x2[i]);                                      \
+                x1[i] = FROM_F32(a * c[i] - b * s[i]);                                                 \
+                x2[i] = FROM_F32(b * c[i] + a * s[i]);                                                 \
             }                                                                                          \
         }                                                                                              \
-    }
+    }                                                                                                  \
+    OVER_TOKENS(rotary_##T,                                                                            \
+                (T * x, int num_tokens, int heads, int stride, int head_stride, int D, const float *cos_t, \
+                 const float *sin_t, int num_threads),                                                 \
+                (x, t, heads, stride, head_stride, D, cos_t, sin_t))
 ROTARY(float, f32_id, f32_id)
 ROTARY(bf16, bf16_to_f32, f32_to_bf16)
 
@@ -70,14 +88,13 @@ static inline float gelu_tanh(float a) { return 0.5f * a * (1.f + tanhf(0.797884
 /* NAME_and_mul_T: ACT(gate) * up over gate_up [num_tokens, 2 * inter] = [gate | up] into out [num_tokens, inter]
  * (SwiGLU with silu, Gemma's GeGLU with gelu_tanh; Shazeer 2020) */
 #define ACT_AND_MUL(NAME, ACT, T, TO_F32, FROM_F32)                                                    \
-    void NAME##_and_mul_##T(const T *gate_up, T *out, int num_tokens, int inter, int num_threads) {    \
-        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
-        for (int t = 0; t < num_tokens; t++) {                                                         \
-            const T *g = gate_up + (size_t)t * 2 * inter, *u = g + inter;                              \
-            T *o = out + (size_t)t * inter;                                                            \
-            for (int i = 0; i < inter; i++) o[i] = FROM_F32(ACT(TO_F32(g[i])) * TO_F32(u[i]));         \
-        }                                                                                              \
-    }
+    static inline void NAME##_and_mul_##T##_tok(const T *gate_up, T *out, int t, int inter) {          \
+        const T *g = gate_up + (size_t)t * 2 * inter, *u = g + inter;                                  \
+        T *o = out + (size_t)t * inter;                                                                \
+        for (int i = 0; i < inter; i++) o[i] = FROM_F32(ACT(TO_F32(g[i])) * TO_F32(u[i]));             \
+    }                                                                                                  \
+    OVER_TOKENS(NAME##_and_mul_##T, (const T *gate_up, T *out, int num_tokens, int inter, int num_threads), \
+                (gate_up, out, t, inter))
 ACT_AND_MUL(silu, silu, float, f32_id, f32_id)
 ACT_AND_MUL(silu, silu, bf16, bf16_to_f32, f32_to_bf16)
 ACT_AND_MUL(gelu_tanh, gelu_tanh, float, f32_id, f32_id)
@@ -89,18 +106,17 @@ ACT_AND_MUL(gelu_tanh, gelu_tanh, bf16, bf16_to_f32, f32_to_bf16)
  * (ops.sigmoid_gate) and the one-call layer (decoder_layer.c) both call it, so that they agree bit for bit. */
 static inline float sigmoid(float a) { return 1.f / (1.f + expf(fminf(-a, 88.f))); }
 #define SIGMOID_GATE(T, TO_F32, FROM_F32)                                                              \
-    void sigmoid_gate_##T(T *x, int x_stride, const T *gate, int gate_stride, int num_tokens, int n,  \
-                          int num_threads) {                                                           \
-        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
-        for (int t = 0; t < num_tokens; t++) {                                                         \
-            T *xt = x + (size_t)t * x_stride;                                                          \
-            const T *g = gate + (size_t)t * gate_stride;                                               \
-            for (int i = 0; i < n; i++) {                                                              \
-                const float s = TO_F32(FROM_F32(sigmoid(TO_F32(g[i])))); /* rounded as torch.sigmoid's */ \
-                xt[i] = FROM_F32(TO_F32(xt[i]) * s);                                                   \
-            }                                                                                          \
+    static inline void sigmoid_gate_##T##_tok(T *x, int x_stride, const T *gate, int gate_stride, int t, int n) { \
+        T *xt = x + (size_t)t * x_stride;                                                              \
+        const T *g = gate + (size_t)t * gate_stride;                                                   \
+        for (int i = 0; i < n; i++) {                                                                  \
+            const float s = TO_F32(FROM_F32(sigmoid(TO_F32(g[i])))); /* rounded as torch.sigmoid's */  \
+            xt[i] = FROM_F32(TO_F32(xt[i]) * s);                                                       \
         }                                                                                              \
-    }
+    }                                                                                                  \
+    OVER_TOKENS(sigmoid_gate_##T,                                                                      \
+                (T * x, int x_stride, const T *gate, int gate_stride, int num_tokens, int n, int num_threads), \
+                (x, x_stride, gate, gate_stride, t, n))
 SIGMOID_GATE(float, f32_id, f32_id)
 SIGMOID_GATE(bf16, bf16_to_f32, f32_to_bf16)
 

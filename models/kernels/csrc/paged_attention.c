@@ -765,16 +765,16 @@ static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query
     return t;
 }
 
-/* A buffer of at least `bytes` owned by the calling thread and kept between calls, one per `slot` (0 and 1 this
- * file's workspaces, 2 decoder_layer.c's): workspaces above malloc's mmap threshold (~170 KiB at batch 1 here)
- * mapped fresh pages and faulted them in on every call, ~10 us a layer. */
+/* A buffer of at least `bytes` (64-byte aligned) owned by the calling thread and kept between calls, one per `slot`
+ * (0 and 1 this file's workspaces, 2 and 3 decoder_layer.c's): workspaces above malloc's mmap threshold (~170 KiB at
+ * batch 1 here) mapped fresh pages and faulted them in on every call, ~10 us a layer. */
 void *kernel_scratch(int slot, size_t bytes) {
-    static __thread void *buf[3];
-    static __thread size_t cap[3];
+    static __thread void *buf[4];
+    static __thread size_t cap[4];
     if (cap[slot] < bytes) {
         free(buf[slot]);
-        buf[slot] = malloc(bytes);
-        cap[slot] = bytes;
+        cap[slot] = (bytes + 63) / 64 * 64;
+        buf[slot] = aligned_alloc(64, cap[slot]);
     }
     return buf[slot];
 }
@@ -799,16 +799,66 @@ static inline float sink_inverse(const float *sinks, int head, float m, float l)
     return e / (l * e + expf(sink - M));
 }
 
-/* paged_attention_NAME: q, k, v and out in T, the cache in TC (T itself, or the bytes of a quantized one). */
+/* The tasks of a step: tile_start [num_seqs + 1] gets each sequence's first tile (tiles of QT query positions,
+ * numbered through the sequences); returns the longest sequence's length. */
+int attention_tiles(int num_seqs, const int32_t *query_start_loc, const int32_t *seq_lens, int *tile_start) {
+    int max_len = 0;
+    tile_start[0] = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int nq = query_start_loc[s + 1] - query_start_loc[s];
+        tile_start[s + 1] = tile_start[s] + (nq + QT - 1) / QT;
+        max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    }
+    return max_len;
+}
+
+/* Partitions of each task's keys: 1, or more when the tasks are too few to keep every thread busy */
+static int attention_parts(int num_tasks, int max_len, int window, int num_threads) {
+    int parts = 1;
+    if (num_tasks < 4 * num_threads) {
+        parts = (4 * num_threads + num_tasks - 1) / num_tasks;
+        const int span = window && window + QT < max_len ? window + QT : max_len; /* keys a task reads */
+        const int most = (span + MIN_PART - 1) / MIN_PART;
+        parts = parts < most ? parts : most;
+        /* whole rounds of units: 3 tasks x 3 parts on 2 threads left one thread a unit alone */
+        while ((num_tasks * parts) % num_threads && parts < most) parts++;
+    }
+    return parts;
+}
+
+/* The workspaces paged_attention_team_NAME takes, in floats: *thread_floats for each thread (num_threads of them in
+ * one buffer), *part_floats for the partitions' results (0 where no task's keys are split), for a step of num_tiles
+ * tiles whose longest sequence has max_len tokens. Returns -1 where the kernel refuses the shape: head_dim past
+ * MAX_HEAD_DIM, a GQA group of more than MAX_ROWS / QT heads, an int8 cache's rows not in whole blocks of 32. */
+int attention_workspace(int num_tiles, int max_len, int num_heads, int num_kv_heads, int D, int window, int kvq,
+                        int num_threads, size_t *thread_floats, size_t *part_floats) {
+    if (D > MAX_HEAD_DIM || num_heads / num_kv_heads * QT > MAX_ROWS || (kvq == 1 && D % 32)) return -1;
+    const size_t row_floats = (size_t)MAX_ROWS * D, num_tasks = (size_t)num_tiles * num_kv_heads;
+    const int parts = num_tasks ? attention_parts((int)num_tasks, max_len, window, num_threads) : 1;
+    /* per thread: acc, qf, bfloat16 queries, a K/V chunk, lv; per unit when split: acc, m, l */
+    *thread_floats = 3 * row_floats + 2 * CHUNK * D + 16 * MAX_ROWS;
+    *part_floats = parts > 1 ? num_tasks * parts * (row_floats + 2 * MAX_ROWS) : 0;
+    return 0;
+}
+
+/* paged_attention_NAME's parameters: q, k, v and out in T, the cache in TC (T itself, or the bytes of a quantized
+ * one) */
+#define ATTENTION_PARAMS(T, TC)                                                                        \
+    const T *q, int q_stride, const T *k, int k_stride, const T *v, int v_stride, TC *k_cache, TC *v_cache, \
+        const int64_t *slot_mapping, int num_tokens, const int32_t *block_tables, const int32_t *seq_lens, \
+        const int32_t *query_start_loc, T *out, int num_seqs, int num_heads, int num_kv_heads, int D, int bs, \
+        int max_blocks, float scale, int window, float softcap, int num_threads, int isa, int kvq, const float *sinks
+
+/* paged_attention_team_NAME: the step's attention by the calling thread's team. Inside a parallel region every thread
+ * of the team calls it with the same arguments, and it returns on every thread once `out` is whole (decoder_layer.c's
+ * one region a step; paged_attention_NAME runs it on a team of its own). tile_start and max_len as attention_tiles
+ * gives them; thread_ws and part_ws shared, of the floats attention_workspace asked for (the caller has checked that
+ * it took the shape). The new K/V rows are written first, then the units (task, partition) run, the longest
+ * first, then each split task's partitions are merged. */
 #define PAGED_ATTENTION(NAME, T, TC, FROM_F32, TO_F32)                                                 \
-    int paged_attention_##NAME(const T *q, int q_stride, const T *k, int k_stride, const T *v, int v_stride, \
-                            TC *k_cache, TC *v_cache, const int64_t *slot_mapping, int num_tokens,     \
-                            const int32_t *block_tables, const int32_t *seq_lens,                      \
-                            const int32_t *query_start_loc, T *out, int num_seqs, int num_heads,       \
-                            int num_kv_heads, int D, int bs, int max_blocks, float scale, int window,  \
-                            float softcap, int num_threads, int isa, int kvq, const float *sinks) {    \
+    void paged_attention_team_##NAME(ATTENTION_PARAMS(T, TC), const int *tile_start, int max_len,      \
+                                     float *thread_ws, float *part_ws) {                               \
         const int G = num_heads / num_kv_heads;                                                        \
-        if (D > MAX_HEAD_DIM || G * QT > MAX_ROWS || (kvq == 1 && D % 32)) return -1;                  \
         const int row = kvq ? kvq_row_bytes(D, kvq) : D; /* cache elements per row of a head */       \
         /* the SIMD chunk step: AVX512-BF16 for bfloat16, AVX2 for float32 and (through float rows) quantized */ \
         const int bf16_ok = (D == 64 || D == 128) && cpu_has_avx512bf16();                             \
@@ -817,7 +867,7 @@ static inline float sink_inverse(const float *sinks, int head, float m, float l)
                         : sizeof(TC) == 1 && bf16_ok ? AVX_BF16                                        \
                         : (D == 64 || D == 128 || D == 256) && cpu_has_avx2f();                        \
         /* 1. the new tokens' K/V into their slots (every read below may need them) */                 \
-        _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
+        _Pragma("omp for schedule(static)")                                                                          \
         for (int i = 0; i < num_tokens; i++) {                                                         \
             const int64_t blk = slot_mapping[i] / bs, off = slot_mapping[i] % bs;                      \
             for (int h = 0; h < num_kv_heads; h++) {                                                   \
@@ -826,34 +876,12 @@ static inline float sink_inverse(const float *sinks, int head, float m, float l)
                 store_row_##NAME(v_cache + dst, v + (size_t)i * v_stride + (size_t)h * D, D, kvq);     \
             }                                                                                          \
         }                                                                                              \
-        /* 2. tasks (sequence, kv head, query tile), numbered through a prefix sum of tiles */         \
-        int *tile_start = malloc(sizeof(int) * (num_seqs + 1));                                        \
-        int max_len = 0;                                                                               \
-        tile_start[0] = 0;                                                                             \
-        for (int s = 0; s < num_seqs; s++) {                                                           \
-            const int nq = query_start_loc[s + 1] - query_start_loc[s];                                \
-            tile_start[s + 1] = tile_start[s] + (nq + QT - 1) / QT;                                    \
-            max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;                                   \
-        }                                                                                              \
+        /* 2. tasks (sequence, kv head, query tile) */                                                 \
         const int num_tasks = tile_start[num_seqs] * num_kv_heads;                                     \
-        /* split keys when tasks are too few to keep every thread busy */                              \
-        int parts = 1;                                                                                 \
-        if (num_tasks < 4 * num_threads) {                                                             \
-            parts = (4 * num_threads + num_tasks - 1) / num_tasks;                                     \
-            const int span = window && window + QT < max_len ? window + QT : max_len; /* keys a task reads */ \
-            const int most = (span + MIN_PART - 1) / MIN_PART;                                         \
-            parts = parts < most ? parts : most;                                                       \
-            /* whole rounds of units: 3 tasks x 3 parts on 2 threads left one thread a unit alone */      \
-            while ((num_tasks * parts) % num_threads && parts < most) parts++;                         \
-        }                                                                                              \
+        const int parts = attention_parts(num_tasks, max_len, window, num_threads);                    \
         const size_t row_floats = (size_t)MAX_ROWS * D;                                                \
-        /* per thread: acc, qf, a key and a value chunk; per unit when split: acc, m, l */             \
-        /* acc, qf, bfloat16 queries, K/V chunk, lv */                                                 \
         const size_t ws_floats = 3 * row_floats + 2 * CHUNK * D + 16 * MAX_ROWS;                      \
-        float *thread_ws = kernel_scratch(0, sizeof(float) * (size_t)num_threads * ws_floats);        \
-        float *part_ws = parts > 1 ? kernel_scratch(1, sizeof(float) * (size_t)num_tasks * parts * (row_floats + 2 * MAX_ROWS)) \
-                                   : NULL;                                                             \
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                      \
+        _Pragma("omp for schedule(dynamic, 1)")                                                                       \
         for (int unit = num_tasks * parts - 1; unit >= 0; unit--) { /* late tiles (long) first */      \
             const int task = unit / parts, part = unit % parts;                                        \
             const int h = task % num_kv_heads;                                                         \
@@ -902,8 +930,7 @@ static inline float sink_inverse(const float *sinks, int head, float m, float l)
             }                                                                                          \
         }                                                                                              \
         if (parts > 1) { /* 3. merge each task's partitions by their log-sum-exp */                    \
-            /* a few tasks' merges (batch 1) cost less than waking the threads */                      \
-            _Pragma("omp parallel for num_threads(num_threads) if (num_tasks > 8)")                    \
+            _Pragma("omp for schedule(static)")                                                           \
             for (int task = 0; task < num_tasks; task++) {                                             \
                 const int h = task % num_kv_heads;                                                     \
                 const Tile ti = tile_of(task / num_kv_heads, tile_start, query_start_loc);             \
@@ -929,6 +956,24 @@ static inline float sink_inverse(const float *sinks, int head, float m, float l)
                 }                                                                                      \
             }                                                                                          \
         }                                                                                              \
+    }                                                                                                  \
+                                                                                                       \
+    int paged_attention_##NAME(ATTENTION_PARAMS(T, TC)) {                                              \
+        size_t thread_floats, part_floats;                                                             \
+        int *tile_start = malloc(sizeof(int) * (num_seqs + 1));                                        \
+        const int max_len = attention_tiles(num_seqs, query_start_loc, seq_lens, tile_start);          \
+        if (attention_workspace(tile_start[num_seqs], max_len, num_heads, num_kv_heads, D, window, kvq, \
+                                num_threads, &thread_floats, &part_floats)) {                          \
+            free(tile_start);                                                                          \
+            return -1;                                                                                 \
+        }                                                                                              \
+        float *thread_ws = kernel_scratch(0, sizeof(float) * (size_t)num_threads * thread_floats);     \
+        float *part_ws = part_floats ? kernel_scratch(1, sizeof(float) * part_floats) : NULL;          \
+        _Pragma("omp parallel num_threads(num_threads)")                                               \
+        paged_attention_team_##NAME(q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping, \
+                                    num_tokens, block_tables, seq_lens, query_start_loc, out, num_seqs,   \
+                                    num_heads, num_kv_heads, D, bs, max_blocks, scale, window, softcap,   \
+                                    num_threads, isa, kvq, sinks, tile_start, max_len, thread_ws, part_ws); \
         free(tile_start);                                                                              \
         return 0;                                                                                      \
     }
