@@ -320,7 +320,7 @@ static long layer_team_bytes(const LayerDesc *L, int M) {
     return most;
 }
 
-/* layer_linear by the calling team (acts: the activations' shared buffer) */
+/* layer_linear by the calling team (acts: the activations' shared buffer); returns on every thread once y is whole */
 static void linear_team(const LayerLinear *w, const void *x, int x_bf16, int K, void *y, int y_bf16, int M,
                         void *acts) {
     const int N = out_rows(w);
@@ -328,8 +328,12 @@ static void linear_team(const LayerLinear *w, const void *x, int x_bf16, int K, 
         const uint8_t *data;
         const int k = segment_kernel(w, s, M, &data);
         void *ys = y_bf16 ? (void *)((bf16 *)y + at) : (void *)((float *)y + at);
+        if (s) { /* the last segment's reads of acts done */
+            _Pragma("omp barrier")
+        }
         gguf_r16_linear_team(x, x_bf16, K, data, w->type[s], ys, y_bf16, N, M, w->rows[s], K, k == 3, acts);
     }
+    _Pragma("omp barrier")
     if (!w->bias) return;
     _Pragma("omp for schedule(static)")
     for (int m = 0; m < M; m++)

@@ -996,10 +996,11 @@ size_t gguf_r16_acts_bytes(int type, int M, int K, int int8) {
 }
 
 /* y = x W^T on R16 weights by the calling thread's team: inside a parallel region, every thread of the team calls it
- * with the same arguments (`ws` shared: gguf_r16_acts_bytes, untouched by any other thread until every one has
- * returned); it returns on every thread once y is whole. The arithmetic and the split of the work are gguf_r16_linear's
- * (_i8's with int8), which runs it on a team of its own. The caller has checked what r16_linear checks (the type has
- * an R16 layout, the CPU AVX512-VNNI and BF16, AMX not taking M rows). */
+ * with the same arguments (`ws` shared: gguf_r16_acts_bytes). It returns once the calling thread's share is done,
+ * without waiting for the others: y is whole, and ws free for the next product, after the team's next barrier. The
+ * arithmetic and the split of the work (groups of 16 rows shared out statically) are gguf_r16_linear's (_i8's with
+ * int8), which runs it on a team of its own. The caller has checked what r16_linear checks (the type has an R16
+ * layout, the CPU AVX512-VNNI and BF16, AMX not taking M rows). */
 void gguf_r16_linear_team(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
                           int y_stride, int M, int N, int K, int int8, void *ws) {
 #if defined(__x86_64__)
@@ -1027,7 +1028,6 @@ void gguf_r16_linear_team(const void *x, int x_bf16, int x_stride, const uint8_t
             }
         }
     }
-    _Pragma("omp barrier")
 #else
     (void)x, (void)x_bf16, (void)x_stride, (void)w, (void)type, (void)y, (void)y_bf16, (void)y_stride, (void)M;
     (void)N, (void)K, (void)int8, (void)ws;
