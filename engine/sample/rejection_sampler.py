@@ -8,6 +8,7 @@ import torch
 from engine.outputs import Logprob
 from engine.sample.bitmask import apply_token_bitmask
 from engine.sample.sampler import Sampler, _needs_processing
+from models.kernels import ops
 
 
 class WithDrafts:
@@ -66,7 +67,7 @@ class RejectionSampler(Sampler):
         Returns each request's new tokens (accepted drafts + one more) and their Logprob|None (from the
         raw logits, as `Sampler`)."""
         if grammar_bitmask is None and all(_plain_greedy(r) for r in requests):  # the common decode: one argmax a row
-            return [[t] for t in logits.argmax(dim=-1).tolist()], [[None] for _ in requests]
+            return [[t] for t in ops.argmax(logits).tolist()], [[None] for _ in requests]
         views = [WithDrafts(r, r.spec_token_ids[:j]) for r in requests for j in range(len(r.spec_token_ids) + 1)]
         if grammar_bitmask is not None:
             first_row = np.cumsum([0] + [len(r.spec_token_ids) + 1 for r in requests])
@@ -74,7 +75,7 @@ class RejectionSampler(Sampler):
         want = any(r.params.logprobs is not None for r in requests)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
         logits = self._process(logits, views)
-        greedy = logits.argmax(dim=-1).tolist()
+        greedy = ops.argmax(logits).tolist()
         random_rows = [i for i, v in enumerate(views) if not v.params.greedy]
         probs = {}
         if random_rows:

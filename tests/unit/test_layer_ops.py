@@ -168,6 +168,24 @@ def test_top_indices_are_topks(n, v):
         assert out.shape == want.shape and torch.equal(out.sort(-1).values, want)
 
 
+@pytest.mark.parametrize("n, v", [(64, 49152), (1, 49152), (3, 130), (2, 64), (2, 65), (4, 1)])
+def test_argmax_is_torchs(n, v):
+    """The C argmax (greedy sampling's) is torch.argmax's, the first of equal maxima included: random rows, a
+    maximum repeated in two spans of 64 and within one, a row of equal values, a maximum at the last index."""
+    torch.manual_seed(v)
+    x = torch.randn(n, v)
+    if v > 70:
+        x[0, [5, 64, 69]] = 50.0  # ties within a span and across spans
+        x[-1, -1] = 60.0
+    if n > 2:
+        x[1] = 3.0
+    lib = cpu_kernels.load()
+    out = torch.empty(n, dtype=torch.int64)
+    lib.argmax_float(x.data_ptr(), n, v, out.data_ptr(), 2)
+    assert torch.equal(out, x.argmax(dim=-1))
+    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+
+
 def test_bf16_logits_refine_the_top_candidates():
     """A bfloat16 LM head's top logits are float32-exact (the greedy choice is the float32 one); the
     others keep the GEMM's bfloat16 rounding."""
