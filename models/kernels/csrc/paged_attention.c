@@ -815,7 +815,7 @@ int attention_tiles(int num_seqs, const int32_t *query_start_loc, const int32_t 
 /* Partitions of each task's keys: 1, or more when the tasks are too few to keep every thread busy */
 static int attention_parts(int num_tasks, int max_len, int window, int num_threads) {
     int parts = 1;
-    if (num_tasks < 4 * num_threads) {
+    if (num_tasks > 0 && num_tasks < 4 * num_threads) {
         parts = (4 * num_threads + num_tasks - 1) / num_tasks;
         const int span = window && window + QT < max_len ? window + QT : max_len; /* keys a task reads */
         const int most = (span + MIN_PART - 1) / MIN_PART;
@@ -834,7 +834,7 @@ int attention_workspace(int num_tiles, int max_len, int num_heads, int num_kv_he
                         int num_threads, size_t *thread_floats, size_t *part_floats) {
     if (D > MAX_HEAD_DIM || num_heads / num_kv_heads * QT > MAX_ROWS || (kvq == 1 && D % 32)) return -1;
     const size_t row_floats = (size_t)MAX_ROWS * D, num_tasks = (size_t)num_tiles * num_kv_heads;
-    const int parts = num_tasks ? attention_parts((int)num_tasks, max_len, window, num_threads) : 1;
+    const int parts = attention_parts((int)num_tasks, max_len, window, num_threads);
     /* per thread: acc, qf, bfloat16 queries, a K/V chunk, lv; per unit when split: acc, m, l */
     *thread_floats = 3 * row_floats + 2 * CHUNK * D + 16 * MAX_ROWS;
     *part_floats = parts > 1 ? num_tasks * parts * (row_floats + 2 * MAX_ROWS) : 0;
