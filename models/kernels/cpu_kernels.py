@@ -81,7 +81,6 @@ SIGNATURES = {
     "decoder_layer_float": [_p, _p, _p, _p, _i] + [_p] * 8 + [_i] * 4,
     "decoder_layers_float": [_p, _i, _p, _p, _p, _i] + [_p] * 8 + [_i] * 4,
     "top_k_float": [_p, _i, _i, _i, _p, _i],
-    "argmax_float": [_p, _i, _i, _p, _i],
     "delta_layer_float": [_p, _p, _p, _p, _i, _p, _l, _p, _i],
     "moe_route_float": [_p, _i, _i, _p, _p, _i, _i, _i, _p, _p, _i],
     "gated_delta_net_decode": [_p, _l, _p, _i] + [_p] * 5 + [_i] + [_p] * 3 + [_f] + [_i] * 5 + [_p, _i],

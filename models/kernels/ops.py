@@ -297,15 +297,15 @@ TOP_SPAN = 64  # logits per span in top_indices' first pass
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax of x [N, V]: int64 [N], the first of equal maxima, as torch.argmax(x, dim=-1) gives it. A
-    contiguous float32 x on the CPU takes the C kernel (layer_ops.c argmax_float: the maximum in a vector pass, then
-    its first index; torch's took 0.86 ms over a batch-64 step's logits, a fiftieth of the step), other tensors
-    torch's. A row holding a NaN gets one of its indices (torch's argmax: the NaN's)."""
+    contiguous float32 x on the CPU takes the C top-k kernel with k = 1 (layer_ops.c top_k_float: of equal values the
+    first seen; torch's argmax took 0.86 ms over a batch-64 step's logits, a fiftieth of the step, this 0.1), other
+    tensors torch's. A row holding a NaN gets one of its indices (torch's argmax: the NaN's)."""
     lib = _lib(x)
     if lib is None or x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 or not x.shape[1]:
         return x.argmax(dim=-1)
-    out = torch.empty(x.shape[0], dtype=torch.int64)
-    lib.argmax_float(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
-    return out
+    out = torch.empty(x.shape[0], 1, dtype=torch.int64)
+    lib.top_k_float(x.data_ptr(), x.shape[0], x.shape[1], 1, out.data_ptr(), torch.get_num_threads())
+    return out[:, 0]
 
 
 def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:

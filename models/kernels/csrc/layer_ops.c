@@ -120,28 +120,6 @@ static inline float sigmoid(float a) { return 1.f / (1.f + expf(fminf(-a, 88.f))
 SIGMOID_GATE(float, f32_id, f32_id)
 SIGMOID_GATE(bf16, bf16_to_f32, f32_to_bf16)
 
-/* out [n] (int64) = the column index of each row's largest value of x [n, v] float32, the first of equal ones
- * (torch.argmax's choice): each span of 64 values' maximum in vector passes, then the first span holding the row's
- * maximum scanned for it (a row with a NaN gets one of its indices; -ffast-math). Rows over threads from 2 rows.
- * torch's argmax took 0.86 ms over the 64 rows of a batch-64 step's logits on a 2-core Zen 5 EPYC (2% of the step). */
-void argmax_float(const float *x, int n, int v, int64_t *out, int num_threads) {
-    _Pragma("omp parallel for num_threads(num_threads) if (n > 1)")
-    for (int r = 0; r < n; r++) {
-        const float *row = x + (size_t)r * v;
-        float mx = row[0], span_max = row[0];
-        int span = 0; /* the first span whose maximum is mx */
-        for (int s = 0; s < v; s += 64) {
-            const int e = s + 64 < v ? s + 64 : v;
-            span_max = row[s];
-            for (int i = s + 1; i < e; i++) span_max = row[i] > span_max ? row[i] : span_max;
-            if (span_max > mx || s == 0) mx = span_max, span = s;
-        }
-        int at = span;
-        while (at < v - 1 && row[at] != mx) at++;
-        out[r] = at;
-    }
-}
-
 /* out [n, k] (int64) = the column indices of each row's k largest values of x [n, v] float32 (k <= 64, in no set
  * order; of equal values the first ones seen). One pass per row: a span of 64 values whose maximum is not above
  * the k-th largest so far is skipped (past the first few spans most are), the others' larger values go into the
