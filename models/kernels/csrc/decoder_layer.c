@@ -159,32 +159,72 @@ static int out_rows(const LayerLinear *w) {
     return n;
 }
 
-/* y [M, out_rows(w)] = x [M, K] W^T (+ b), x and y float32 or (x_bf16, y_bf16) bfloat16; a bias is in y's dtype and
- * added to the rounded product, as torch adds a bfloat16 bias (in float32, rounded once more) */
+/* the kernel and the bytes a segment of w runs on for M rows: its R16 copy's from copy_rows rows where it has one */
+static int segment_kernel(const LayerLinear *w, int s, int M, const uint8_t **data) {
+    const int copy = w->copy[s] && M >= w->copy_rows;
+    *data = copy ? w->copy[s] : w->data[s];
+    return copy ? w->copy_kernel : w->kernel[s];
+}
+
+/* row m of y [M, N] += w's bias, in y's dtype: added to the rounded product, as torch adds a bfloat16 bias (in
+ * float32, rounded once more) */
+static void add_bias(const LayerLinear *w, void *y, int y_bf16, int N, int m) {
+    for (int j = 0; j < N; j++) {
+        if (y_bf16) {
+            bf16 *yj = (bf16 *)y + (size_t)m * N + j;
+            *yj = f32_to_bf16(bf16_to_f32(*yj) + bf16_to_f32(((const bf16 *)w->bias)[j]));
+        } else {
+            ((float *)y)[(size_t)m * N + j] += ((const float *)w->bias)[j];
+        }
+    }
+}
+
+/* y [M, out_rows(w)] = x [M, K] W^T (+ b, add_bias), x and y float32 or (x_bf16, y_bf16) bfloat16 */
 static int layer_linear(const LayerLinear *w, const void *x, int x_bf16, int K, void *y, int y_bf16, int M, int nt) {
     const int N = out_rows(w);
     for (int s = 0, at = 0; s < w->n; at += w->rows[s], s++) {
-        const int copy = w->copy[s] && M >= w->copy_rows, k = copy ? w->copy_kernel : w->kernel[s];
+        const uint8_t *data;
+        const int k = segment_kernel(w, s, M, &data);
         int (*const kernel)(const void *, int, int, const uint8_t *, int, void *, int, int, int, int, int, int) =
             k == 3   ? gguf_r16_linear_i8
             : k == 2 ? gguf_r16_linear
             : k == 1 ? gguf_q8_linear
                      : gguf_linear;
         void *ys = y_bf16 ? (void *)((bf16 *)y + at) : (void *)((float *)y + at);
-        const int rc = kernel(x, x_bf16, K, copy ? w->copy[s] : w->data[s], w->type[s], ys, y_bf16, N, M, w->rows[s],
-                              K, nt);
+        const int rc = kernel(x, x_bf16, K, data, w->type[s], ys, y_bf16, N, M, w->rows[s], K, nt);
         if (rc != 0) return rc;
     }
-    if (w->bias && y_bf16)
-        for (int m = 0; m < M; m++)
-            for (int j = 0; j < N; j++) {
-                bf16 *yj = (bf16 *)y + (size_t)m * N + j;
-                *yj = f32_to_bf16(bf16_to_f32(*yj) + bf16_to_f32(((const bf16 *)w->bias)[j]));
-            }
-    else if (w->bias)
-        for (int m = 0; m < M; m++)
-            for (int j = 0; j < N; j++) ((float *)y)[(size_t)m * N + j] += ((const float *)w->bias)[j];
+    if (w->bias)
+        for (int m = 0; m < M; m++) add_bias(w, y, y_bf16, N, m);
     return 0;
+}
+
+/* A layer's activations in one workspace of layer_ws_bytes: h [M, hidden], qkv [M, q | k | v (| gate)], attn [M,
+ * heads * head_dim], o [M, hidden], gu [M, 2 inter], act [M, inter], and a mixture of experts' top-k weights and ids
+ * [M, top_k] */
+typedef struct {
+    float *h, *qkv, *attn, *o, *gu, *act, *topw;
+    int64_t *ids;
+} LayerBuffers;
+
+static size_t layer_floats(const LayerDesc *L, int M) { /* an even count: the int64 ids after them stay aligned */
+    const int nq = L->num_heads * L->head_dim, nkv = L->num_kv_heads * L->head_dim;
+    const size_t qkv_n = nq + 2 * nkv + (L->output_gate ? nq : 0);
+    return ((size_t)M * (2 * L->hidden + qkv_n + nq + 3 * L->inter + L->top_k) + 1) & ~(size_t)1;
+}
+
+static size_t layer_ws_bytes(const LayerDesc *L, int M) {
+    return sizeof(float) * layer_floats(L, M) + sizeof(int64_t) * (size_t)M * L->top_k;
+}
+
+static LayerBuffers layer_buffers(const LayerDesc *L, int M, float *ws) {
+    const int nq = L->num_heads * L->head_dim, nkv = L->num_kv_heads * L->head_dim;
+    const size_t qkv_n = nq + 2 * nkv + (L->output_gate ? nq : 0);
+    LayerBuffers b = {.h = ws};
+    b.qkv = b.h + (size_t)M * L->hidden, b.attn = b.qkv + (size_t)M * qkv_n, b.o = b.attn + (size_t)M * nq;
+    b.gu = b.o + (size_t)M * L->hidden, b.act = b.gu + (size_t)M * 2 * L->inter, b.topw = b.act + (size_t)M * L->inter;
+    b.ids = (int64_t *)(ws + layer_floats(L, M));
+    return b;
 }
 
 /* x_out [M, hidden] = (SiLU(h Wg^T) * (h Wu^T)) Wd^T, the layers' SwiGLU MLP, through gu [M, 2 inter] and act
@@ -238,11 +278,9 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
     const int H = L->hidden, D = L->head_dim, nq = L->num_heads * D, nkv = L->num_kv_heads * D;
     const int qkv_n = nq + 2 * nkv + (L->output_gate ? nq : 0), heads = L->num_heads + L->num_kv_heads;
     const int rot = L->rotary_dim ? L->rotary_dim : D;
-    const size_t floats = ((size_t)M * (H + qkv_n + nq + H + 2 * L->inter + L->inter + L->top_k) + 1) & ~(size_t)1;
-    float *ws = kernel_scratch(2, sizeof(float) * floats + sizeof(int64_t) * (size_t)M * L->top_k);
-    float *h = ws, *qkv = h + (size_t)M * H, *attn = qkv + (size_t)M * qkv_n, *o = attn + (size_t)M * nq;
-    float *gu = o + (size_t)M * H, *act = gu + (size_t)M * 2 * L->inter, *topw = act + (size_t)M * L->inter;
-    int64_t *ids = (int64_t *)(ws + floats); /* malloc's alignment, an even count of floats after it */
+    const LayerBuffers lb = layer_buffers(L, M, kernel_scratch(2, layer_ws_bytes(L, M)));
+    float *h = lb.h, *qkv = lb.qkv, *attn = lb.attn, *o = lb.o, *gu = lb.gu, *act = lb.act, *topw = lb.topw;
+    int64_t *ids = lb.ids;
     int rc;
     add_rms_norm_float(residual, x_in, L->input_norm, h, M, H, L->eps, nt);
     if ((rc = layer_linear(&L->qkv, h, 0, H, qkv, L->attn_bf16, M, nt))) return rc;
@@ -284,13 +322,6 @@ int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, 
  * layers run in one region: each thread walks the whole stack, sharing out each kernel's work with the others and
  * meeting them at its end. Other layers (a mixture of experts; a weight on gguf_linear or gguf_q8_linear; AMX
  * tiles taking the step's rows) run kernel by kernel. */
-
-/* the kernel and the bytes a segment of w runs on for M rows (layer_linear's choice) */
-static int segment_kernel(const LayerLinear *w, int s, int M, const uint8_t **data) {
-    const int copy = w->copy[s] && M >= w->copy_rows;
-    *data = copy ? w->copy[s] : w->data[s];
-    return copy ? w->copy_kernel : w->kernel[s];
-}
 
 /* the most bytes of activations a segment of w takes on the R16 kernels for M rows of K, or -1 where a segment is
  * on another kernel (or its type has no R16 layout) */
@@ -336,20 +367,12 @@ static void linear_team(const LayerLinear *w, const void *x, int x_bf16, int K, 
     _Pragma("omp barrier")
     if (!w->bias) return;
     _Pragma("omp for schedule(static)")
-    for (int m = 0; m < M; m++)
-        for (int j = 0; j < N; j++) {
-            if (y_bf16) {
-                bf16 *yj = (bf16 *)y + (size_t)m * N + j;
-                *yj = f32_to_bf16(bf16_to_f32(*yj) + bf16_to_f32(((const bf16 *)w->bias)[j]));
-            } else {
-                ((float *)y)[(size_t)m * N + j] += ((const float *)w->bias)[j];
-            }
-        }
+    for (int m = 0; m < M; m++) add_bias(w, y, y_bf16, N, m);
 }
 
 /* the shared buffers of a step's team */
 typedef struct {
-    float *ws;        /* the layer's activations: decoder_layer_float's h, qkv, attn, o, gu, act */
+    float *ws;        /* the layer's activations (layer_buffers) */
     void *acts;       /* a linear's quantized activations */
     int *tile_start;  /* attention_tiles' */
     int max_len;
@@ -365,8 +388,8 @@ static void decoder_layer_team(const LayerDesc *L, float *residual, const float 
     const int H = L->hidden, D = L->head_dim, nq = L->num_heads * D, nkv = L->num_kv_heads * D;
     const int qkv_n = nq + 2 * nkv + (L->output_gate ? nq : 0), heads = L->num_heads + L->num_kv_heads;
     const int rot = L->rotary_dim ? L->rotary_dim : D;
-    float *h = b->ws, *qkv = h + (size_t)M * H, *attn = qkv + (size_t)M * qkv_n, *o = attn + (size_t)M * nq;
-    float *gu = o + (size_t)M * H, *act = gu + (size_t)M * 2 * L->inter;
+    const LayerBuffers lb = layer_buffers(L, M, b->ws);
+    float *h = lb.h, *qkv = lb.qkv, *attn = lb.attn, *o = lb.o, *gu = lb.gu, *act = lb.act;
     add_rms_norm_float_team(residual, x_in, L->input_norm, h, M, H, L->eps, nt);
     linear_team(&L->qkv, h, 0, H, qkv, L->attn_bf16, M, b->acts);
     if (L->q_norm) {
@@ -408,7 +431,7 @@ static int decoder_layers_team(const LayerDesc *const *L, int n, float *residual
     if (!gguf_r16_isa() || gguf_amx_takes(M)) return 1;
     TeamBuffers b = {.tile_start = malloc(sizeof(int) * (num_seqs + 1))};
     b.max_len = attention_tiles(num_seqs, query_start_loc, seq_lens, b.tile_start);
-    size_t ws_floats = 0, acts = 0, thread_floats = 0, part_floats = 0;
+    size_t ws_bytes = 0, acts = 0, thread_floats = 0, part_floats = 0;
     for (int i = 0; i < n; i++) {
         const LayerDesc *l = L[i];
         const long a = layer_team_bytes(l, M);
@@ -418,14 +441,13 @@ static int decoder_layers_team(const LayerDesc *const *L, int n, float *residual
             free(b.tile_start);
             return 1;
         }
-        const int nq = l->num_heads * l->head_dim, nkv = l->num_kv_heads * l->head_dim;
-        const size_t f = (size_t)M * (2 * l->hidden + nq + 2 * nkv + (l->output_gate ? nq : 0) + nq + 3 * l->inter);
-        ws_floats = f > ws_floats ? f : ws_floats;
+        const size_t f = layer_ws_bytes(l, M);
+        ws_bytes = f > ws_bytes ? f : ws_bytes;
         acts = (size_t)a > acts ? (size_t)a : acts;
         thread_floats = tf > thread_floats ? tf : thread_floats;
         part_floats = pf > part_floats ? pf : part_floats;
     }
-    b.ws = kernel_scratch(2, sizeof(float) * ws_floats);
+    b.ws = kernel_scratch(2, ws_bytes);
     b.acts = kernel_scratch(3, acts);
     b.thread_ws = kernel_scratch(0, sizeof(float) * (size_t)nt * thread_floats);
     b.part_ws = part_floats ? kernel_scratch(1, sizeof(float) * part_floats) : NULL;

@@ -826,6 +826,9 @@ static int attention_parts(int num_tasks, int max_len, int window, int num_threa
     return parts;
 }
 
+/* Floats of a thread's workspace for head_dim D: acc, qf, bfloat16 queries (rows of MAX_ROWS * D), a K/V chunk, lv */
+static size_t attention_thread_floats(int D) { return 3 * (size_t)MAX_ROWS * D + 2 * CHUNK * D + 16 * MAX_ROWS; }
+
 /* The workspaces paged_attention_team_NAME takes, in floats: *thread_floats for each thread (num_threads of them in
  * one buffer), *part_floats for the partitions' results (0 where no task's keys are split), for a step of num_tiles
  * tiles whose longest sequence has max_len tokens. Returns -1 where the kernel refuses the shape: head_dim past
@@ -835,8 +838,8 @@ int attention_workspace(int num_tiles, int max_len, int num_heads, int num_kv_he
     if (D > MAX_HEAD_DIM || num_heads / num_kv_heads * QT > MAX_ROWS || (kvq == 1 && D % 32)) return -1;
     const size_t row_floats = (size_t)MAX_ROWS * D, num_tasks = (size_t)num_tiles * num_kv_heads;
     const int parts = attention_parts((int)num_tasks, max_len, window, num_threads);
-    /* per thread: acc, qf, bfloat16 queries, a K/V chunk, lv; per unit when split: acc, m, l */
-    *thread_floats = 3 * row_floats + 2 * CHUNK * D + 16 * MAX_ROWS;
+    /* per unit when split: acc, m, l */
+    *thread_floats = attention_thread_floats(D);
     *part_floats = parts > 1 ? num_tasks * parts * (row_floats + 2 * MAX_ROWS) : 0;
     return 0;
 }
@@ -880,7 +883,7 @@ int attention_workspace(int num_tiles, int max_len, int num_heads, int num_kv_he
         const int num_tasks = tile_start[num_seqs] * num_kv_heads;                                     \
         const int parts = attention_parts(num_tasks, max_len, window, num_threads);                    \
         const size_t row_floats = (size_t)MAX_ROWS * D;                                                \
-        const size_t ws_floats = 3 * row_floats + 2 * CHUNK * D + 16 * MAX_ROWS;                      \
+        const size_t ws_floats = attention_thread_floats(D);                                           \
         _Pragma("omp for schedule(dynamic, 1)")                                                                       \
         for (int unit = num_tasks * parts - 1; unit >= 0; unit--) { /* late tiles (long) first */      \
             const int task = unit / parts, part = unit % parts;                                        \
