@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import sys
 
 import pytest
 import torch
@@ -106,11 +107,11 @@ def _assert_fused_equals_plain(
 )
 def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel, kv_cache_dtype, monkeypatch):
     """Greedy tokens and their logprobs, bit for bit, over decode steps of 1 and 8 rows and prompts of 6 to 400
-    tokens (fused prefill steps up to the layer's max_rows), while the fused path really ran: it calls the same
-    kernels in the same order. With the exact float kernels (the suite's setting), with the default (weights
-    repacked for the AVX512-VNNI kernel on int8 activations where the CPU has it, else the AVX2 int8 kernel: up to
-    64 rows), with the VNNI kernel's int16 activations, with the AVX2 int8 kernel on the file's blocks forced, and
-    over an fp8 KV cache."""
+    tokens (fused prefill steps up to the layer's max_rows: any with the quantized kernels), while the fused path
+    really ran: it calls the same kernels in the same order. With the exact float kernels (the suite's setting),
+    with the default (weights repacked for the AVX512-VNNI kernel on int8 activations where the CPU has it, else
+    the AVX2 int8 kernel), with the VNNI kernel's int16 activations, with the AVX2 int8 kernel on the file's blocks
+    forced, and over an fp8 KV cache."""
     quantized = activations in ("int8", "int16")
     if quantized and not cpu_kernels.load().gguf_q8_isa():
         pytest.skip("the CPU has no AVX2")
@@ -122,7 +123,7 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel
         _assert_fused_equals_plain(llm, prompts, monkeypatch)
         layers = llm.engine.engine_core.executor.runner.model.layers
         assert all(isinstance(layer.fused, FusedDecoderLayer) for layer in layers)
-        assert {layer.fused.max_rows for layer in layers} == {64 if quantized else 8}
+        assert {layer.fused.max_rows for layer in layers} == {sys.maxsize if quantized else 8}
         kinds = {layer.fused.desc.qkv.kernel[0] for layer in layers}
         if r16:
             want = KERNEL_R16_INT8 if activations == "int8" else KERNEL_R16
