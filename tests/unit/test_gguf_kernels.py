@@ -141,7 +141,8 @@ def rounded_int8(x: torch.Tensor, group: int) -> np.ndarray:
     M = x.shape[0]
     xb = x.float().numpy().reshape(M, -1, group)  # in float32, as the kernel (ties matter)
     amax = np.abs(xb).max(-1, keepdims=True)
-    codes = np.rint(xb * (np.float32(127) / amax)).astype(np.float64)
+    scale = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
+    codes = np.rint(xb * scale).astype(np.float64)
     return (codes * (amax / np.float32(127)).astype(np.float64)).reshape(M, -1)
 
 
@@ -149,16 +150,19 @@ def rounded_int8(x: torch.Tensor, group: int) -> np.ndarray:
 @pytest.mark.parametrize("qtype", R16_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("M", [1, 3, 8, 9, 17, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_r16_int8_activations(qtype, M, dtype):
+@pytest.mark.parametrize("blocks", [3, 33])
+def test_r16_int8_activations(qtype, M, dtype, blocks):
     """gguf_r16_linear_i8 (vpdpbusd) is the dequantized weights' product with the activations rounded to int8 per
     32 (llama.cpp's Q8_0 activations), or per 256 against the K-quants (its Q8_K), to float rounding: the offsets
     (mins, Q4_0's -8, Q8_0's -128, Q6_K's -32) meet the rounded activations' sums. Row counts past its 8-row pass
-    and a strided output included."""
-    rows, cols = shape(qtype)
+    and a strided output included; 33 blocks take the 512-value spans of the rounding (prepare_span8) and a block
+    of zeros."""
+    rows, cols = 37, blocks * GGML_QUANT_SIZES[qtype][0]
     raw = random_blocks(qtype, rows, cols, seed=300 + M)
     w = reference(raw, qtype, cols).astype(np.float64)
     x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M)).to(dtype)
     x += torch.linspace(-1, 3, cols).to(dtype)  # a nonzero mean per block, so an exact-sum offset term shows
+    x[0, 32:64] = 0
     xq = rounded_int8(x, 256 if qtype in SUPER_BLOCK_TYPES else 32)
     y_ref = xq @ w.T
     r16 = ops.gguf_repack_r16(raw, qtype, cols)
