@@ -60,6 +60,7 @@
 #define IS_NEG_INF(x) ((x) <= 0.5f * NEG_INF)
 
 #include "bf16.h"
+#include "vexp.h" /* exp512 (softmax arguments <= 0, up to LAZY_MAX above it in the chunks) */
 
 /* Per-task state: rows r = j * G + g (tile position j, head g of the group). */
 typedef struct {
@@ -286,25 +287,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 kvq_row8(const uin
     return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8));
 }
 
-/* e^r for |r| <= ln 2 / 2: the degree-6 Taylor polynomial of the vector exps, in FMADD's width */
-#define EXP_TAYLOR6(FMADD, SET1, r)                                                                                \
-    FMADD(FMADD(FMADD(FMADD(FMADD(FMADD(SET1(1.f / 720), r, SET1(1.f / 120)), r, SET1(1.f / 24)), r, SET1(1.f / 6)), \
-                      r, SET1(0.5f)),                                                                            \
-                r, SET1(1.f)),                                                                                   \
-          r, SET1(1.f))
-
 #define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
-/* exp(x) for x <= 0 (softmax arguments; up to LAZY_MAX above 0 in the chunks), |relative error| < 2e-7: 2^n * e^r
- * with a degree-6 polynomial. */
-AVX512BF16 static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    const __m512 p = EXP_TAYLOR6(_mm512_fmadd_ps, _mm512_set1_ps, r);
-    return _mm512_scalef_ps(p, n);
-}
 
 /* In place: r[j] (16 x 32-bit each) becomes column j of the 16 x 16 matrix whose rows were r[0..15]. */
 AVX512BF16 static inline void transpose16(__m512i r[16]) {
