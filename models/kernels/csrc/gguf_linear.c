@@ -622,7 +622,7 @@ HFOLD(hsum, ADD_EPI32)
 
 /* prepare_row8's 16 blocks from column k0 (k0 + 512 <= K), their reductions folded together (HFOLD): the same
  * codes, scales and sums as one block at a time, bit for bit (the max and the integer sums exact in any order);
- * a third of the time */
+ * half the time */
 VNNI_BF16 static void prepare_span8(Acts *a, const void *x, int x_bf16, int x_stride, int m, int k0) {
     const int Kp = a->Kp;
     const bf16 *pb = (const bf16 *)x + (size_t)m * x_stride + k0;

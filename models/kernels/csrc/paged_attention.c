@@ -50,8 +50,10 @@
 #endif
 
 #define MAX_HEAD_DIM 512 /* Gemma 4's global layers */
-#define QT 8         /* query positions per task */
-#define MAX_ROWS 64  /* query rows per task: group size * QT positions, at most */
+/* QT: query positions per task (8: a 512-token prompt's attention 8% slower, each chunk's keys transposed and
+ * values interleaved for half as many rows) */
+#define QT 16
+#define MAX_ROWS 128 /* query rows per task: group size * QT positions, at most */
 #define CHUNK 16     /* keys per online-softmax step */
 #define MIN_PART 256 /* keys per partition when a task's keys are split */
 #define AVX_BF16 2   /* a quantized cache's chunks dequantized to bfloat16 for the AVX512-BF16 step (1: float, AVX2) */
