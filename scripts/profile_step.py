@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench_common import DEFAULT_WORKLOAD, load_jsonl  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.worker.host_memory import wait_for_prefault  # noqa: E402
 
 PARTS = ["schedule", "prepare", "attention", "forward", "lm_head", "sampling", "step"]
 
@@ -48,6 +49,7 @@ def main():
     args = ap.parse_args()
     reqs = load_jsonl(DEFAULT_WORKLOAD, args.num_requests, args.output_len)
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=2 << 30)
+    wait_for_prefault()  # until the KV cache is mapped, its prefault thread takes a core: steps ran 3x slower
     eng, runner = llm.engine, llm.engine.engine_core.executor.runner
     sched = eng.engine_core.scheduler
     llm.generate([r.prompt_token_ids for r in reqs[:2]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up

@@ -209,6 +209,36 @@ def test_q8_0_blocks_and_their_r16_copy_in_the_fused_layer(llm, prompts, tmp_pat
         assert "Q8_0 (R16 copy)" in qwen3.engine.engine_core.executor.runner.weight_bytes
 
 
+@pytest.mark.skipif(not cpu_kernels.load().gguf_r16_isa(), reason="the CPU has no AVX512-VNNI + BF16 (R16 copies)")
+def test_a_stack_runs_its_layers_with_a_one_region_form_together(llm, prompts, tmp_path, monkeypatch):
+    """A stack whose first layer has no one-region form (its Q8_0 weights on their blocks, the AVX2 int8 kernel, at
+    every row count: its R16 copies dropped) and whose second layer has one (R16 copies for steps of
+    R16_COPY_MIN_ROWS rows): decoder_layers_float runs the first kernel by kernel and the second in a region of its
+    own, reading the first one's output and its own cache, so greedy tokens and logprobs of 8-row decode steps equal
+    the op-by-op layers' bit for bit, on the tiny Qwen3's Q8_0 file llama.cpp's converter makes."""
+    from models.quantization import gguf as gguf_method
+    from models.quantization.gguf import quantized_weights
+    from scripts import llama_cpp
+    from scripts.make_tiny_model import save_tiny_model
+
+    if llama_cpp.converter() is None:
+        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
+    save_tiny_model("qwen3", tmp_path / "hf", llm.tokenizer)
+    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
+    monkeypatch.setattr(gguf_method, "R16_Q8_0_MAX_BYTES", 0)
+    with _gguf_settings(monkeypatch, MINIVLLM_GGUF_ACTIVATIONS="int8"):
+        qwen3 = make_llm(model=str(gguf), dtype="bfloat16")
+        layers = qwen3.engine.engine_core.executor.runner.model.layers
+        assert len(layers) == 2
+        for module in layers[0].modules():
+            for w in quantized_weights(module):
+                w.r16_copy = None
+        _assert_fused_equals_plain(qwen3, prompts, monkeypatch)
+        descs = [layer.fused.desc for layer in layers]
+        assert not any(d.qkv.copy[0] or d.o.copy[0] or d.gate_up.copy[0] or d.down.copy[0] for d in descs[:1])
+        assert all(d.qkv.copy[0] and d.o.copy[0] and d.gate_up.copy[0] and d.down.copy[0] for d in descs[1:])
+
+
 @pytest.mark.parametrize("dtype, kernel", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "avx2")])
 def test_qwen3_moe_fuses_its_experts(llm, prompts, dtype, kernel, tmp_path, monkeypatch):
     """Mixture-of-experts layers (the tiny Qwen3-MoE: 8 experts, 2 a token, renormalised; every layer sparse, as

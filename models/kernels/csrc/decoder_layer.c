@@ -22,7 +22,7 @@
  * cost more than the layer's arithmetic (issue 34, "one C call per decoder layer"). The arithmetic is the kernels',
  * so the result equals the op-by-op path's bit for bit; where every kernel of a layer has a team form, a step's
  * layers run in one OpenMP parallel region, the kernels sharing out their work among its threads
- * (decoder_layers_team below), else each kernel runs on a team of its own.
+ * (decoder_layers_float below), else each kernel runs on a team of its own.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -256,25 +256,17 @@ static void head_norms(const LayerDesc *L, void *qkv, int qkv_n, int M) {
         }
 }
 
-static int decoder_layers_team(const LayerDesc *const *L, int n, float *residual, const float *x_in, float *x_out,
-                               int M, const float *cos_t, const float *sin_t, void *const *k_caches,
-                               void *const *v_caches, const int64_t *slot_mapping, const int32_t *block_tables,
-                               const int32_t *seq_lens, const int32_t *query_start_loc, int num_seqs, int max_blocks,
-                               int isa, int nt);
-
 /* residual float32 [M, hidden], updated in place; x_in [M, hidden] (the previous layer's MLP output, or NULL);
  * x_out [M, hidden] (this layer's MLP output, not yet added); cos_t, sin_t float32 [M, head_dim / 2]; the cache
  * (float32, bfloat16 with L->attn_bf16, or the bytes of a quantized one when L->kvq) and metadata as
  * paged_attention_{float,bf16}[_q] take them.
- * Returns 0, or the failing kernel's status (nothing is half-written then but this layer's own K/V slots and
- * residual). */
-int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, float *x_out, int M,
-                        const float *cos_t, const float *sin_t, void *k_cache, void *v_cache,
-                        const int64_t *slot_mapping, const int32_t *block_tables, const int32_t *seq_lens,
-                        const int32_t *query_start_loc, int num_seqs, int max_blocks, int isa, int nt) {
-    if (!decoder_layers_team(&L, 1, residual, x_in, x_out, M, cos_t, sin_t, &k_cache, &v_cache, slot_mapping,
-                             block_tables, seq_lens, query_start_loc, num_seqs, max_blocks, isa, nt))
-        return 0;
+ * The layer kernel by kernel, each on a team of its own (decoder_layers_float below takes the one-region form where
+ * the layer has one). Returns 0, or the failing kernel's status (nothing is half-written then but this layer's own
+ * K/V slots and residual). */
+static int decoder_layer_ops(const LayerDesc *L, float *residual, const float *x_in, float *x_out, int M,
+                             const float *cos_t, const float *sin_t, void *k_cache, void *v_cache,
+                             const int64_t *slot_mapping, const int32_t *block_tables, const int32_t *seq_lens,
+                             const int32_t *query_start_loc, int num_seqs, int max_blocks, int isa, int nt) {
     const int H = L->hidden, D = L->head_dim, nq = L->num_heads * D, nkv = L->num_kv_heads * D;
     const int qkv_n = nq + 2 * nkv + (L->output_gate ? nq : 0), heads = L->num_heads + L->num_kv_heads;
     const int rot = L->rotary_dim ? L->rotary_dim : D;
@@ -379,7 +371,7 @@ typedef struct {
     float *thread_ws, *part_ws; /* the attention's */
 } TeamBuffers;
 
-/* decoder_layer_float's sequence by the calling team, with the same kernels' team forms */
+/* decoder_layer_ops' sequence by the calling team, with the same kernels' team forms */
 static void decoder_layer_team(const LayerDesc *L, float *residual, const float *x_in, float *x_out, int M,
                                const float *cos_t, const float *sin_t, void *k_cache, void *v_cache,
                                const int64_t *slot_mapping, const int32_t *block_tables, const int32_t *seq_lens,
@@ -421,63 +413,84 @@ static void decoder_layer_team(const LayerDesc *L, float *residual, const float 
     linear_team(&L->down, act, 0, L->inter, x_out, 0, M, b->acts);
 }
 
-/* decoder_layers_float's layers in one parallel region (decoder_layer_team), where every layer has a team form for M
- * rows; returns 1 (nothing done) where one has not, else 0 */
-static int decoder_layers_team(const LayerDesc *const *L, int n, float *residual, const float *x_in, float *x_out,
-                               int M, const float *cos_t, const float *sin_t, void *const *k_caches,
-                               void *const *v_caches, const int64_t *slot_mapping, const int32_t *block_tables,
-                               const int32_t *seq_lens, const int32_t *query_start_loc, int num_seqs, int max_blocks,
-                               int isa, int nt) {
-    if (!gguf_r16_isa() || gguf_amx_takes(M)) return 1;
-    TeamBuffers b = {.tile_start = malloc(sizeof(int) * (num_seqs + 1))};
-    b.max_len = attention_tiles(num_seqs, query_start_loc, seq_lens, b.tile_start);
-    size_t ws_bytes = 0, acts = 0, thread_floats = 0, part_floats = 0;
-    for (int i = 0; i < n; i++) {
-        const LayerDesc *l = L[i];
-        const long a = layer_team_bytes(l, M);
-        size_t tf, pf;
-        if (a < 0 || attention_workspace(b.tile_start[num_seqs], b.max_len, l->num_heads, l->num_kv_heads,
-                                         l->head_dim, l->window, l->kvq, nt, &tf, &pf)) {
-            free(b.tile_start);
-            return 1;
-        }
-        const size_t f = layer_ws_bytes(l, M);
-        ws_bytes = f > ws_bytes ? f : ws_bytes;
-        acts = (size_t)a > acts ? (size_t)a : acts;
-        thread_floats = tf > thread_floats ? tf : thread_floats;
-        part_floats = pf > part_floats ? pf : part_floats;
-    }
-    b.ws = kernel_scratch(2, ws_bytes);
-    b.acts = kernel_scratch(3, acts);
-    b.thread_ws = kernel_scratch(0, sizeof(float) * (size_t)nt * thread_floats);
-    b.part_ws = part_floats ? kernel_scratch(1, sizeof(float) * part_floats) : NULL;
-    _Pragma("omp parallel num_threads(nt)")
-    for (int i = 0; i < n; i++)
-        decoder_layer_team(L[i], residual, i ? x_out : x_in, x_out, M, cos_t, sin_t, k_caches[i], v_caches[i],
-                           slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs, max_blocks, isa, nt, &b);
-    free(b.tile_start);
-    return 0;
+/* the attention's tiles of a step (attention_tiles), shared by every layer of its one-region runs */
+typedef struct {
+    int *tile_start; /* NULL where no layer can run in one region for the step's rows */
+    int max_len;
+} StepTiles;
+
+/* whether layer l runs in one region for M rows: every linear on the R16 kernels and an attention workspace for the
+ * step's tiles; its buffers' sizes then raised to cover it (acts: a linear's activations; thread_floats,
+ * part_floats: the attention's) */
+static int layer_has_team(const LayerDesc *l, int M, const StepTiles *t, int num_seqs, int nt, size_t *ws_bytes,
+                          size_t *acts, size_t *thread_floats, size_t *part_floats) {
+    if (!t->tile_start) return 0;
+    const long a = layer_team_bytes(l, M);
+    size_t tf, pf;
+    if (a < 0 || attention_workspace(t->tile_start[num_seqs], t->max_len, l->num_heads, l->num_kv_heads, l->head_dim,
+                                     l->window, l->kvq, nt, &tf, &pf))
+        return 0;
+    const size_t f = layer_ws_bytes(l, M);
+    *ws_bytes = f > *ws_bytes ? f : *ws_bytes;
+    *acts = (size_t)a > *acts ? (size_t)a : *acts;
+    *thread_floats = tf > *thread_floats ? tf : *thread_floats;
+    *part_floats = pf > *part_floats ? pf : *part_floats;
+    return 1;
 }
 
 /* n consecutive layers L[0 .. n-1] of one step in one call (Python only per step): each layer's MLP output is the
- * next one's input, in x_out [M, hidden] (decoder_layer_float reads its x_in before it writes its x_out, so they
- * may be one buffer); x_in the first layer's input (NULL at the model's first layer); k_caches[i] and v_caches[i]
- * layer i's cache; the step's metadata shared by every layer (one KV cache group). Returns 0, or the first failing
- * layer's status. */
+ * next one's input, in x_out [M, hidden] (a layer reads its x_in before it writes its x_out, so they may be one
+ * buffer); x_in the first layer's input (NULL at the model's first layer); k_caches[i] and v_caches[i] layer i's
+ * cache; the step's metadata shared by every layer (one KV cache group). Each run of consecutive layers that have a
+ * one-region form for M rows (layer_has_team) runs in one parallel region (decoder_layer_team), each other layer
+ * kernel by kernel (decoder_layer_ops): a stack whose dense layers sit between layers with experts keeps its dense
+ * runs in one region, and each layer's verdict is taken once a step. Returns 0, or the first failing layer's status
+ * (the team forms cannot fail: their shapes were checked first). */
 int decoder_layers_float(const LayerDesc *const *L, int n, float *residual, const float *x_in, float *x_out, int M,
                          const float *cos_t, const float *sin_t, void *const *k_caches, void *const *v_caches,
                          const int64_t *slot_mapping, const int32_t *block_tables, const int32_t *seq_lens,
                          const int32_t *query_start_loc, int num_seqs, int max_blocks, int isa, int nt) {
-    if (!decoder_layers_team(L, n, residual, x_in, x_out, M, cos_t, sin_t, k_caches, v_caches, slot_mapping,
-                             block_tables, seq_lens, query_start_loc, num_seqs, max_blocks, isa, nt))
-        return 0;
-    for (int i = 0; i < n; i++) {
-        const int rc = decoder_layer_float(L[i], residual, i ? x_out : x_in, x_out, M, cos_t, sin_t, k_caches[i],
-                                           v_caches[i], slot_mapping, block_tables, seq_lens, query_start_loc,
-                                           num_seqs, max_blocks, isa, nt);
-        if (rc) return rc;
+    StepTiles t = {NULL, 0};
+    if (gguf_r16_isa() && !gguf_amx_takes(M)) {
+        t.tile_start = malloc(sizeof(int) * (num_seqs + 1));
+        t.max_len = attention_tiles(num_seqs, query_start_loc, seq_lens, t.tile_start);
     }
-    return 0;
+    int rc = 0;
+    for (int i = 0; i < n && !rc;) {
+        const float *in = i ? x_out : x_in;
+        size_t ws_bytes = 0, acts = 0, thread_floats = 0, part_floats = 0;
+        int j = i;
+        while (j < n && layer_has_team(L[j], M, &t, num_seqs, nt, &ws_bytes, &acts, &thread_floats, &part_floats)) j++;
+        if (j == i) {
+            rc = decoder_layer_ops(L[i], residual, in, x_out, M, cos_t, sin_t, k_caches[i], v_caches[i], slot_mapping,
+                                   block_tables, seq_lens, query_start_loc, num_seqs, max_blocks, isa, nt);
+            i++;
+            continue;
+        }
+        const TeamBuffers b = {.ws = kernel_scratch(2, ws_bytes),
+                               .acts = kernel_scratch(3, acts),
+                               .tile_start = t.tile_start,
+                               .max_len = t.max_len,
+                               .thread_ws = kernel_scratch(0, sizeof(float) * (size_t)nt * thread_floats),
+                               .part_ws = part_floats ? kernel_scratch(1, sizeof(float) * part_floats) : NULL};
+        _Pragma("omp parallel num_threads(nt)")
+        for (int l = i; l < j; l++)
+            decoder_layer_team(L[l], residual, l > i ? x_out : in, x_out, M, cos_t, sin_t, k_caches[l], v_caches[l],
+                               slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs, max_blocks, isa, nt,
+                               &b);
+        i = j;
+    }
+    free(t.tile_start);
+    return rc;
+}
+
+/* One layer: decoder_layers_float of n = 1 (x_in, x_out, the cache and the metadata as there) */
+int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, float *x_out, int M,
+                        const float *cos_t, const float *sin_t, void *k_cache, void *v_cache,
+                        const int64_t *slot_mapping, const int32_t *block_tables, const int32_t *seq_lens,
+                        const int32_t *query_start_loc, int num_seqs, int max_blocks, int isa, int nt) {
+    return decoder_layers_float(&L, 1, residual, x_in, x_out, M, cos_t, sin_t, &k_cache, &v_cache, slot_mapping,
+                                block_tables, seq_lens, query_start_loc, num_seqs, max_blocks, isa, nt);
 }
 
 /* ---- A Gated DeltaNet decoder layer (Qwen3.5's linear-attention layers) in one call, for a decode step ----
