@@ -323,54 +323,27 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
 #define SCORE_CHAINS 4
 #define LAZY_MAX 8.f /* natural-log units a score may pass a row's running max before it moves */
 
-/* AVX512-BF16 chunk step for head_dim D (64 or 128), RB query rows at a time. The chunk's keys are
- * transposed into bfloat16 pairs (kt[p] = pair p of all 16 keys), so one dot-product sweep over a query
- * row gives its 16 scores in one register (products exact, sums float32) with no horizontal sums; the
- * softmax runs on those registers; then P V is again dot products of bfloat16 pairs, weights of two
- * keys against their interleaved values, into RB rows x D float32 accumulators held in registers
- * (P in bfloat16 for P V, as FlashAttention does). */
-#define CHUNK_AVX512(D, RB)                                                                            \
-    AVX512BF16 static void chunk_avx512_##D##_##RB(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n) { \
-        enum { NV = D / 16, NP = D / 2 };                                                              \
-        __m512i kt[NP];                                                                                \
-        const __mmask16 live = (__mmask16)((1u << n) - 1);                                             \
-        for (int p0 = 0; p0 < NP; p0 += 16) {                                                          \
-            __m512i rows[16];                                                                          \
-            for (int t = 0; t < 16; t++)                                                               \
-                rows[t] = t < n ? _mm512_loadu_si512(kp + (size_t)t * D + 2 * p0) : _mm512_setzero_si512(); \
-            transpose16(rows);                                                                         \
-            for (int i = 0; i < 16; i++) kt[p0 + i] = rows[i];                                         \
-        }                                                                                              \
-        /* values of keys 2q, 2q + 1 interleaved: vv[q][v], v = 2c (+1) for the low (high) half of   \
-         * each 128-bit lane of the 32 dims c*32.. (see unpermute_acc) */                               \
-        __m512i vv[CHUNK / 2][NV];                                                                     \
-        for (int q = 0; q < (n + 1) / 2; q++)                                                          \
-            for (int c = 0; c < NV / 2; c++) {                                                         \
-                const __m512i a = _mm512_loadu_si512(vp + (size_t)(2 * q) * D + 32 * c);               \
-                const __m512i b = 2 * q + 1 < n ? _mm512_loadu_si512(vp + (size_t)(2 * q + 1) * D + 32 * c) \
-                                                : _mm512_setzero_si512();                              \
-                vv[q][2 * c] = _mm512_unpacklo_epi16(a, b);                                            \
-                vv[q][2 * c + 1] = _mm512_unpackhi_epi16(a, b);                                        \
-            }                                                                                          \
-        const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(pos0),                              \
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));                   \
-        const __m512 scale = _mm512_set1_ps(tk->scale), neg = _mm512_set1_ps(NEG_INF);                 \
-        for (int r0 = 0; r0 < tk->R; r0 += RB) {                                                       \
-            int row[RB]; /* rows past R repeat the last one; their results are dropped */              \
-            for (int j = 0; j < RB; j++) row[j] = r0 + j < tk->R ? r0 + j : tk->R - 1;                 \
-            __m512 s[RB], s2[SCORE_CHAINS][RB]; /* SCORE_CHAINS chains of dot products a row, joined after */            \
-            for (int j = 0; j < RB; j++)                                                               \
-                for (int c = 0; c < SCORE_CHAINS; c++) s2[c][j] = _mm512_setzero_ps();                        \
-            for (int p = 0; p < NP; p += SCORE_CHAINS)                                                        \
-                for (int c = 0; c < SCORE_CHAINS; c++)                                                        \
-                    for (int j = 0; j < RB; j++)                                                       \
-                        s2[c][j] = _mm512_dpbf16_ps(                                                   \
-                            s2[c][j], (__m512bh)_mm512_set1_epi32(((const int32_t *)tk->qb[row[j]])[p + c]), \
-                            (__m512bh)kt[p + c]);                                                      \
-            for (int j = 0; j < RB; j++) {                                                             \
-                s[j] = s2[0][j];                                                                       \
-                for (int c = 1; c < SCORE_CHAINS; c++) s[j] = _mm512_add_ps(s[j], s2[c][j]);                  \
-            }                                                                                          \
+/* Pairs p0 .. p0 + 15 of a chunk's n keys [n, D] as bfloat16 pairs of all 16 keys: kt[i] = pair p0 + i (dims 2(p0 +
+ * i), 2(p0 + i) + 1) of keys 0..15, zero past n */
+AVX512BF16 static inline void chunk_keys_t(const bf16 *kp, int D, int n, int p0, __m512i kt[16]) {
+    for (int t = 0; t < 16; t++) kt[t] = t < n ? _mm512_loadu_si512(kp + (size_t)t * D + 2 * p0) : _mm512_setzero_si512();
+    transpose16(kt);
+}
+
+/* The values of keys 2q, 2q + 1 of a chunk's n [n, D], dims 32c .. 32c + 31, interleaved for _mm512_dpbf16_ps: *lo
+ * the low half of each 128-bit lane (v = 2c of unpermute_acc's order), *hi the high half (v = 2c + 1) */
+AVX512BF16 static inline void chunk_values_pair(const bf16 *vp, int D, int n, int q, int c, __m512i *lo, __m512i *hi) {
+    const __m512i a = _mm512_loadu_si512(vp + (size_t)(2 * q) * D + 32 * c);
+    const __m512i b = 2 * q + 1 < n ? _mm512_loadu_si512(vp + (size_t)(2 * q + 1) * D + 32 * c) : _mm512_setzero_si512();
+    *lo = _mm512_unpacklo_epi16(a, b);
+    *hi = _mm512_unpackhi_epi16(a, b);
+}
+
+/* A chunk's online-softmax step for rows row[0 .. RB) (r0 the first; rows past R repeat the last one and are
+ * dropped) from their scores s[RB] (16 keys each): each row's weights e = exp(s - m) into pw as bfloat16 pairs, l
+ * (per lane, lv) and m updated, and the rows' accumulators acc[RB][NV] loaded, rescaled where a max moved. Inside
+ * CHUNK_AVX512 and CHUNK1_AVX512, whose locals it reads (tk, live, key_pos, scale, neg) and declares (pw, acc). */
+#define CHUNK_SOFTMAX(D, RB)                                                                           \
             /* each row's rescale exp(m_old - m_new), all RB rows in one vector exp after the loop (a scalar expf \
              * a row and chunk cost a prompt's attention ~20%) */                                        \
             float alpha[16] = {0};                                                                     \
@@ -417,7 +390,44 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
                 }                                                                                      \
                 for (int j = 0; j < RB; j++)                                                           \
                     for (int c = 0; c < NV; c++) acc[j][c] = _mm512_loadu_ps(tk->acc + (size_t)row[j] * D + 16 * c); \
+            }
+
+/* AVX512-BF16 chunk step for head_dim D (64 or 128), RB query rows at a time. The chunk's keys are
+ * transposed into bfloat16 pairs (kt[p] = pair p of all 16 keys), so one dot-product sweep over a query
+ * row gives its 16 scores in one register (products exact, sums float32) with no horizontal sums; the
+ * softmax runs on those registers; then P V is again dot products of bfloat16 pairs, weights of two
+ * keys against their interleaved values, into RB rows x D float32 accumulators held in registers
+ * (P in bfloat16 for P V, as FlashAttention does). The transposed keys and interleaved values are made once for
+ * all the passes over the rows (a prompt tile's G x QT rows); CHUNK1_AVX512 takes rows that fit one pass. */
+#define CHUNK_AVX512(D, RB)                                                                            \
+    AVX512BF16 static void chunk_avx512_##D##_##RB(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n) { \
+        enum { NV = D / 16, NP = D / 2 };                                                              \
+        __m512i kt[NP];                                                                                \
+        const __mmask16 live = (__mmask16)((1u << n) - 1);                                             \
+        for (int p0 = 0; p0 < NP; p0 += 16) chunk_keys_t(kp, D, n, p0, kt + p0);                       \
+        __m512i vv[CHUNK / 2][NV];                                                                     \
+        for (int q = 0; q < (n + 1) / 2; q++)                                                          \
+            for (int c = 0; c < NV / 2; c++) chunk_values_pair(vp, D, n, q, c, &vv[q][2 * c], &vv[q][2 * c + 1]); \
+        const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(pos0),                              \
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));                   \
+        const __m512 scale = _mm512_set1_ps(tk->scale), neg = _mm512_set1_ps(NEG_INF);                 \
+        for (int r0 = 0; r0 < tk->R; r0 += RB) {                                                       \
+            int row[RB]; /* rows past R repeat the last one; their results are dropped */              \
+            for (int j = 0; j < RB; j++) row[j] = r0 + j < tk->R ? r0 + j : tk->R - 1;                 \
+            __m512 s[RB], s2[SCORE_CHAINS][RB]; /* SCORE_CHAINS chains of dot products a row, joined after */            \
+            for (int j = 0; j < RB; j++)                                                               \
+                for (int c = 0; c < SCORE_CHAINS; c++) s2[c][j] = _mm512_setzero_ps();                        \
+            for (int p = 0; p < NP; p += SCORE_CHAINS)                                                        \
+                for (int c = 0; c < SCORE_CHAINS; c++)                                                        \
+                    for (int j = 0; j < RB; j++)                                                       \
+                        s2[c][j] = _mm512_dpbf16_ps(                                                   \
+                            s2[c][j], (__m512bh)_mm512_set1_epi32(((const int32_t *)tk->qb[row[j]])[p + c]), \
+                            (__m512bh)kt[p + c]);                                                      \
+            for (int j = 0; j < RB; j++) {                                                             \
+                s[j] = s2[0][j];                                                                       \
+                for (int c = 1; c < SCORE_CHAINS; c++) s[j] = _mm512_add_ps(s[j], s2[c][j]);                  \
             }                                                                                          \
+            CHUNK_SOFTMAX(D, RB)                                                                       \
             for (int q = 0; q < (n + 1) / 2; q++)                                                      \
                 for (int j = 0; j < RB; j++) {                                                         \
                     const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[j][q]);                          \
@@ -427,12 +437,60 @@ AVX512BF16 static inline void transpose16(__m512i r[16]) {
                 for (int c = 0; c < NV; c++) _mm512_storeu_ps(tk->acc + (size_t)(r0 + j) * D + 16 * c, acc[j][c]); \
         }                                                                                              \
     }
-CHUNK_AVX512(64, 1)
-CHUNK_AVX512(64, 2)
-CHUNK_AVX512(64, 3)
+
+/* CHUNK_AVX512 for exactly RB rows, one pass (a decode step's GQA group): the keys are transposed 16 pairs at a time
+ * and each is used as it is made, and each pair of values is interleaved where P V takes it, so no chunk-sized array
+ * of registers is kept: the one-pass form above spilled its 64 (kt and vv) to the stack and back every chunk. The
+ * same dot products in the same order, so the same result bit for bit. */
+#define CHUNK1_AVX512(D, RB)                                                                           \
+    AVX512BF16 static void chunk1_avx512_##D##_##RB(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n) { \
+        enum { NV = D / 16, NP = D / 2 };                                                              \
+        const __mmask16 live = (__mmask16)((1u << n) - 1);                                             \
+        const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(pos0),                              \
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));                   \
+        const __m512 scale = _mm512_set1_ps(tk->scale), neg = _mm512_set1_ps(NEG_INF);                 \
+        const int r0 = 0;                                                                              \
+        int row[RB];                                                                                   \
+        for (int j = 0; j < RB; j++) row[j] = j;                                                       \
+        __m512 s[RB], s2[SCORE_CHAINS][RB];                                                            \
+        for (int j = 0; j < RB; j++)                                                                   \
+            for (int c = 0; c < SCORE_CHAINS; c++) s2[c][j] = _mm512_setzero_ps();                     \
+        for (int p0 = 0; p0 < NP; p0 += 16) {                                                          \
+            __m512i kt[16];                                                                            \
+            chunk_keys_t(kp, D, n, p0, kt);                                                            \
+            for (int p = 0; p < 16; p += SCORE_CHAINS)                                                 \
+                for (int c = 0; c < SCORE_CHAINS; c++)                                                 \
+                    for (int j = 0; j < RB; j++)                                                       \
+                        s2[c][j] = _mm512_dpbf16_ps(                                                   \
+                            s2[c][j], (__m512bh)_mm512_set1_epi32(((const int32_t *)tk->qb[j])[p0 + p + c]), \
+                            (__m512bh)kt[p + c]);                                                      \
+        }                                                                                              \
+        for (int j = 0; j < RB; j++) {                                                                 \
+            s[j] = s2[0][j];                                                                           \
+            for (int c = 1; c < SCORE_CHAINS; c++) s[j] = _mm512_add_ps(s[j], s2[c][j]);               \
+        }                                                                                              \
+        CHUNK_SOFTMAX(D, RB)                                                                           \
+        for (int q = 0; q < (n + 1) / 2; q++)                                                          \
+            for (int c = 0; c < NV / 2; c++) {                                                         \
+                __m512i lo, hi;                                                                        \
+                chunk_values_pair(vp, D, n, q, c, &lo, &hi);                                           \
+                for (int j = 0; j < RB; j++) {                                                         \
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32(pw[j][q]);                          \
+                    acc[j][2 * c] = _mm512_dpbf16_ps(acc[j][2 * c], w, (__m512bh)lo);                  \
+                    acc[j][2 * c + 1] = _mm512_dpbf16_ps(acc[j][2 * c + 1], w, (__m512bh)hi);          \
+                }                                                                                      \
+            }                                                                                          \
+        for (int j = 0; j < RB; j++)                                                                   \
+            for (int c = 0; c < NV; c++) _mm512_storeu_ps(tk->acc + (size_t)j * D + 16 * c, acc[j][c]); \
+    }
 CHUNK_AVX512(64, 4)
-CHUNK_AVX512(128, 1)
 CHUNK_AVX512(128, 2)
+CHUNK1_AVX512(64, 1)
+CHUNK1_AVX512(64, 2)
+CHUNK1_AVX512(64, 3)
+CHUNK1_AVX512(64, 4)
+CHUNK1_AVX512(128, 1)
+CHUNK1_AVX512(128, 2)
 
 /* The AVX-512 chunks accumulate each 32 dims c*32.. in two registers in unpack order (v = 2c holds
  * dims 8L..8L+3 of each 128-bit lane L at 4L.., v = 2c + 1 dims 8L+4..8L+7): back to dim order; and their running
@@ -449,17 +507,22 @@ AVX512BF16 static void unpermute_acc(Task *tk) {
         }
 }
 
-/* Rows per block: as many as the task has, up to what keeps 16 accumulator registers. */
+/* Rows per block: as many as the task has, up to what keeps 16 accumulator registers; a task of no more rows than that
+ * (a decode step's) in one pass of its own (CHUNK1_AVX512). */
 AVX512BF16 static void chunk_avx512(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n) {
     if (tk->D == 128) {
-        if (tk->R == 1) chunk_avx512_128_1(tk, kp, vp, pos0, n);
-        else chunk_avx512_128_2(tk, kp, vp, pos0, n);
+        switch (tk->R) {
+        case 1: chunk1_avx512_128_1(tk, kp, vp, pos0, n); break;
+        case 2: chunk1_avx512_128_2(tk, kp, vp, pos0, n); break;
+        default: chunk_avx512_128_2(tk, kp, vp, pos0, n);
+        }
         return;
     }
-    switch (tk->R < 4 ? tk->R : 4) {
-    case 1: chunk_avx512_64_1(tk, kp, vp, pos0, n); break;
-    case 2: chunk_avx512_64_2(tk, kp, vp, pos0, n); break;
-    case 3: chunk_avx512_64_3(tk, kp, vp, pos0, n); break;
+    switch (tk->R) {
+    case 1: chunk1_avx512_64_1(tk, kp, vp, pos0, n); break;
+    case 2: chunk1_avx512_64_2(tk, kp, vp, pos0, n); break;
+    case 3: chunk1_avx512_64_3(tk, kp, vp, pos0, n); break;
+    case 4: chunk1_avx512_64_4(tk, kp, vp, pos0, n); break;
     default: chunk_avx512_64_4(tk, kp, vp, pos0, n);
     }
 }
