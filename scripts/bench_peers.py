@@ -79,6 +79,7 @@ from models.gguf import is_gguf, read_header  # noqa: E402
 from models.loader import default_model_path, export_hf_directory  # noqa: E402
 
 VLLM_SCRIPT = REPO.parent / "shared" / "peers" / "vllm_cpu.sh"
+OPENVINO_SCRIPT = REPO.parent / "shared" / "peers" / "openvino_peer.sh"
 MATCH_PREFIX = 16  # output tokens compared with ours
 LATENCY_PROMPT_LEN = 434  # tokens of each batch-1 latency prompt
 
@@ -132,9 +133,9 @@ def run_hf_continuous(model, reqs: list[Request], cb_config: ContinuousBatchingC
     return [list(r.generated_tokens) for r in results.values()]  # in input order
 
 
-def run_vllm(script: Path, model_dir: str, dtype: str, reqs: list[Request]) -> float:
-    """One vLLM-CPU process on `reqs` (it warms up on 4 of them, then times one `generate` call);
-    returns its output tokens/s."""
+def run_vllm(script: Path, model_dir: str, dtype: str, reqs: list[Request], env: dict | None = None) -> float:
+    """One vLLM-CPU process on `reqs` (it warms up on 4 of them, then times one `generate` call), with `env` added
+    to its environment; returns its output tokens/s."""
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as f:
         for r in reqs:
             f.write(json.dumps({"prompt_token_ids": r.prompt_token_ids}) + "\n")
@@ -143,6 +144,7 @@ def run_vllm(script: Path, model_dir: str, dtype: str, reqs: list[Request]) -> f
             [str(script), "--model", model_dir, "--dtype", dtype, "--repeats", "1", "--workload", f.name],
             capture_output=True,
             text=True,
+            env={**os.environ, **(env or {})},
         )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -151,6 +153,36 @@ def run_vllm(script: Path, model_dir: str, dtype: str, reqs: list[Request]) -> f
     if result["requests"] != len(reqs):
         raise RuntimeError(f"vLLM ran {result['requests']} requests, expected {len(reqs)}")
     return result["output_tok_s_median"]
+
+
+def awq_variants() -> dict[str, dict]:
+    """vLLM-CPU's int4 paths for an AWQ checkpoint on this CPU (name -> environment): W4A16 everywhere, and W4A8
+    (VLLM_CPU_INT4_W4A8=1) where the CPU has AMX tiles, the only place vLLM takes it."""
+    variants = {"W4A16": {"VLLM_CPU_INT4_W4A8": "0"}}
+    if "amx_int8" in Path("/proc/cpuinfo").read_text():
+        variants["W4A8"] = {"VLLM_CPU_INT4_W4A8": "1"}
+    return variants
+
+
+def run_openvino(script: Path, gguf: str, reqs: list[Request]) -> dict:
+    """OpenVINO GenAI on the GGUF file through `script` (../shared/peers/openvino_peer.sh, which installs it in its
+    own venv once): `reqs` as text (its tokenizer is the GGUF's, so the same tokens) x 128 output tokens, then its
+    batch-1 ms/token after the 11th request and pp512; returns its JSON line (output_tok_s, b1_ms, pp512_tok_s).
+    Raises SystemExit for requests without their text."""
+    if any(r.prompt is None for r in reqs) or len(reqs) < 11:
+        raise SystemExit("OpenVINO's runner takes prompts as text: a workload with `prompt` fields, 11 or more")
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as f:
+        f.writelines(json.dumps({"prompt": r.prompt}) + "\n" for r in reqs)
+        f.flush()
+        proc = subprocess.run(
+            ["bash", str(script), gguf, "--requests", str(len(reqs)), "--workload", f.name],
+            capture_output=True,
+            text=True,
+        )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
 
 
 def ms_per_token(run, prompt: list[int], n: int) -> float:
@@ -170,8 +202,11 @@ def ours_latency(llm: LLM, prompts: list[list[int]], n: int) -> list[float]:
     return tpot
 
 
-def vllm_latency(script: Path, model_dir: str, dtype: str, prompts: list[list[int]], n: int) -> list[float]:
-    """scripts/vllm_latency.py in the venv that `script` (vllm_cpu.sh) installs; ms per token per prompt."""
+def vllm_latency(
+    script: Path, model_dir: str, dtype: str, prompts: list[list[int]], n: int, env: dict | None = None
+) -> list[float]:
+    """scripts/vllm_latency.py in the venv that `script` (vllm_cpu.sh) installs, with `env` added to its
+    environment; ms per token per prompt."""
     venv = Path(os.environ.get("VLLM_VENV", "/tmp/venv-vllm-cpu"))
     if not (venv / "bin" / "python").exists():
         subprocess.run([str(script), "--help"], check=True, capture_output=True)  # installs vLLM-CPU once
@@ -193,6 +228,7 @@ def vllm_latency(script: Path, model_dir: str, dtype: str, prompts: list[list[in
             ],
             capture_output=True,
             text=True,
+            env={**os.environ, **(env or {})},
         )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -382,6 +418,16 @@ def latency_main(args, llm: LLM, reqs: list[Request]) -> None:
         engines["vllm-cpu (subprocess, bf16 directory)"] = lambda: vllm_latency(
             args.vllm_script, vllm_model, args.dtype, prompts, n
         )
+    for variant, env in awq_variants().items() if args.vllm_awq else ():
+        engines[f"vllm-cpu AWQ {variant} (subprocess)"] = lambda env=env: vllm_latency(
+            args.vllm_script, args.vllm_awq, args.dtype, prompts, n, env
+        )
+    if args.with_openvino:  # its own batch-1 prompt: the workload's request 10 (434 tokens on the default model)
+        if depth != LATENCY_PROMPT_LEN:
+            raise SystemExit(f"--with-openvino: OpenVINO's batch 1 runs at its own {LATENCY_PROMPT_LEN}-token prompt")
+        engines["openvino-genai (subprocess, GGUF)"] = lambda: [
+            run_openvino(args.openvino_script, gguf_of(args), reqs[:16])["b1_ms"]
+        ]
     with contextlib.ExitStack() as stack:  # stops llama-server at the end, on errors too
         if args.llama_bench or args.ik_llama_bench or args.llama_server:
             gguf = gguf_of(args)
@@ -453,6 +499,12 @@ def prompt_main(args, llm: LLM, reqs: list[Request]) -> None:
     engines = {"ours": ours}
     if args.llama_bench or args.ik_llama_bench:
         engines.update(llama_bench_engines(args, gguf_of(args), prompt=n))
+    if args.with_openvino:
+        if n != 512:
+            raise SystemExit("--with-openvino measures OpenVINO's prompts at 512 tokens only (--prompt 512)")
+        engines["openvino-genai (subprocess, GGUF)"] = lambda: [
+            1e3 / run_openvino(args.openvino_script, gguf_of(args), reqs[:16])["pp512_tok_s"]
+        ]
     ours()  # warm-up
     print(f"prompt processing: {len(prompts)} prompts of {n} tokens, {args.dtype}, {torch.get_num_threads()} threads")
     medians = alternate(engines, args.repeats, "ms/token")
@@ -510,6 +562,17 @@ def main():
     )
     ap.add_argument("--with-vllm", action="store_true", help=f"also run {VLLM_SCRIPT} (installs vLLM-CPU once)")
     ap.add_argument("--vllm-script", type=Path, default=VLLM_SCRIPT)
+    ap.add_argument(
+        "--vllm-awq",
+        help="also run vLLM-CPU on this AWQ directory of the same shape (scripts/make_awq_model.py): W4A16, and W4A8 "
+        "on a CPU with AMX",
+    )
+    ap.add_argument(
+        "--with-openvino",
+        action="store_true",
+        help=f"also run OpenVINO GenAI on the GGUF file ({OPENVINO_SCRIPT}, which installs it once)",
+    )
+    ap.add_argument("--openvino-script", type=Path, default=OPENVINO_SCRIPT)
     ap.add_argument("--output-json", help="write the config and every measurement here")
     ap.add_argument("--latency", action="store_true", help="batch-1 decode ms per output token instead of throughput")
     ap.add_argument("--latency-prompts", type=int, default=3, help="--latency: prompts (each run alone)")
@@ -555,8 +618,8 @@ def main():
             "transformers' generate_batch takes one max_new_tokens: give every request the same "
             "max_tokens (or --output-len)"
         )
-    if args.with_vllm and reqs[0].max_tokens != 128:
-        ap.error("vllm_cpu_offline.py always generates 128 tokens; use a 128-token workload with --with-vllm")
+    if (args.with_vllm or args.vllm_awq or args.with_openvino) and reqs[0].max_tokens != 128:
+        ap.error("vLLM's and OpenVINO's runners always generate 128 tokens; use a 128-token workload with them")
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # its per-call warnings are noise here
 
     dtype = getattr(torch, args.dtype)
@@ -601,6 +664,16 @@ def main():
     if args.with_vllm:
         vllm_model = hf_dir()
         engines["vllm-cpu (subprocess)"] = lambda rs: (run_vllm(args.vllm_script, vllm_model, args.dtype, rs), None)
+    for variant, env in awq_variants().items() if args.vllm_awq else ():
+        engines[f"vllm-cpu AWQ {variant} (subprocess)"] = lambda rs, env=env: (
+            run_vllm(args.vllm_script, args.vllm_awq, args.dtype, rs, env),
+            None,
+        )
+    if args.with_openvino:
+        engines["openvino-genai (subprocess, GGUF)"] = lambda rs: (
+            run_openvino(args.openvino_script, gguf_of(args), rs)["output_tok_s"],
+            None,
+        )
     rates: dict[str, list[float]] = {}
     outputs: dict[str, list[list[int]]] = {}
     with contextlib.ExitStack() as stack:  # stops llama-server at the end, on errors too
