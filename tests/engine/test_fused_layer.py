@@ -185,12 +185,9 @@ def test_qwen3_fuses_its_head_norms(llm, prompts, dtype, tmp_path, monkeypatch):
     assert all(isinstance(layer.fused, FusedDecoderLayer) and layer.fused.desc.q_norm for layer in layers)
 
 
-@pytest.mark.skipif(not cpu_kernels.load().gguf_r16_isa(), reason="the CPU has no AVX512-VNNI + BF16 (R16 copies)")
-def test_q8_0_blocks_and_their_r16_copy_in_the_fused_layer(llm, prompts, tmp_path, monkeypatch):
-    """A Q8_0 weight over R16_Q8_0_MAX_BYTES keeps its blocks with an R16 copy beside them (made 0 here, so that
-    every weight of the tiny Qwen3's Q8_0 file llama.cpp's converter makes does): the one-call layer takes the
-    blocks for steps of fewer than R16_COPY_MIN_ROWS rows and the copy for more, as GGUFTensor.matmul does, so
-    greedy tokens and logprobs of 1- and 8-row decode steps equal the op-by-op layers' bit for bit."""
+def _qwen3_q8_0_with_copies(llm, tmp_path, monkeypatch) -> str:
+    """The tiny Qwen3 as a Q8_0 file llama.cpp's converter makes, with R16_Q8_0_MAX_BYTES made 0 (patched for the
+    test) so that every weight keeps its blocks with an R16 copy beside them; skips without the converter."""
     from models.quantization import gguf as gguf_method
     from scripts import llama_cpp
     from scripts.make_tiny_model import save_tiny_model
@@ -200,8 +197,17 @@ def test_q8_0_blocks_and_their_r16_copy_in_the_fused_layer(llm, prompts, tmp_pat
     save_tiny_model("qwen3", tmp_path / "hf", llm.tokenizer)
     gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
     monkeypatch.setattr(gguf_method, "R16_Q8_0_MAX_BYTES", 0)
+    return str(gguf)
+
+
+@pytest.mark.skipif(not cpu_kernels.load().gguf_r16_isa(), reason="the CPU has no AVX512-VNNI + BF16 (R16 copies)")
+def test_q8_0_blocks_and_their_r16_copy_in_the_fused_layer(llm, prompts, tmp_path, monkeypatch):
+    """A Q8_0 weight over R16_Q8_0_MAX_BYTES keeps its blocks with an R16 copy beside them (made 0 here, so that
+    every weight of the tiny Qwen3's Q8_0 file llama.cpp's converter makes does): the one-call layer takes the
+    blocks for steps of fewer than R16_COPY_MIN_ROWS rows and the copy for more, as GGUFTensor.matmul does, so
+    greedy tokens and logprobs of 1- and 8-row decode steps equal the op-by-op layers' bit for bit."""
     with _gguf_settings(monkeypatch, MINIVLLM_GGUF_ACTIVATIONS="int8"):
-        qwen3 = make_llm(model=str(gguf), dtype="bfloat16")
+        qwen3 = make_llm(model=_qwen3_q8_0_with_copies(llm, tmp_path, monkeypatch), dtype="bfloat16")
         _assert_fused_equals_plain(qwen3, prompts, monkeypatch)
         descs = [layer.fused.desc for layer in qwen3.engine.engine_core.executor.runner.model.layers]
         assert all(d.qkv.copy[0] and d.o.copy[0] and d.down.copy[0] and d.qkv.kernel[0] == KERNEL_INT8 for d in descs)
@@ -216,18 +222,10 @@ def test_a_stack_runs_its_layers_with_a_one_region_form_together(llm, prompts, t
     R16_COPY_MIN_ROWS rows): decoder_layers_float runs the first kernel by kernel and the second in a region of its
     own, reading the first one's output and its own cache, so greedy tokens and logprobs of 8-row decode steps equal
     the op-by-op layers' bit for bit, on the tiny Qwen3's Q8_0 file llama.cpp's converter makes."""
-    from models.quantization import gguf as gguf_method
     from models.quantization.gguf import quantized_weights
-    from scripts import llama_cpp
-    from scripts.make_tiny_model import save_tiny_model
 
-    if llama_cpp.converter() is None:
-        pytest.skip("llama.cpp's converter is fetched by `make install` (python scripts/llama_cpp.py fetch)")
-    save_tiny_model("qwen3", tmp_path / "hf", llm.tokenizer)
-    gguf = llama_cpp.convert(tmp_path / "hf", tmp_path / "model.gguf", outtype="q8_0")
-    monkeypatch.setattr(gguf_method, "R16_Q8_0_MAX_BYTES", 0)
     with _gguf_settings(monkeypatch, MINIVLLM_GGUF_ACTIVATIONS="int8"):
-        qwen3 = make_llm(model=str(gguf), dtype="bfloat16")
+        qwen3 = make_llm(model=_qwen3_q8_0_with_copies(llm, tmp_path, monkeypatch), dtype="bfloat16")
         layers = qwen3.engine.engine_core.executor.runner.model.layers
         assert len(layers) == 2
         for module in layers[0].modules():

@@ -339,6 +339,13 @@ AVX512BF16 static inline void chunk_values_pair(const bf16 *vp, int D, int n, in
     *hi = _mm512_unpackhi_epi16(a, b);
 }
 
+/* Each row's scores s[j] from its SCORE_CHAINS dot-product chains s2[c][j], added in chain order */
+#define JOIN_CHAINS(RB)                                                                                \
+    for (int j = 0; j < RB; j++) {                                                                     \
+        s[j] = s2[0][j];                                                                               \
+        for (int c = 1; c < SCORE_CHAINS; c++) s[j] = _mm512_add_ps(s[j], s2[c][j]);                   \
+    }
+
 /* A chunk's online-softmax step for rows row[0 .. RB) (r0 the first; rows past R repeat the last one and are
  * dropped) from their scores s[RB] (16 keys each): each row's weights e = exp(s - m) into pw as bfloat16 pairs, l
  * (per lane, lv) and m updated, and the rows' accumulators acc[RB][NV] loaded, rescaled where a max moved. Inside
@@ -423,10 +430,7 @@ AVX512BF16 static inline void chunk_values_pair(const bf16 *vp, int D, int n, in
                         s2[c][j] = _mm512_dpbf16_ps(                                                   \
                             s2[c][j], (__m512bh)_mm512_set1_epi32(((const int32_t *)tk->qb[row[j]])[p + c]), \
                             (__m512bh)kt[p + c]);                                                      \
-            for (int j = 0; j < RB; j++) {                                                             \
-                s[j] = s2[0][j];                                                                       \
-                for (int c = 1; c < SCORE_CHAINS; c++) s[j] = _mm512_add_ps(s[j], s2[c][j]);                  \
-            }                                                                                          \
+            JOIN_CHAINS(RB)                                                                            \
             CHUNK_SOFTMAX(D, RB)                                                                       \
             for (int q = 0; q < (n + 1) / 2; q++)                                                      \
                 for (int j = 0; j < RB; j++) {                                                         \
@@ -465,10 +469,7 @@ AVX512BF16 static inline void chunk_values_pair(const bf16 *vp, int D, int n, in
                             s2[c][j], (__m512bh)_mm512_set1_epi32(((const int32_t *)tk->qb[j])[p0 + p + c]), \
                             (__m512bh)kt[p + c]);                                                      \
         }                                                                                              \
-        for (int j = 0; j < RB; j++) {                                                                 \
-            s[j] = s2[0][j];                                                                           \
-            for (int c = 1; c < SCORE_CHAINS; c++) s[j] = _mm512_add_ps(s[j], s2[c][j]);               \
-        }                                                                                              \
+        JOIN_CHAINS(RB)                                                                                \
         CHUNK_SOFTMAX(D, RB)                                                                           \
         for (int q = 0; q < (n + 1) / 2; q++)                                                          \
             for (int c = 0; c < NV / 2; c++) {                                                         \
