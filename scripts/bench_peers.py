@@ -75,6 +75,7 @@ from bench_common import DEFAULT_WORKLOAD, REPO, Request, load_jsonl, random_req
 from api.cli import byte_size  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.worker.host_memory import wait_for_prefault  # noqa: E402
+from engine.worker.model_runner import cpu_flags  # noqa: E402
 from models.gguf import is_gguf, read_header  # noqa: E402
 from models.loader import default_model_path, export_hf_directory  # noqa: E402
 
@@ -159,7 +160,7 @@ def awq_variants() -> dict[str, dict]:
     """vLLM-CPU's int4 paths for an AWQ checkpoint on this CPU (name -> environment): W4A16 everywhere, and W4A8
     (VLLM_CPU_INT4_W4A8=1) where the CPU has AMX tiles, the only place vLLM takes it."""
     variants = {"W4A16": {"VLLM_CPU_INT4_W4A8": "0"}}
-    if "amx_int8" in Path("/proc/cpuinfo").read_text():
+    if "amx_int8" in cpu_flags():
         variants["W4A8"] = {"VLLM_CPU_INT4_W4A8": "1"}
     return variants
 

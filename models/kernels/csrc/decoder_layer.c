@@ -457,28 +457,28 @@ int decoder_layers_float(const LayerDesc *const *L, int n, float *residual, cons
     }
     int rc = 0;
     for (int i = 0; i < n && !rc;) {
-        const float *in = i ? x_out : x_in;
         size_t ws_bytes = 0, acts = 0, thread_floats = 0, part_floats = 0;
-        int j = i;
+        int j = i; /* layers i .. j - 1 in one region, then layer j (if any) kernel by kernel */
         while (j < n && layer_has_team(L[j], M, &t, num_seqs, nt, &ws_bytes, &acts, &thread_floats, &part_floats)) j++;
-        if (j == i) {
-            rc = decoder_layer_ops(L[i], residual, in, x_out, M, cos_t, sin_t, k_caches[i], v_caches[i], slot_mapping,
-                                   block_tables, seq_lens, query_start_loc, num_seqs, max_blocks, isa, nt);
-            i++;
-            continue;
+        if (j > i) {
+            const float *in = i ? x_out : x_in;
+            const TeamBuffers b = {.ws = kernel_scratch(2, ws_bytes),
+                                   .acts = kernel_scratch(3, acts),
+                                   .tile_start = t.tile_start,
+                                   .max_len = t.max_len,
+                                   .thread_ws = kernel_scratch(0, sizeof(float) * (size_t)nt * thread_floats),
+                                   .part_ws = part_floats ? kernel_scratch(1, sizeof(float) * part_floats) : NULL};
+            _Pragma("omp parallel num_threads(nt)")
+            for (int l = i; l < j; l++)
+                decoder_layer_team(L[l], residual, l > i ? x_out : in, x_out, M, cos_t, sin_t, k_caches[l],
+                                   v_caches[l], slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs,
+                                   max_blocks, isa, nt, &b);
         }
-        const TeamBuffers b = {.ws = kernel_scratch(2, ws_bytes),
-                               .acts = kernel_scratch(3, acts),
-                               .tile_start = t.tile_start,
-                               .max_len = t.max_len,
-                               .thread_ws = kernel_scratch(0, sizeof(float) * (size_t)nt * thread_floats),
-                               .part_ws = part_floats ? kernel_scratch(1, sizeof(float) * part_floats) : NULL};
-        _Pragma("omp parallel num_threads(nt)")
-        for (int l = i; l < j; l++)
-            decoder_layer_team(L[l], residual, l > i ? x_out : in, x_out, M, cos_t, sin_t, k_caches[l], v_caches[l],
-                               slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs, max_blocks, isa, nt,
-                               &b);
-        i = j;
+        if (j < n)
+            rc = decoder_layer_ops(L[j], residual, j ? x_out : x_in, x_out, M, cos_t, sin_t, k_caches[j], v_caches[j],
+                                   slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs, max_blocks, isa,
+                                   nt);
+        i = j + 1;
     }
     free(t.tile_start);
     return rc;
