@@ -4,7 +4,9 @@ continuous batching (`generate_batch`: paged KV cache, a scheduler thread), with
 build through ../shared/peers/vllm_cpu.sh in a subprocess, and with --llama-server llama.cpp's server
 on the GGUF with --llama-slots slots (continuous batching; every request sent at once, one client
 thread per slot; each slot's context is the longest request rounded up to 256 tokens, its per-step
-token limit -b is our --max-num-batched-tokens; started once per run and stopped at the end).
+token limit -b is our --max-num-batched-tokens; started once per run and stopped at the end). --vllm-awq DIR adds
+vLLM-CPU's int4 path on an AWQ checkpoint of the same shape (scripts/make_awq_model.py; W4A16, and W4A8 on an AMX
+CPU), --with-openvino OpenVINO GenAI on the GGUF (../shared/peers/openvino_peer.sh), in this mode and the two below.
 
 Every engine gets the same weights (a GGUF model: ours and llama.cpp read the file; transformers and
 vLLM, which cannot read GGUF on the CPU, get it dequantized to a Hugging Face directory, or
