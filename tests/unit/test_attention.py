@@ -198,6 +198,32 @@ def test_cpu_kernel_long_contexts(isa, num_seqs, sinks, monkeypatch):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("isa", ["native", "portable"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kvh, group, d", [(2, 4, 64), (3, 3, 64), (8, 1, 128), (4, 8, 128)])
+def test_cpu_kernel_decode_steps_run_each_sequence_as_one_unit(kvh, group, d, dtype, isa, monkeypatch):
+    """Steps of decodes alone (one query a sequence) with too few (sequence, kv head) tasks for the threads run each
+    sequence's kv heads together, chunk by chunk (paged_attention.c's attention_heads_mode), their keys split across
+    threads into parts of a few blocks; with more tasks, a task a unit: one sequence short and long, a sliding window,
+    attention sinks, three sequences of unequal lengths; the output equals torch_native's."""
+    if isa == "portable":
+        monkeypatch.setenv("MINIVLLM_CPU_ISA", "portable")
+    rng = random.Random(kvh * 100 + group)
+    torch.manual_seed(kvh)
+    for shapes, window, sinks in (
+        ([(40, 1)], None, False),
+        ([(351, 1)], None, False),
+        ([(2100, 1)], None, True),
+        ([(900, 1)], 300, False),
+        ([(700, 1), (37, 1), (1500, 1)], None, True),
+    ):
+        meta, q, k, v, num_blocks = random_step(rng, group, kvh, d, 16, shapes, dtype)
+        sink = torch.randn(kvh * group) * 3 + 4 if sinks else None
+        ref, out = run_against_torch_native(meta, q, k, v, 16, num_blocks, window, sinks=sink)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cpu_kernel_wide_scores(dtype):
     """Queries 12x larger: scores spread over tens of nats, so a row's running max is passed by more than the AVX-512

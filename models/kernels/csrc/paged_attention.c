@@ -725,37 +725,49 @@ static inline void prefetch_l1(const void *p, size_t bytes) {
 /* K and V bytes a task keeps in flight towards the L2 ahead of the chunk it computes */
 #define PREFETCH_BYTES (24 << 10)
 
-/* Runs keys [k_begin, k_end) of one task through its chunks. A task's blocks lie wherever the block table put them,
- * so the hardware prefetchers cannot guess the next one: a cursor runs PREFETCH_BYTES of K and V ahead into the L2,
- * a block table entry at a time, and the next chunk is asked into the L1. With only the next chunk asked for, the
- * kernel waited on DRAM latency once a step's caches outgrew the L3 (scripts/bench_attention.py, a W64 decode step on
- * a 2-core EPYC: 30 layers of 17 MB, 53-72 ms a step at 7-10 GB/s; 29-30 ms with the cursor). */
+/* Runs keys [k_begin, k_end) of nh tasks, kv heads h0 .. h0 + nh - 1 of one tile (tks[j] head h0 + j), through
+ * their chunks: each chunk of keys for every head in turn, so that a decode step's tasks of one sequence (nh = every
+ * kv head, attention_heads_mode) read each block's K (and V) of all heads as one run of bytes. A task's blocks lie
+ * wherever the block table put them, so the hardware prefetchers cannot guess the next one: a cursor runs
+ * PREFETCH_BYTES of K and V ahead into the L2, a block table entry at a time, and the next chunk is asked into the
+ * L1. With only the next chunk asked for, the kernel waited on DRAM latency once a step's caches outgrew the L3
+ * (scripts/bench_attention.py, a W64 decode step on a 2-core EPYC: 30 layers of 17 MB, 53-72 ms a step at 7-10 GB/s;
+ * 29-30 ms with the cursor). */
 #define RUN_KEYS(T)                                                                                    \
-    static void run_keys_##T(Task *tk, const T *k_cache, const T *v_cache, const int32_t *table,       \
-                             int k_begin, int k_end, int h, int num_kv_heads, int bs, int avx, float *kvf) { \
-        const size_t row_bytes = (size_t)tk->row * sizeof(T);                                          \
-        const int lead = PREFETCH_BYTES / (2 * row_bytes) > CHUNK ? PREFETCH_BYTES / (2 * row_bytes) : CHUNK; \
+    static void run_keys_##T(Task *tks, int nh, const T *k_cache, const T *v_cache, const int32_t *table, \
+                             int k_begin, int k_end, int h0, int num_kv_heads, int bs, int avx, float *kvf) { \
+        const size_t row_bytes = (size_t)tks[0].row * sizeof(T), row = tks[0].row;                    \
+        const int lead = PREFETCH_BYTES / (2 * row_bytes * nh) > CHUNK ? PREFETCH_BYTES / (2 * row_bytes * nh) \
+                                                                         : CHUNK;                      \
         int pf = k_begin; /* keys before pf have been asked for */                                     \
         for (int t = k_begin; t < k_end;) {                                                            \
             const int off = t % bs;                                                                    \
             int n = bs - off < CHUNK ? bs - off : CHUNK;                                               \
             n = k_end - t < n ? k_end - t : n;                                                         \
-            const size_t base = (((size_t)table[t / bs] * num_kv_heads + h) * bs + off) * tk->row;     \
+            const size_t base = (((size_t)table[t / bs] * num_kv_heads + h0) * bs + off) * row;        \
             for (const int ahead = t + lead < k_end ? t + lead : k_end; pf < ahead;) {                 \
                 const int poff = pf % bs, pn = bs - poff < ahead - pf ? bs - poff : ahead - pf;         \
-                const size_t at = (((size_t)table[pf / bs] * num_kv_heads + h) * bs + poff) * tk->row;  \
-                prefetch_l2(k_cache + at, pn * row_bytes);                                             \
-                prefetch_l2(v_cache + at, pn * row_bytes);                                             \
+                const size_t at = (((size_t)table[pf / bs] * num_kv_heads + h0) * bs + poff) * row;     \
+                for (int j = 0; j < nh; j++) {                                                         \
+                    prefetch_l2(k_cache + at + (size_t)j * bs * row, pn * row_bytes);                  \
+                    prefetch_l2(v_cache + at + (size_t)j * bs * row, pn * row_bytes);                  \
+                }                                                                                      \
                 pf += pn;                                                                              \
             }                                                                                          \
             const int next = t + n;                                                                    \
-            if (next < k_end) {                                                                        \
-                const int noff = next % bs, nn = bs - noff < CHUNK ? bs - noff : CHUNK;                \
-                const size_t at = (((size_t)table[next / bs] * num_kv_heads + h) * bs + noff) * tk->row; \
-                prefetch_l1(k_cache + at, nn * row_bytes);                                             \
-                prefetch_l1(v_cache + at, nn * row_bytes);                                             \
+            for (int j = 0; j < nh; j++) {                                                             \
+                if (j + 1 < nh) { /* the next head's piece of these keys */                            \
+                    prefetch_l1(k_cache + base + (size_t)(j + 1) * bs * row, n * row_bytes);           \
+                    prefetch_l1(v_cache + base + (size_t)(j + 1) * bs * row, n * row_bytes);           \
+                } else if (next < k_end) {                                                             \
+                    const int noff = next % bs, nn = bs - noff < CHUNK ? bs - noff : CHUNK;            \
+                    const size_t at = (((size_t)table[next / bs] * num_kv_heads + h0) * bs + noff) * row; \
+                    prefetch_l1(k_cache + at, nn * row_bytes);                                         \
+                    prefetch_l1(v_cache + at, nn * row_bytes);                                         \
+                }                                                                                      \
+                const size_t hb = base + (size_t)j * bs * row;                                         \
+                CHUNK_DISPATCH_##T(&tks[j], k_cache + hb, v_cache + hb, t, n, kvf, avx);               \
             }                                                                                          \
-            CHUNK_DISPATCH_##T(tk, k_cache + base, v_cache + base, t, n, kvf, avx);                    \
             t += n;                                                                                    \
         }                                                                                              \
     }
@@ -875,6 +887,31 @@ static int attention_parts(int num_tasks, int max_len, int window, int num_threa
     return parts;
 }
 
+/* A decode step whose tasks are too few to keep every thread busy (batch 1: the keys split into partitions) runs each
+ * sequence's tasks as one unit, every kv head in turn over each chunk of keys (run_keys), where the heads' rows fit a
+ * unit's workspace. One head's K of a block is 2 KB for the default model, too short a run for the hardware
+ * prefetchers; every head's K of a block is one run, and the blocks of a fresh sequence follow each other (a decode
+ * step of the default model at depth 352 on a 2-core EPYC: 346 -> 317 us of attention; the 1B shape's 8 kv heads,
+ * enough tasks a step, were 5% slower this way). */
+#define MAX_UNIT_HEADS 8
+static int attention_heads_mode(int num_tokens, int num_seqs, int num_heads, int num_kv_heads, int num_threads) {
+    return num_tokens == num_seqs && num_seqs * num_kv_heads < 4 * num_threads && num_kv_heads > 1 &&
+           num_kv_heads <= MAX_UNIT_HEADS && num_heads <= MAX_ROWS;
+}
+
+/* Partitions of each sequence's keys in attention_heads_mode: as attention_parts, with parts of at least MIN_PART keys
+ * over all heads together, and whole rounds of units where the count allows (fewer parts, not more) */
+static int attention_parts_heads(int num_seqs, int max_len, int window, int num_threads, int num_kv_heads) {
+    if (num_seqs <= 0 || num_seqs >= 4 * num_threads) return 1;
+    const int span = window && window + QT < max_len ? window + QT : max_len;
+    const int min_part = (MIN_PART / num_kv_heads + CHUNK - 1) / CHUNK * CHUNK;
+    const int most = (span + min_part - 1) / min_part;
+    int parts = (4 * num_threads + num_seqs - 1) / num_seqs;
+    parts = parts < most ? parts : most;
+    while ((num_seqs * parts) % num_threads && parts > 1) parts--;
+    return parts;
+}
+
 /* Floats of a thread's workspace for head_dim D: acc, qf, bfloat16 queries (rows of MAX_ROWS * D), a K/V chunk, lv */
 static size_t attention_thread_floats(int D) { return 3 * (size_t)MAX_ROWS * D + 2 * CHUNK * D + 16 * MAX_ROWS; }
 
@@ -886,7 +923,10 @@ int attention_workspace(int num_tiles, int max_len, int num_heads, int num_kv_he
                         int num_threads, size_t *thread_floats, size_t *part_floats) {
     if (D > MAX_HEAD_DIM || num_heads / num_kv_heads * QT > MAX_ROWS || (kvq == 1 && D % 32)) return -1;
     const size_t row_floats = (size_t)MAX_ROWS * D, num_tasks = (size_t)num_tiles * num_kv_heads;
-    const int parts = attention_parts((int)num_tasks, max_len, window, num_threads);
+    const int per_head = attention_parts((int)num_tasks, max_len, window, num_threads);
+    /* a decode step (attention_heads_mode: one tile a sequence) may split its sequences' keys otherwise */
+    const int per_seq = attention_parts_heads(num_tiles, max_len, window, num_threads, num_kv_heads);
+    const int parts = per_head > per_seq ? per_head : per_seq;
     /* per unit when split: acc, m, l */
     *thread_floats = attention_thread_floats(D);
     *part_floats = parts > 1 ? num_tasks * parts * (row_floats + 2 * MAX_ROWS) : 0;
@@ -928,57 +968,71 @@ int attention_workspace(int num_tiles, int max_len, int num_heads, int num_kv_he
                 store_row_##NAME(v_cache + dst, v + (size_t)i * v_stride + (size_t)h * D, D, kvq);     \
             }                                                                                          \
         }                                                                                              \
-        /* 2. tasks (sequence, kv head, query tile) */                                                 \
+        /* 2. tasks (sequence, kv head, query tile), each sequence's in one unit in attention_heads_mode */        \
         const int num_tasks = tile_start[num_seqs] * num_kv_heads;                                     \
-        const int parts = attention_parts(num_tasks, max_len, window, num_threads);                    \
+        const int heads_mode = attention_heads_mode(num_tokens, num_seqs, num_heads, num_kv_heads, num_threads);     \
+        const int nh = heads_mode ? num_kv_heads : 1; /* the tasks (kv heads) of a unit */             \
+        const int parts = heads_mode ? attention_parts_heads(num_seqs, max_len, window, num_threads, num_kv_heads) \
+                                     : attention_parts(num_tasks, max_len, window, num_threads);       \
         const size_t row_floats = (size_t)MAX_ROWS * D;                                                \
         const size_t ws_floats = attention_thread_floats(D);                                           \
         _Pragma("omp for schedule(dynamic, 1)")                                                                       \
-        for (int unit = num_tasks * parts - 1; unit >= 0; unit--) { /* late tiles (long) first */      \
-            const int task = unit / parts, part = unit % parts;                                        \
-            const int h = task % num_kv_heads;                                                         \
-            const Tile ti = tile_of(task / num_kv_heads, tile_start, query_start_loc);                 \
-            const int s = ti.s, nq = ti.nq;                                                            \
+        for (int unit = num_tasks / nh * parts - 1; unit >= 0; unit--) { /* late tiles (long) first */ \
+            const int task0 = unit / parts * nh, part = unit % parts; /* tasks task0 .. task0 + nh - 1 */ \
+            const int h0 = task0 % num_kv_heads;                                                       \
+            const Tile ti = tile_of(task0 / num_kv_heads, tile_start, query_start_loc);                \
+            const int s = ti.s, nq = ti.nq, R = nq * G;                                                \
             float *ws = thread_ws + (size_t)omp_get_thread_num() * ws_floats;                          \
-            bf16 *qb16 = (bf16 *)(ws + 2 * row_floats); /* queries rounded to bfloat16 (float32 q, AVX_BF16) */ \
-            Task tk = {.R = nq * G, .G = G, .D = D, .row = row, .kvq = kvq,                             \
-                       .first_pos = seq_lens[s] - ti.q_len + ti.j_first,                              \
-                       .window = window, .scale = scale, .softcap = softcap, .acc = ws,                \
-                       .qf = ws + row_floats, .lv = ws + 3 * row_floats + 2 * CHUNK * D};              \
-            const int L = tk.first_pos + nq; /* keys up to the tile's last query */                    \
+            const int first_pos = seq_lens[s] - ti.q_len + ti.j_first;                                 \
+            const int L = first_pos + nq; /* keys up to the tile's last query */                       \
             /* the first key the tile's first query sees */                                            \
-            const int lo = window && tk.first_pos - window + 1 > 0 ? tk.first_pos - window + 1 : 0;    \
+            const int lo = window && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;          \
             const int per = (L - lo + parts - 1) / parts;                                              \
             const int k_begin = lo + part * per, k_end = k_begin + per < L ? k_begin + per : L;        \
             const size_t tok0 = ti.tok0;                                                               \
-            for (int r = 0; r < tk.R; r++) {                                                           \
-                const T *qr = q + (tok0 + r / G) * q_stride + ((size_t)h * G + r % G) * D;             \
-                for (int d = 0; d < D; d++) tk.qf[(size_t)r * D + d] = TO_F32(qr[d]);                  \
-                tk.qb[r] = (const bf16 *)qr;                                                           \
-                if (sizeof(T) == 4 && avx == AVX_BF16) {                                               \
-                    for (int d = 0; d < D; d++) qb16[(size_t)r * D + d] = f32_to_bf16(tk.qf[(size_t)r * D + d]); \
-                    tk.qb[r] = qb16 + (size_t)r * D;                                                   \
+            Task tks[MAX_UNIT_HEADS]; /* head h0 + j's rows at j R in each of the workspace's row buffers */ \
+            for (int j = 0; j < nh; j++) {                                                             \
+                const int h = h0 + j;                                                                  \
+                Task *tk = &tks[j];                                                                    \
+                *tk = (Task){.R = R, .G = G, .D = D, .row = row, .kvq = kvq, .first_pos = first_pos,   \
+                             .window = window, .scale = scale, .softcap = softcap,                     \
+                             .acc = ws + (size_t)j * R * D, .qf = ws + row_floats + (size_t)j * R * D,  \
+                             .lv = ws + 3 * row_floats + 2 * CHUNK * D + (size_t)j * 16 * R};           \
+                /* queries rounded to bfloat16 (float32 q, AVX_BF16) */                                \
+                bf16 *qb16 = (bf16 *)(ws + 2 * row_floats) + (size_t)j * R * D;                        \
+                for (int r = 0; r < R; r++) {                                                          \
+                    const T *qr = q + (tok0 + r / G) * q_stride + ((size_t)h * G + r % G) * D;         \
+                    for (int d = 0; d < D; d++) tk->qf[(size_t)r * D + d] = TO_F32(qr[d]);             \
+                    tk->qb[r] = (const bf16 *)qr;                                                      \
+                    if (sizeof(T) == 4 && avx == AVX_BF16) {                                           \
+                        for (int d = 0; d < D; d++) qb16[(size_t)r * D + d] = f32_to_bf16(tk->qf[(size_t)r * D + d]); \
+                        tk->qb[r] = qb16 + (size_t)r * D;                                              \
+                    }                                                                                  \
+                    tk->m[r] = NEG_INF;                                                                \
+                    tk->l[r] = 0.f;                                                                    \
                 }                                                                                      \
-                tk.m[r] = NEG_INF;                                                                     \
-                tk.l[r] = 0.f;                                                                         \
+                memset(tk->acc, 0, sizeof(float) * R * D);                                             \
+                memset(tk->lv, 0, sizeof(float) * 16 * R);                                             \
             }                                                                                          \
-            memset(tk.acc, 0, sizeof(float) * tk.R * D);                                               \
-            memset(tk.lv, 0, sizeof(float) * 16 * tk.R);                                               \
             if (k_begin < k_end)                                                                       \
-                run_keys_##TC(&tk, k_cache, v_cache, block_tables + (size_t)s * max_blocks, k_begin,  \
-                              k_end, h, num_kv_heads, bs, avx, ws + 3 * row_floats);                   \
-            UNPERMUTE_##TC(&tk, avx);                                                                  \
-            if (parts == 1) {                                                                          \
-                for (int r = 0; r < tk.R; r++) {                                                       \
-                    T *o = out + (tok0 + r / G) * num_heads * D + ((size_t)h * G + r % G) * D;         \
-                    const float inv = sink_inverse(sinks, h * G + r % G, tk.m[r], tk.l[r]);            \
-                    for (int d = 0; d < D; d++) o[d] = FROM_F32(tk.acc[(size_t)r * D + d] * inv);      \
+                run_keys_##TC(tks, nh, k_cache, v_cache, block_tables + (size_t)s * max_blocks, k_begin, \
+                              k_end, h0, num_kv_heads, bs, avx, ws + 3 * row_floats);                  \
+            for (int j = 0; j < nh; j++) {                                                             \
+                Task *tk = &tks[j];                                                                    \
+                const int h = h0 + j;                                                                  \
+                UNPERMUTE_##TC(tk, avx);                                                               \
+                if (parts == 1) {                                                                      \
+                    for (int r = 0; r < R; r++) {                                                      \
+                        T *o = out + (tok0 + r / G) * num_heads * D + ((size_t)h * G + r % G) * D;     \
+                        const float inv = sink_inverse(sinks, h * G + r % G, tk->m[r], tk->l[r]);      \
+                        for (int d = 0; d < D; d++) o[d] = FROM_F32(tk->acc[(size_t)r * D + d] * inv); \
+                    }                                                                                  \
+                } else { /* the merge's slot of (task, part) */                                        \
+                    float *pw = part_ws + ((size_t)(task0 + j) * parts + part) * (row_floats + 2 * MAX_ROWS); \
+                    memcpy(pw, tk->acc, sizeof(float) * R * D);                                        \
+                    memcpy(pw + row_floats, tk->m, sizeof(float) * R);                                 \
+                    memcpy(pw + row_floats + MAX_ROWS, tk->l, sizeof(float) * R);                      \
                 }                                                                                      \
-            } else {                                                                                   \
-                float *pw = part_ws + (size_t)unit * (row_floats + 2 * MAX_ROWS);                      \
-                memcpy(pw, tk.acc, sizeof(float) * tk.R * D);                                          \
-                memcpy(pw + row_floats, tk.m, sizeof(float) * tk.R);                                   \
-                memcpy(pw + row_floats + MAX_ROWS, tk.l, sizeof(float) * tk.R);                        \
             }                                                                                          \
         }                                                                                              \
         if (parts > 1) { /* 3. merge each task's partitions by their log-sum-exp */                    \
