@@ -202,10 +202,10 @@ def test_cpu_kernel_long_contexts(isa, num_seqs, sinks, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kvh, group, d", [(2, 4, 64), (3, 3, 64), (8, 1, 128), (4, 8, 128)])
 def test_cpu_kernel_decode_steps_run_each_sequence_as_one_unit(kvh, group, d, dtype, isa, monkeypatch):
-    """Steps of decodes alone (one query a sequence) with too few (sequence, kv head) tasks for the threads run each
-    sequence's kv heads together, chunk by chunk (paged_attention.c's attention_heads_mode), their keys split across
-    threads into parts of a few blocks; with more tasks, a task a unit: one sequence short and long, a sliding window,
-    attention sinks, three sequences of unequal lengths; the output equals torch_native's."""
+    """Steps of decodes alone (one query a sequence) run each sequence's kv heads together, chunk by chunk
+    (paged_attention.c's attention_heads_mode), the keys of too few sequences split across threads: one sequence short
+    and long, a sliding window, attention sinks, three sequences of unequal lengths; the output equals
+    torch_native's."""
     if isa == "portable":
         monkeypatch.setenv("MINIVLLM_CPU_ISA", "portable")
     rng = random.Random(kvh * 100 + group)

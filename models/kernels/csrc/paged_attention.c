@@ -887,29 +887,16 @@ static int attention_parts(int num_tasks, int max_len, int window, int num_threa
     return parts;
 }
 
-/* A decode step whose tasks are too few to keep every thread busy (batch 1: the keys split into partitions) runs each
- * sequence's tasks as one unit, every kv head in turn over each chunk of keys (run_keys), where the heads' rows fit a
- * unit's workspace. One head's K of a block is 2 KB for the default model, too short a run for the hardware
- * prefetchers; every head's K of a block is one run, and the blocks of a fresh sequence follow each other (a decode
- * step of the default model at depth 352 on a 2-core EPYC: 346 -> 317 us of attention; the 1B shape's 8 kv heads,
- * enough tasks a step, were 5% slower this way). */
+/* A decode step (one query a sequence) runs each sequence's tasks as one unit, every kv head in turn over each chunk of
+ * keys (run_keys), where the heads' rows fit a unit's workspace; a sequence's keys split into partitions as
+ * attention_parts splits a task's when the sequences are too few for the threads. One head's K of a block is 2 KB for
+ * the default model, too short a run for the hardware prefetchers; every head's K of a block is one run, and the
+ * blocks of a fresh sequence follow each other. Decode steps at batch 1 on a 2-core EPYC, attention a step: the
+ * default model at depth 352 314-331 -> 293-299 us, the 1B shape (8 kv heads) at 434 1,060 -> 930-980 us; an fp8
+ * cache at depth 4,000 2.8-2.9 -> 1.9 ms (scripts/bench_attention.py). */
 #define MAX_UNIT_HEADS 8
-static int attention_heads_mode(int num_tokens, int num_seqs, int num_heads, int num_kv_heads, int num_threads) {
-    return num_tokens == num_seqs && num_seqs * num_kv_heads < 4 * num_threads && num_kv_heads > 1 &&
-           num_kv_heads <= MAX_UNIT_HEADS && num_heads <= MAX_ROWS;
-}
-
-/* Partitions of each sequence's keys in attention_heads_mode: as attention_parts, with parts of at least MIN_PART keys
- * over all heads together, and whole rounds of units where the count allows (fewer parts, not more) */
-static int attention_parts_heads(int num_seqs, int max_len, int window, int num_threads, int num_kv_heads) {
-    if (num_seqs <= 0 || num_seqs >= 4 * num_threads) return 1;
-    const int span = window && window + QT < max_len ? window + QT : max_len;
-    const int min_part = (MIN_PART / num_kv_heads + CHUNK - 1) / CHUNK * CHUNK;
-    const int most = (span + min_part - 1) / min_part;
-    int parts = (4 * num_threads + num_seqs - 1) / num_seqs;
-    parts = parts < most ? parts : most;
-    while ((num_seqs * parts) % num_threads && parts > 1) parts--;
-    return parts;
+static int attention_heads_mode(int num_tokens, int num_seqs, int num_heads, int num_kv_heads) {
+    return num_tokens == num_seqs && num_kv_heads > 1 && num_kv_heads <= MAX_UNIT_HEADS && num_heads <= MAX_ROWS;
 }
 
 /* Floats of a thread's workspace for head_dim D: acc, qf, bfloat16 queries (rows of MAX_ROWS * D), a K/V chunk, lv */
@@ -924,8 +911,8 @@ int attention_workspace(int num_tiles, int max_len, int num_heads, int num_kv_he
     if (D > MAX_HEAD_DIM || num_heads / num_kv_heads * QT > MAX_ROWS || (kvq == 1 && D % 32)) return -1;
     const size_t row_floats = (size_t)MAX_ROWS * D, num_tasks = (size_t)num_tiles * num_kv_heads;
     const int per_head = attention_parts((int)num_tasks, max_len, window, num_threads);
-    /* a decode step (attention_heads_mode: one tile a sequence) may split its sequences' keys otherwise */
-    const int per_seq = attention_parts_heads(num_tiles, max_len, window, num_threads, num_kv_heads);
+    /* a decode step (attention_heads_mode: a tile and a unit a sequence) splits its sequences' keys instead */
+    const int per_seq = attention_parts(num_tiles, max_len, window, num_threads);
     const int parts = per_head > per_seq ? per_head : per_seq;
     /* per unit when split: acc, m, l */
     *thread_floats = attention_thread_floats(D);
@@ -970,10 +957,9 @@ int attention_workspace(int num_tiles, int max_len, int num_heads, int num_kv_he
         }                                                                                              \
         /* 2. tasks (sequence, kv head, query tile), each sequence's in one unit in attention_heads_mode */        \
         const int num_tasks = tile_start[num_seqs] * num_kv_heads;                                     \
-        const int heads_mode = attention_heads_mode(num_tokens, num_seqs, num_heads, num_kv_heads, num_threads);     \
+        const int heads_mode = attention_heads_mode(num_tokens, num_seqs, num_heads, num_kv_heads);    \
         const int nh = heads_mode ? num_kv_heads : 1; /* the tasks (kv heads) of a unit */             \
-        const int parts = heads_mode ? attention_parts_heads(num_seqs, max_len, window, num_threads, num_kv_heads) \
-                                     : attention_parts(num_tasks, max_len, window, num_threads);       \
+        const int parts = attention_parts(num_tasks / nh, max_len, window, num_threads);               \
         const size_t row_floats = (size_t)MAX_ROWS * D;                                                \
         const size_t ws_floats = attention_thread_floats(D);                                           \
         _Pragma("omp for schedule(dynamic, 1)")                                                                       \
