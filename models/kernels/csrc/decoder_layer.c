@@ -114,7 +114,9 @@ PAGED_ATTENTION_DECL(bf16_q, bf16, uint8_t)
 
 void *kernel_scratch(int slot, size_t bytes);
 /* the team forms of the kernels (layer_ops.c, gguf_linear.c, paged_attention.c): called by every thread of a team
- * inside one parallel region, each returning once its output is whole */
+ * inside one parallel region, each returning once its output is whole, but layer_ops.c's per-token ops, which return
+ * once the thread's own tokens are done: each is followed here by a kernel whose first loop gives the thread the same
+ * tokens (a linear's activations, the attention's K/V write) */
 void add_rms_norm_float_team(float *residual, const float *delta, const float *weight, float *out, int num_tokens,
                              int hidden, float eps, int num_threads);
 void rotary_float_team(float *x, int num_tokens, int heads, int stride, int head_stride, int D, const float *cos_t,

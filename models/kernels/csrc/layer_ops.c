@@ -18,8 +18,11 @@ static inline float f32_id(float x) { return x; }
 /* Each op below is a function of one token, NAME_tok(..., t), run over the tokens two ways: NAME(...) on a team of
  * its own (past one token), and NAME_team(...) by the calling thread's team, inside a parallel region every one of
  * its threads enters with the same arguments (decoder_layer.c's one region a step: no team woken per op). The
- * tokens are shared out statically, each computed as by NAME, and NAME_team returns on every thread once all are
- * done (the `omp for`'s barrier). */
+ * tokens are shared out statically, each computed as by NAME, and NAME_team returns on each thread once its own
+ * tokens are done, without waiting for the others (`nowait`): the next kernel of a layer begins with a static `omp
+ * for` over the same tokens (a linear's activations, the attention's K/V write), which OpenMP gives each thread the
+ * same tokens in, so it reads only rows its own thread wrote, and its barrier then waits for all (three barriers of
+ * the ~15 a layer). A caller reading other tokens' rows first needs a barrier. */
 #define OVER_TOKENS(NAME, PARAMS, ARGS)                                                                \
     void NAME PARAMS {                                                                                 \
         _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
@@ -27,7 +30,7 @@ static inline float f32_id(float x) { return x; }
     }                                                                                                  \
     void NAME##_team PARAMS {                                                                          \
         (void)num_threads;                                                                             \
-        _Pragma("omp for schedule(static)")                                                            \
+        _Pragma("omp for schedule(static) nowait")                                                     \
         for (int t = 0; t < num_tokens; t++) NAME##_tok ARGS;                                          \
     }
 
