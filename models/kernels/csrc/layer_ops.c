@@ -21,8 +21,8 @@ static inline float f32_id(float x) { return x; }
  * tokens are shared out statically, each computed as by NAME, and NAME_team returns on each thread once its own
  * tokens are done, without waiting for the others (`nowait`): the next kernel of a layer begins with a static `omp
  * for` over the same tokens (a linear's activations, the attention's K/V write), which OpenMP gives each thread the
- * same tokens in, so it reads only rows its own thread wrote, and its barrier then waits for all (three barriers of
- * the ~15 a layer). A caller reading other tokens' rows first needs a barrier. */
+ * same tokens in, so it reads only rows its own thread wrote, and its barrier then waits for all (the norms', rotary's
+ * and SiLU's barriers: four of a layer's ~15). A caller reading other tokens' rows first needs a barrier. */
 #define OVER_TOKENS(NAME, PARAMS, ARGS)                                                                \
     void NAME PARAMS {                                                                                 \
         _Pragma("omp parallel for num_threads(num_threads) if (num_tokens > 1)")                       \
