@@ -19,7 +19,8 @@
  * Keys are consumed in chunks of up to 16 (never crossing a block) with the online softmax of
  * FlashAttention (Dao et al. 2022): no score row is stored, K and V are each read once. When a step has
  * fewer tasks than threads can share (batch 1), each task's keys are split into partitions that run in
- * parallel and are merged by their log-sum-exp (flash-decoding, Dao et al. 2023).
+ * parallel and are merged by their log-sum-exp (flash-decoding, Dao et al. 2023). A decode step (one query a
+ * sequence) runs a sequence's tasks, every kv head, as one unit (attention_heads_mode), its keys split alike.
  *
  * ISA. bfloat16 with head_dim 64 or 128 takes an AVX-512 path when the CPU has AVX512-BF16 (checked at
  * run time; `isa` 0 forces the portable path): scores from _mm512_dpbf16_ps over keys transposed into
