@@ -136,6 +136,16 @@ def run_hf_continuous(model, reqs: list[Request], cb_config: ContinuousBatchingC
     return [list(r.generated_tokens) for r in results.values()]  # in input order
 
 
+def run_json(cmd: list[str], name: str, env: dict | None = None) -> dict:
+    """Runs a peer's runner `cmd` (with `env` added to the environment) and returns the last JSON line it printed.
+    Raises RuntimeError, naming `name`, where it failed or printed none."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
 def run_vllm(script: Path, model_dir: str, dtype: str, reqs: list[Request], env: dict | None = None) -> float:
     """One vLLM-CPU process on `reqs` (it warms up on 4 of them, then times one `generate` call), with `env` added
     to its environment; returns its output tokens/s."""
@@ -143,16 +153,11 @@ def run_vllm(script: Path, model_dir: str, dtype: str, reqs: list[Request], env:
         for r in reqs:
             f.write(json.dumps({"prompt_token_ids": r.prompt_token_ids}) + "\n")
         f.flush()
-        proc = subprocess.run(
+        result = run_json(
             [str(script), "--model", model_dir, "--dtype", dtype, "--repeats", "1", "--workload", f.name],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **(env or {})},
+            str(script),
+            env,
         )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    result = json.loads(lines[-1])
     if result["requests"] != len(reqs):
         raise RuntimeError(f"vLLM ran {result['requests']} requests, expected {len(reqs)}")
     return result["output_tok_s_median"]
@@ -177,15 +182,7 @@ def run_openvino(script: Path, gguf: str, reqs: list[Request]) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as f:
         f.writelines(json.dumps({"prompt": r.prompt}) + "\n" for r in reqs)
         f.flush()
-        proc = subprocess.run(
-            ["bash", str(script), gguf, "--requests", str(len(reqs)), "--workload", f.name],
-            capture_output=True,
-            text=True,
-        )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1])
+        return run_json(["bash", str(script), gguf, "--requests", str(len(reqs)), "--workload", f.name], str(script))
 
 
 def ms_per_token(run, prompt: list[int], n: int) -> float:
@@ -216,27 +213,9 @@ def vllm_latency(
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as f:
         f.writelines(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts)
         f.flush()
-        proc = subprocess.run(
-            [
-                str(venv / "bin" / "python"),
-                str(REPO / "scripts" / "vllm_latency.py"),
-                "--model",
-                model_dir,
-                "--dtype",
-                dtype,
-                "--prompts",
-                f.name,
-                "--max-tokens",
-                str(n),
-            ],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vllm_latency.py failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1])["ms_per_token"]
+        cmd = [str(venv / "bin" / "python"), str(REPO / "scripts" / "vllm_latency.py"), "--model", model_dir]
+        cmd += ["--dtype", dtype, "--prompts", f.name, "--max-tokens", str(n)]
+        return run_json(cmd, "vllm_latency.py", env)["ms_per_token"]
 
 
 def llama_bench(
