@@ -130,6 +130,10 @@ class LlamaForCausalLM(nn.Module):
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
         self.fused_stack: FusedDecoderStack | bool | None = None  # the layers in one C call (FusedDecoderStack)
+        self.step_logits: torch.Tensor | None = None  # the logits a forward computed with its last C call
+
+    # forward takes `logits_indices` and may compute those rows' logits with the layers (take_step_logits)
+    fuses_logits = True
 
     def forward(
         self,
@@ -138,21 +142,29 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         attn_metadata: list[AttentionMetadata],
         residual: torch.Tensor | None = None,
+        logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of one step's tokens `input_ids` at `positions` (int64 [T]); kv_caches and
         attn_metadata: those of each layer of this pipeline stage (a layer's KV cache group's metadata); on a
         stage but the first, the previous stage's float32 `residual` [T, hidden] instead of the embeddings,
-        and on a stage but the last the residual stream is returned instead of the final norm's output."""
+        and on a stage but the last the residual stream is returned instead of the final norm's output. Where the
+        whole stage runs in one C call (FusedDecoderStack.step), the embedding, the final norm and the logits of the
+        rows `logits_indices` (int64, increasing) run in it too: take_step_logits then gives those logits."""
         # The residual stream stays float32 (see models/kernels/csrc/layer_ops.c); sublayers run in the model dtype
         # (a quantized model's linears in float32: load_weights).
-        if self.pp.is_first:
-            residual = self.embed_tokens(input_ids).float()
-            if self.embedding_multiplier != 1.0:
-                residual *= self.embedding_multiplier
-        x, rope = None, self.rotary(positions)
+        self.step_logits = None
         if self.fused_stack is None:  # every layer in one C call for small CPU steps; built at the first step
-            self.fused_stack = FusedDecoderStack.build(list(self.layers[self.pp.start_layer : self.pp.end_layer]))
-            self.fused_stack = self.fused_stack or False
+            self.fused_stack = self._build_stack() or False
+        if self.fused_stack and self.fused_stack.ends is not None:
+            if self.pp.is_first and not self.fused_stack.ends.embed:
+                residual = self._embed(input_ids)
+            done = self.fused_stack.step(input_ids, positions, residual, kv_caches, attn_metadata, logits_indices)
+            if done is not None:
+                hidden, self.step_logits = done
+                return hidden
+        if self.pp.is_first and residual is None:
+            residual = self._embed(input_ids)
+        x, rope = None, self.rotary(positions)
         out = self.fused_stack(residual, x, rope, kv_caches, attn_metadata) if self.fused_stack else None
         if out is not None:
             x = out
@@ -161,6 +173,35 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv_cache, meta in zip(layers, kv_caches, attn_metadata):
                 x = layer(residual, x, rope, kv_cache, meta)
         return self.norm(residual, x) if self.pp.is_last else residual.add_(x)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The float32 residual stream [T, hidden] a first stage starts from: the tokens' embeddings (Granite's
+        multiplier applied)."""
+        residual = self.embed_tokens(input_ids).float()
+        if self.embedding_multiplier != 1.0:
+            residual *= self.embedding_multiplier
+        return residual
+
+    def _build_stack(self) -> FusedDecoderStack | None:
+        """The stage's layers in one C call (None where a layer has no fused form), with the model's ends where the
+        call can take them: the embedding (without Granite's multiplier), the final norm and the LM head (without
+        its logits divisor)."""
+        stack = FusedDecoderStack.build(list(self.layers[self.pp.start_layer : self.pp.end_layer]))
+        if stack is not None:
+            head = self.embed_tokens if self.lm_head is None else self.lm_head
+            stack.add_ends(
+                self.embed_tokens if self.pp.is_first and self.embedding_multiplier == 1.0 else None,
+                self.rotary,
+                self.norm if self.pp.is_last else None,
+                head if self.pp.is_last and self.logits_scaling == 1.0 else None,
+            )
+        return stack
+
+    def take_step_logits(self) -> torch.Tensor | None:
+        """The logits the last forward computed for its `logits_indices` (float32 [N, vocab], compute_logits'
+        values), once; None where it left them to compute_logits."""
+        logits, self.step_logits = self.step_logits, None
+        return logits
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)

@@ -427,8 +427,7 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if batch.prompt_rows:
             out.prompt_logprobs = prompt_logprobs.collect(self.model, hidden, batch.prompt_rows)
-        indices = batch.model_inputs.logits_indices
-        logits = self.model.compute_logits(hidden[indices]) if indices.shape[0] else None
+        logits = self._logits(hidden, batch.model_inputs.logits_indices)
         if not self.is_driver:
             return None
         if batch.pooling_rows:
@@ -458,7 +457,19 @@ class ModelRunner:
             if backend is not None:  # None: the recurrent layers' group
                 backend.plan(meta)
         layer_metas = [metas[g] for g in self.stage_layer_groups]
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, layer_metas, residual)
+        # a model that can compute its logits with its last C call is told which rows need them (take_step_logits)
+        fused = {"logits_indices": inputs.logits_indices} if getattr(self.model, "fuses_logits", False) else {}
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, layer_metas, residual, **fused)
+
+    def _logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
+        """The logits [len(indices), vocab] of hidden's rows `indices` (int64, increasing): the ones the forward
+        computed with them where the model did (take_step_logits), else compute_logits'; None for no rows (and on a
+        tensor-parallel rank but the first)."""
+        take = getattr(self.model, "take_step_logits", None)
+        logits = take() if take is not None else None
+        if logits is not None:
+            return logits
+        return self.model.compute_logits(hidden[indices]) if indices.shape[0] else None
 
     @torch.inference_mode()
     def compute_logits_of_rows(
@@ -470,7 +481,7 @@ class ModelRunner:
         tables = [(t,) for t in block_tables]  # a draft model keeps one KV cache group
         inputs, _ = build_model_inputs(token_ids, starts, tables, num_logits, self.block_size, self.device)
         hidden = self.forward(inputs)
-        return self.model.compute_logits(hidden[inputs.logits_indices]).cpu() if sum(num_logits) else None
+        return self._logits(hidden, inputs.logits_indices).cpu() if sum(num_logits) else None
 
     def _sample(
         self, logits: torch.Tensor, batch: StepBatch, grammar_output: GrammarOutput | None, out: ModelRunnerOutput

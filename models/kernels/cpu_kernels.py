@@ -50,6 +50,8 @@ RETURNS_STATUS = {
     "gguf_amx_enable",
     "decoder_layer_float",
     "decoder_layers_float",
+    "decoder_step_float",
+    "gguf_embed_rows",
     "delta_layer_float",
     "top_k_float",
 }
@@ -80,6 +82,8 @@ SIGNATURES = {
     "gguf_amx_enable": [_i],
     "decoder_layer_float": [_p, _p, _p, _p, _i] + [_p] * 8 + [_i] * 4,
     "decoder_layers_float": [_p, _i, _p, _p, _p, _i] + [_p] * 8 + [_i] * 4,
+    "decoder_step_float": [_p, _p, _i, _p, _p, _p, _p, _p, _i, _p, _p] + [_p] * 6 + [_i] * 4 + [_p, _i, _p, _p],
+    "gguf_embed_rows": [_i, _p, _i, _i, _i, _p, _i, _p, _i, _i],
     "top_k_float": [_p, _i, _i, _i, _p, _i],
     "delta_layer_float": [_p, _p, _p, _p, _i, _p, _l, _p, _i],
     "moe_route_float": [_p, _i, _i, _p, _p, _i, _i, _i, _p, _p, _i],

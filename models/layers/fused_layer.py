@@ -27,7 +27,14 @@ from models.attention.kv_cache_dtype import STORAGE
 from models.kernels import cpu_kernels, ops
 from models.layers.fused_moe import SparseMoeBlock
 from models.layers.mlp import SwiGLUMLP
-from models.quantization.gguf import R16_COPY_MIN_ROWS, GGUFLinearMethod, GGUFMoEMethod, GGUFTensor, r16_int8
+from models.quantization.gguf import (
+    R16_COPY_MIN_ROWS,
+    GGUFEmbeddingMethod,
+    GGUFLinearMethod,
+    GGUFMoEMethod,
+    GGUFTensor,
+    r16_int8,
+)
 
 MAX_SEGMENTS = 4  # decoder_layer.c's: q | k | v | Qwen3.5's output gate
 # LayerLinear.kernel: the kernel of a segment (decoder_layer.c's gguf_linear, gguf_q8_linear, gguf_r16_linear)
@@ -271,11 +278,16 @@ class FusedDecoderLayer:
     def takes(self, residual, x, rope, k_cache, max_rows: int) -> bool:
         """Whether a step of `residual`'s rows (at most `max_rows`) with these tensors is one the call computes."""
         tensors = (residual, *rope) if x is None else (residual, x, *rope)
+        return self.takes_rows(residual.shape[0], k_cache, max_rows) and all(
+            t.dtype == torch.float32 and t.is_contiguous() for t in tensors
+        )
+
+    def takes_rows(self, rows: int, k_cache, max_rows: int) -> bool:
+        """Whether a step of `rows` rows (at most `max_rows`) over `k_cache` is one the call computes."""
         return (
-            residual.shape[0] <= max_rows
+            rows <= max_rows
             and ops.kernels_enabled()
             and k_cache.dtype == (STORAGE[self.backend.kv_quant] if self.backend.kv_quant else self.attn_dtype)
-            and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
         )
 
     def step_args(self, residual, x, rope, meta: AttentionMetadata) -> tuple[torch.Tensor, tuple, tuple]:
@@ -306,6 +318,44 @@ class FusedDecoderLayer:
         return out
 
 
+class StepEnds(ctypes.Structure):
+    """decoder_layer.c's StepEnds: the token embedding and rotary tables of a model's first pipeline stage, and the
+    final norm and LM head of its last, that decoder_step_float computes with the layers (NULL: the caller's)."""
+
+    _fields_ = [
+        ("embed", ctypes.c_void_p),
+        ("embed_type", ctypes.c_int),
+        ("embed_r16", ctypes.c_int),
+        ("embed_rows", ctypes.c_int),
+        ("embed_bf16", ctypes.c_int),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("table_rows", ctypes.c_int),
+        ("half", ctypes.c_int),
+        ("norm", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("head", LayerLinear),
+        ("head_blocks", ctypes.c_void_p),
+        ("head_type", ctypes.c_int),
+        ("head_r16", ctypes.c_int),
+        ("vocab", ctypes.c_int),
+        ("refine_k", ctypes.c_int),
+    ]
+
+
+def _gguf_table(module) -> GGUFTensor | None:
+    """The GGUF weight of a token embedding or LM head (VocabParallelEmbedding) held whole on one rank, else None."""
+    method = getattr(module, "quant_method", None)
+    if not isinstance(method, GGUFEmbeddingMethod) or getattr(module, "tp", None) is not None:
+        return None
+    w = method.weight
+    return w if isinstance(w, GGUFTensor) and w.data.device.type == "cpu" else None
+
+
+def _cpu_float32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
 class FusedDecoderStack:
     """Consecutive fused layers (a model's, or a pipeline stage's) run by one `decoder_layers_float` call per step:
     the per-layer Python of FusedDecoderLayer (argument checks, a new output tensor, a ctypes call of 17 arguments:
@@ -325,6 +375,9 @@ class FusedDecoderStack:
         self.max_rows = min(layer.max_rows for layer in layers)
         self._descs = (ctypes.c_void_p * len(layers))(*(ctypes.addressof(layer.desc) for layer in layers))
         self._caches: tuple | None = None  # (the caches' addresses, k array, v array), rebuilt when they move
+        self.ends: StepEnds | None = None  # add_ends: the model's ends computed in the same call (`step`)
+        self._ends_keep: list[torch.Tensor] = []  # the tensors whose addresses `ends` holds
+        self.head_rows = 0  # the most logits rows the ends' LM head takes (0: no head; compute_logits)
 
     @classmethod
     def build(cls, modules: list) -> "FusedDecoderStack | None":
@@ -339,6 +392,91 @@ class FusedDecoderStack:
         if len({f.attn_dtype for f in layers}) != 1:
             return None
         return cls(modules, layers)
+
+    def add_ends(self, embed, rotary, norm, head) -> bool:
+        """Lets `step` compute the model's ends with the layers: `embed` the token embedding of a first pipeline
+        stage (None: `step` takes the stream the caller made), `rotary` the RotaryEmbedding, `norm` the final RMSNorm
+        and `head` the module whose `logits` are the LM head's on the last stage (None on the others, and for a head
+        left to compute_logits). An embedding or head is taken where its weight is a GGUFTensor held whole on the
+        CPU, the same one that module's ops compute with; the head's logits are then the ones its `logits` gives,
+        rescored as it rescores them. Returns False, `step` off, where the rotary tables or the final norm are not
+        float32 CPU tensors."""
+        tables = (rotary.cos, rotary.sin)
+        if not all(_cpu_float32(t) and t.dim() == 2 for t in tables):
+            return False
+        if norm is not None and not _cpu_float32(norm.weight):
+            return False
+        e = StepEnds(cos=tables[0].data_ptr(), sin=tables[1].data_ptr(), table_rows=tables[0].shape[0])
+        e.half = tables[0].shape[1]
+        keep = list(tables)
+        if embed is not None and (w := _gguf_table(embed)) is not None:
+            e.embed, e.embed_type, e.embed_r16, e.embed_rows = w.data.data_ptr(), int(w.qtype), int(w.r16), w.rows
+            e.embed_bf16 = int(embed.quant_method.dtype == torch.bfloat16)  # looked up in the model dtype
+            keep.append(w.data)
+        if norm is not None:
+            e.norm, e.eps = norm.weight.data_ptr(), norm.eps
+            keep.append(norm.weight)
+            if head is not None and (w := _gguf_table(head)) is not None:
+                e.head = _linear(head, [w], None)
+                e.head_blocks, e.head_type, e.head_r16, e.vocab = w.data.data_ptr(), int(w.qtype), int(w.r16), w.rows
+                e.refine_k = min(ops.REFINE_TOP, w.rows)  # GGUFEmbeddingMethod.logits' rescoring
+                keep += [w.data] + ([] if w.r16_copy is None else [w.r16_copy])
+                self.head_rows = w.kernel_rows
+        self.ends, self._ends_keep = e, keep
+        return True
+
+    def step(self, input_ids, positions, residual, kv_caches, metas, logits_indices=None) -> tuple | None:
+        """A step of the stage in one decoder_step_float call, with the ends add_ends gave: the embedding of
+        input_ids (int64 [T]) where `residual` is None (a first stage whose embedding the call takes), else the
+        stream `residual` (float32 [T, hidden]: the previous stage's, or the caller's embedding; updated in place);
+        the rotary tables' rows at positions (int64 [T]); the layers (kv_caches and metas as __call__ takes them);
+        on the last stage the final norm and, for the increasing rows `logits_indices` (int64 [N]) of its output,
+        the LM head's logits as its `logits` computes them. Returns (the normed hidden states [T, hidden], or on a
+        stage but the last the residual stream after its layers; float32 logits [N, vocab], or None where the head
+        was left to compute_logits), or None, nothing done, where __call__ would decline the step or `step` is off.
+        Raises ValueError when a kernel refuses a shape or a token id or position is outside its table."""
+        e, first = self.ends, self.first
+        T = positions.shape[0]
+        ints = [positions] + ([input_ids] if residual is None else [])
+        ints += [] if logits_indices is None else [logits_indices]
+        if (
+            e is None
+            or (residual is None and not e.embed)
+            or (residual is not None and not _cpu_float32(residual))
+            or any(t.dtype != torch.int64 or not t.is_contiguous() for t in ints)
+            or len(kv_caches) != len(self.layers)
+            or any(m is not metas[0] for m in metas)
+            or any(module.fused is not layer for module, layer in zip(self.modules, self.layers))
+            or not first.takes_rows(T, kv_caches[0][0], self.max_rows)
+        ):
+            return None
+        meta, H = metas[0], first.desc.hidden
+        n = 0 if logits_indices is None or not e.head.n else logits_indices.shape[0]
+        n = n if n <= self.head_rows else 0  # more rows than the head's kernel takes: compute_logits
+        gather = 0 < n < T  # the logits rows copied out first; n == T: every row, in order
+        last = bool(e.norm)
+        own = residual is None and last  # the stream lives only in the call
+        scratch = torch.empty(T * (H * (1 + own) + 2 * e.half) + (n * H if gather else 0), dtype=torch.float32)
+        x = scratch[: T * H].view(T, H)
+        if residual is None:
+            residual = scratch[T * H : 2 * T * H].view(T, H) if own else torch.empty(T, H, dtype=torch.float32)
+        tables = scratch[T * H * (1 + own) :]
+        hidden = torch.empty(T, H, dtype=torch.float32) if last else None
+        logits = torch.empty(n, e.vocab, dtype=torch.float32) if n else None
+        _, k_caches, v_caches = self._cache_arrays(kv_caches)
+        rc = self.lib.decoder_step_float(
+            ctypes.byref(e), self._descs, len(self.layers), input_ids.data_ptr(), positions.data_ptr(),
+            residual.data_ptr(), x.data_ptr(), None if hidden is None else hidden.data_ptr(), T, tables.data_ptr(),
+            tables.data_ptr() + 4 * T * e.half, k_caches, v_caches, meta.slot_mapping.data_ptr(),
+            meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), meta.num_seqs,
+            meta.block_tables.shape[1], first.backend.isa, torch.get_num_threads(),
+            logits_indices.data_ptr() if n else None, n, tables.data_ptr() + 4 * 2 * T * e.half if gather else None,
+            None if logits is None else logits.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            why = "a token id or position outside its table" if rc == -2 else "a kernel refused a layer's shapes"
+            raise ValueError(f"decoder_step_float: {why} (status {rc})")
+        return (hidden if last else residual), logits
 
     def _cache_arrays(self, kv_caches) -> tuple:
         key = tuple(k.data_ptr() for k, _ in kv_caches)

@@ -41,55 +41,66 @@ def _gguf_settings(monkeypatch, **env: str):
 
 
 def _generate(llm, prompts, mode: str, params):
-    """Generates with every layer fused where it can be, as one C call for the whole stack (the default), or one
-    call per layer ("layers"), or every layer op by op ("plain"). A model without a one-call stack (Qwen3.5) runs
-    its layers' calls in both fused modes."""
+    """Generates with every layer fused where it can be: the whole stage in one C call with the model's ends (the
+    embedding, the final norm and the LM head: FusedDecoderStack.step, the default, "step"), the layers alone in one
+    call ("stack"), one call per layer ("layers"), or every layer op by op ("plain"). A model without a one-call
+    stack (Qwen3.5) runs its layers' calls in every fused mode."""
     model = llm.engine.engine_core.executor.runner.model
     has_stack = hasattr(model, "fused_stack")
-    saved = getattr(model, "fused_stack", None), [layer.fused for layer in model.layers]
+    if has_stack and model.fused_stack is None and mode == "stack":
+        model.fused_stack = model._build_stack() or False
+    stack = getattr(model, "fused_stack", None)
+    saved = stack, [layer.fused for layer in model.layers], getattr(stack, "ends", None)
     if mode == "layers" and has_stack:
         model.fused_stack = False
+    elif mode == "stack" and stack:
+        stack.ends = None
     elif mode == "plain":
         for layer in model.layers:
             layer.fused = False
     try:
         return llm.generate(prompts, params, use_tqdm=False)
     finally:  # what the mode turned off (and a stack built over turned-off layers) as it was
-        if mode != "stack" and has_stack:
+        if mode != "step" and has_stack:
             model.fused_stack = saved[0]
+        if mode == "stack" and stack:
+            stack.ends = saved[2]
         if mode == "plain":
             for layer, f in zip(model.layers, saved[1]):
                 layer.fused = f
 
 
-def _counting(monkeypatch, *classes) -> list[tuple[type, bool]]:
-    """A list that gets (class, whether it computed the step) for every call of the classes' instances."""
+def _counting(monkeypatch, *classes) -> list[tuple[type, str, bool]]:
+    """A list that gets (class, method, whether it computed the step) for every call of the classes' instances:
+    __call__, and a stack's `step`."""
     calls = []
     for cls in classes:
+        for name in ("__call__", "step") if cls is FusedDecoderStack else ("__call__",):
 
-        def counted(self, *args, real=cls.__call__):
-            out = real(self, *args)
-            calls.append((type(self), out is not None))
-            return out
+            def counted(self, *args, real=getattr(cls, name), name=name):
+                out = real(self, *args)
+                calls.append((type(self), name, out is not None))
+                return out
 
-        monkeypatch.setattr(cls, "__call__", counted)
+            monkeypatch.setattr(cls, name, counted)
     return calls
 
 
 def _assert_fused_equals_plain(
     llm, prompts, monkeypatch, stack: bool = True, layer_classes: tuple = (FusedDecoderLayer,)
 ) -> None:
-    """Greedy tokens and their logprobs of decode steps of 1 and 8 rows, the whole stack in one call (unless not
-    `stack`) and one call per layer against op by op, bit for bit, while each fused path really ran (in the per-layer
-    mode, every one of `layer_classes`)."""
+    """Greedy tokens and their logprobs of decode steps of 1 and 8 rows, the whole stage in one call with the
+    model's ends and without them (unless not `stack`) and one call per layer against op by op, bit for bit, while
+    each fused path really ran (in the per-layer mode, every one of `layer_classes`)."""
     calls = _counting(monkeypatch, FusedDecoderStack, *layer_classes)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    stacks = [("step", {(FusedDecoderStack, "step")}), ("stack", {(FusedDecoderStack, "__call__")})]
     for batch in [prompts[:1], prompts]:  # 1-row and 8-row decode steps
         plain = _generate(llm, batch, "plain", params)
-        for mode, ran in [("stack", (FusedDecoderStack,))] * stack + [("layers", layer_classes)]:
+        for mode, ran in stacks * stack + [("layers", {(cls, "__call__") for cls in layer_classes})]:
             calls.clear()
             fused = _generate(llm, batch, mode, params)
-            assert {(cls, True) for cls in ran} <= set(calls), f"a fused path ({mode}) never ran"
+            assert {(cls, name, True) for cls, name in ran} <= set(calls), f"a fused path ({mode}) never ran"
             for a, b in zip(fused, plain):
                 assert a.outputs[0].token_ids == b.outputs[0].token_ids
                 assert [lp.logprob for lp in a.outputs[0].logprobs] == [lp.logprob for lp in b.outputs[0].logprobs]

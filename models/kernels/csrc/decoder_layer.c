@@ -486,6 +486,84 @@ int decoder_layers_float(const LayerDesc *const *L, int n, float *residual, cons
     return rc;
 }
 
+/* ---- A step's layers with the ends of the model in one call ----
+ * Around the layers' one call a batch-1 decode step ran ~10 Python-level ops: the embedding lookup, the rotary
+ * tables' gather, the final norm, the LM head and the rescoring of its best logits. With the caches cold from the
+ * layers' weights each cost 20-80 us (0.3 ms a step of the default model on a Zen 4 EPYC, against ~1 ms for all of
+ * the step's Python). decoder_step_float runs them here with the kernels their ops call (gguf_embed_rows,
+ * add_rms_norm_float, the LM head's layer_linear, gguf_refine_top), so the result is the op-by-op model's bit for
+ * bit. */
+
+int gguf_embed_rows(int type, const uint8_t *w, int r16, int rows, int K, const int64_t *ids, int n, float *dst,
+                    int round_bf16, int num_threads);
+int gguf_refine_top(const float *hidden, int n, int K, const uint8_t *w, int type, int r16, float *out, int V, int k,
+                    int num_threads);
+
+/* The ends of a model's stack that decoder_step_float computes, filled by models/layers/fused_layer.py's
+ * StepEnds: a NULL pointer (head.n 0) leaves that end to the caller */
+typedef struct {
+    /* the first pipeline stage's token embedding: GGUF rows [embed_rows, hidden] (R16 where embed_r16), rounded to
+     * bfloat16 first where embed_bf16 (looked up in a bfloat16 model's dtype) */
+    const uint8_t *embed;
+    int embed_type, embed_r16, embed_rows, embed_bf16;
+    const float *cos, *sin; /* the rotary tables, float32 [table_rows, half] */
+    int table_rows, half;
+    /* the last stage's final RMSNorm (float32 [hidden]) and LM head [vocab, hidden], whose rows' best refine_k
+     * logits are rescored from head_blocks (ggml blocks, or R16 where head_r16: gguf_refine_top) */
+    const float *norm;
+    float eps;
+    LayerLinear head;
+    const uint8_t *head_blocks;
+    int head_type, head_r16, vocab, refine_k;
+} StepEnds;
+
+/* One step of a model's stage, the layers L[0 .. n-1] as decoder_layers_float runs them (its metadata arguments),
+ * with E's ends: residual float32 [M, hidden] is the embedding of ids [M] where E->embed (written here), else the
+ * previous stage's stream (in place); cos_t, sin_t float32 [M, half] are the rotary tables' rows at positions [M]
+ * where E->cos (written here), else the caller's; x [M, hidden] takes the last layer's MLP output. Where E->norm,
+ * hidden [M, hidden] = RMSNorm(residual + x) and, where E->head.n, logits float32 [n_rows, vocab] are the LM head's
+ * of hidden's rows `rows` [n_rows] (hrows [n_rows, hidden] their copy, NULL when n_rows == M and rows are 0 ..
+ * M - 1), rescored (gguf_refine_top); else residual += x (the stream passed on to the next stage). Returns 0, -2 for
+ * a token id or position outside its table (nothing computed), or the first failing kernel's status. */
+int decoder_step_float(const StepEnds *E, const LayerDesc *const *L, int n, const int64_t *ids,
+                       const int64_t *positions, float *residual, float *x, float *hidden, int M, float *cos_t,
+                       float *sin_t, void *const *k_caches, void *const *v_caches, const int64_t *slot_mapping,
+                       const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
+                       int num_seqs, int max_blocks, int isa, int nt, const int64_t *rows, int n_rows, float *hrows,
+                       float *logits) {
+    const int H = L[0]->hidden;
+    if (E->cos)
+        for (int m = 0; m < M; m++) {
+            if (positions[m] < 0 || positions[m] >= E->table_rows) return -2;
+            memcpy(cos_t + (size_t)m * E->half, E->cos + (size_t)positions[m] * E->half, sizeof(float) * E->half);
+            memcpy(sin_t + (size_t)m * E->half, E->sin + (size_t)positions[m] * E->half, sizeof(float) * E->half);
+        }
+    int rc;
+    if (E->embed &&
+        (rc = gguf_embed_rows(E->embed_type, E->embed, E->embed_r16, E->embed_rows, H, ids, M, residual, E->embed_bf16,
+                              nt)))
+        return rc;
+    if ((rc = decoder_layers_float(L, n, residual, NULL, x, M, cos_t, sin_t, k_caches, v_caches, slot_mapping,
+                                   block_tables, seq_lens, query_start_loc, num_seqs, max_blocks, isa, nt)))
+        return rc;
+    if (!E->norm) {
+        for (size_t i = 0; i < (size_t)M * H; i++) residual[i] += x[i];
+        return 0;
+    }
+    add_rms_norm_float(residual, x, E->norm, hidden, M, H, E->eps, nt);
+    if (!E->head.n || n_rows == 0) return 0;
+    const float *h = hidden;
+    if (hrows) {
+        for (int r = 0; r < n_rows; r++)
+            memcpy(hrows + (size_t)r * H, hidden + (size_t)rows[r] * H, sizeof(float) * H);
+        h = hrows;
+    }
+    if ((rc = layer_linear(&E->head, h, 0, H, logits, 0, n_rows, nt))) return rc;
+    return E->refine_k ? gguf_refine_top(h, n_rows, H, E->head_blocks, E->head_type, E->head_r16, logits, E->vocab,
+                                         E->refine_k, nt)
+                       : 0;
+}
+
 /* One layer: decoder_layers_float of n = 1 (x_in, x_out, the cache and the metadata as there) */
 int decoder_layer_float(const LayerDesc *L, float *residual, const float *x_in, float *x_out, int M,
                         const float *cos_t, const float *sin_t, void *k_cache, void *v_cache,

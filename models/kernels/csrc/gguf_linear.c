@@ -277,6 +277,33 @@ long gguf_r16_bytes(int type, int N, int K);
 int gguf_r16_dequantize_rows(int type, const uint8_t *w, int K, const int64_t *ids, int n, void *dst, int dst_bf16,
                              int num_threads);
 
+/* A token embedding's rows: dst float32 [n, K] = rows `ids` [n] of w [rows, K] (ggml blocks, or R16 where `r16`), each
+ * value rounded to bfloat16 first where `round_bf16` (an embedding looked up in a bfloat16 model's dtype and then
+ * widened: models/llama.py's `embed_tokens(ids).float()`), exact as gguf_dequantize and gguf_r16_dequantize_rows.
+ * Returns 0, -1 for a type or shape without a kernel, -2 for an id outside [0, rows). */
+int gguf_embed_rows(int type, const uint8_t *w, int r16, int rows, int K, const int64_t *ids, int n, float *dst,
+                    int round_bf16, int num_threads) {
+    const int bw = block_weights(type);
+    if (bw == 0 || K % bw || (r16 && gguf_r16_bytes(type, 1, K) < 0)) return -1;
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return -2;
+    if (r16) gguf_r16_dequantize_rows(type, w, K, ids, n, dst, 0, num_threads);
+    else {
+        const size_t row_bytes = (size_t)(K / bw) * block_bytes(type);
+        _Pragma("omp parallel num_threads(num_threads) if ((size_t)n * K > 65536)") {
+            uint8_t *q = malloc((size_t)K);
+            float *scale = malloc(sizeof(float) * (K / 16)), *min = malloc(sizeof(float) * (K / 16));
+            _Pragma("omp for schedule(static)")
+            for (int i = 0; i < n; i++)
+                dequantize_row(type, w + (size_t)ids[i] * row_bytes, K / bw, K, q, scale, min, dst + (size_t)i * K);
+            free(q), free(scale), free(min);
+        }
+    }
+    if (round_bf16)
+        for (size_t i = 0; i < (size_t)n * K; i++) dst[i] = bf16_to_f32(f32_to_bf16(dst[i]));
+    return 0;
+}
+
 /* Each row's k highest logits of out [n, V] (float32, in place) recomputed as exact float32 dot products of
  * hidden [n, K] (float32) with their rows of the LM head w [V, K] (ggml blocks, or R16 where `r16`), each row
  * dequantized as gguf_dequantize does: models/kernels/ops.py refine_top's arithmetic (top_k_float, the rows, their
