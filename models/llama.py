@@ -130,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
         self.fused_stack: FusedDecoderStack | bool | None = None  # the layers in one C call (FusedDecoderStack)
-        self.step_logits: torch.Tensor | None = None  # the logits a forward computed with its last C call
+        self.step_logits: tuple | None = None  # the logits (and argmax) a forward computed with its last C call
 
     # forward takes `logits_indices` and may compute those rows' logits with the layers (take_step_logits)
     fuses_logits = True
@@ -149,7 +149,8 @@ class LlamaForCausalLM(nn.Module):
         stage but the first, the previous stage's float32 `residual` [T, hidden] instead of the embeddings,
         and on a stage but the last the residual stream is returned instead of the final norm's output. Where the
         whole stage runs in one C call (FusedDecoderStack.step), the embedding, the final norm and the logits of the
-        rows `logits_indices` (int64, increasing) run in it too: take_step_logits then gives those logits."""
+        rows `logits_indices` (int64, increasing) run in it too: take_step_logits then gives those logits (and their
+        argmax)."""
         # The residual stream stays float32 (see models/kernels/csrc/layer_ops.c); sublayers run in the model dtype
         # (a quantized model's linears in float32: load_weights).
         self.step_logits = None
@@ -160,7 +161,8 @@ class LlamaForCausalLM(nn.Module):
                 residual = self._embed(input_ids)
             done = self.fused_stack.step(input_ids, positions, residual, kv_caches, attn_metadata, logits_indices)
             if done is not None:
-                hidden, self.step_logits = done
+                hidden, logits, argmax = done
+                self.step_logits = None if logits is None else (logits, argmax)
                 return hidden
         if self.pp.is_first and residual is None:
             residual = self._embed(input_ids)
@@ -197,11 +199,11 @@ class LlamaForCausalLM(nn.Module):
             )
         return stack
 
-    def take_step_logits(self) -> torch.Tensor | None:
+    def take_step_logits(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The logits the last forward computed for its `logits_indices` (float32 [N, vocab], compute_logits'
-        values), once; None where it left them to compute_logits."""
-        logits, self.step_logits = self.step_logits, None
-        return logits
+        values) and their rows' argmax (int64 [N], ops.argmax's), once; None where it left them to compute_logits."""
+        step, self.step_logits = self.step_logits, None
+        return step
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)

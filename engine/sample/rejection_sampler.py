@@ -60,14 +60,19 @@ class RejectionSampler(Sampler):
         requests: list,
         grammar_bitmask: np.ndarray | None = None,
         grammar_rows: list[int] = (),
+        argmax: torch.Tensor | None = None,
     ) -> tuple[list[list[int]], list[list[Logprob | None]]]:
         """logits: float32 [sum(1 + d_i), vocab], the rows of each request in order (d_i =
         len(request.spec_token_ids)). grammar_bitmask: int32 [len(grammar_rows), ceil(vocab / 32)], the
         tokens allowed to requests[grammar_rows[k]] (structured outputs; such requests have no drafts).
+        argmax: int64 [rows], each logits row's argmax (ops.argmax's) where the caller has it (the model computed it
+        with the logits: engine/worker/model_runner.py), or None.
         Returns each request's new tokens (accepted drafts + one more) and their Logprob|None (from the
         raw logits, as `Sampler`)."""
         if grammar_bitmask is None and all(_plain_greedy(r) for r in requests):  # the common decode: one argmax a row
-            return [[t] for t in ops.argmax(logits).tolist()], [[None] for _ in requests]
+            return [[t] for t in (ops.argmax(logits) if argmax is None else argmax).tolist()], [
+                [None] for _ in requests
+            ]
         views = [WithDrafts(r, r.spec_token_ids[:j]) for r in requests for j in range(len(r.spec_token_ids) + 1)]
         if grammar_bitmask is not None:
             first_row = np.cumsum([0] + [len(r.spec_token_ids) + 1 for r in requests])

@@ -427,13 +427,13 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if batch.prompt_rows:
             out.prompt_logprobs = prompt_logprobs.collect(self.model, hidden, batch.prompt_rows)
-        logits = self._logits(hidden, batch.model_inputs.logits_indices)
+        logits, argmax = self._logits(hidden, batch.model_inputs.logits_indices)
         if not self.is_driver:
             return None
         if batch.pooling_rows:
             out.pooler_output = self._pool(hidden, batch)
         if logits is not None:
-            self._sample(logits, batch, grammar_output, out)
+            self._sample(logits, batch, grammar_output, out, argmax)
             out.draft_token_ids = self.speculator.propose(
                 batch.sampled, out.sampled_token_ids, len(scheduler_output.num_scheduled_tokens)
             )
@@ -461,15 +461,15 @@ class ModelRunner:
         fused = {"logits_indices": inputs.logits_indices} if getattr(self.model, "fuses_logits", False) else {}
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, layer_metas, residual, **fused)
 
-    def _logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
-        """The logits [len(indices), vocab] of hidden's rows `indices` (int64, increasing): the ones the forward
-        computed with them where the model did (take_step_logits), else compute_logits'; None for no rows (and on a
-        tensor-parallel rank but the first)."""
+    def _logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The logits [len(indices), vocab] of hidden's rows `indices` (int64, increasing), and their rows' argmax
+        (int64) where the model computed both with the forward (take_step_logits), else compute_logits' and None;
+        None for no rows (and on a tensor-parallel rank but the first)."""
         take = getattr(self.model, "take_step_logits", None)
-        logits = take() if take is not None else None
-        if logits is not None:
-            return logits
-        return self.model.compute_logits(hidden[indices]) if indices.shape[0] else None
+        step = take() if take is not None else None
+        if step is not None:
+            return step
+        return (self.model.compute_logits(hidden[indices]) if indices.shape[0] else None), None
 
     @torch.inference_mode()
     def compute_logits_of_rows(
@@ -481,13 +481,19 @@ class ModelRunner:
         tables = [(t,) for t in block_tables]  # a draft model keeps one KV cache group
         inputs, _ = build_model_inputs(token_ids, starts, tables, num_logits, self.block_size, self.device)
         hidden = self.forward(inputs)
-        return self._logits(hidden, inputs.logits_indices).cpu() if sum(num_logits) else None
+        return self._logits(hidden, inputs.logits_indices)[0].cpu() if sum(num_logits) else None
 
     def _sample(
-        self, logits: torch.Tensor, batch: StepBatch, grammar_output: GrammarOutput | None, out: ModelRunnerOutput
+        self,
+        logits: torch.Tensor,
+        batch: StepBatch,
+        grammar_output: GrammarOutput | None,
+        out: ModelRunnerOutput,
+        argmax: torch.Tensor | None = None,
     ) -> None:
         """Each sampling request's new tokens (one, or with drafts the accepted ones and one more: see
-        RejectionSampler), masked by the step's grammars, into `out`."""
+        RejectionSampler), masked by the step's grammars, into `out`; `argmax`: the logits rows' argmax where the
+        forward computed it."""
         rows = grammar_output.structured_output_request_ids if grammar_output is not None else {}
         grammar_rows = [i for i, r in enumerate(batch.sampled) if r.req_id in rows]
         bitmask = (
@@ -495,7 +501,7 @@ class ModelRunner:
             if grammar_rows
             else None
         )
-        out.sampled_token_ids, out.logprobs = self.sampler(logits.cpu(), batch.sampled, bitmask, grammar_rows)
+        out.sampled_token_ids, out.logprobs = self.sampler(logits.cpu(), batch.sampled, bitmask, grammar_rows, argmax)
         out.req_ids = [r.req_id for r in batch.sampled]
 
     def _pool(self, hidden: torch.Tensor, batch: StepBatch) -> dict[str, torch.Tensor]:

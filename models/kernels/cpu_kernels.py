@@ -82,7 +82,7 @@ SIGNATURES = {
     "gguf_amx_enable": [_i],
     "decoder_layer_float": [_p, _p, _p, _p, _i] + [_p] * 8 + [_i] * 4,
     "decoder_layers_float": [_p, _i, _p, _p, _p, _i] + [_p] * 8 + [_i] * 4,
-    "decoder_step_float": [_p, _p, _i, _p, _p, _p, _p, _p, _i, _p, _p] + [_p] * 6 + [_i] * 4 + [_p, _i, _p, _p],
+    "decoder_step_float": [_p, _p, _i, _p, _p, _p, _p, _i] + [_p] * 6 + [_i] * 4 + [_p, _i, _p, _p],
     "gguf_embed_rows": [_i, _p, _i, _i, _i, _p, _i, _p, _i, _i],
     "top_k_float": [_p, _i, _i, _i, _p, _i],
     "delta_layer_float": [_p, _p, _p, _p, _i, _p, _l, _p, _i],

@@ -17,6 +17,8 @@ op.
 """
 
 import ctypes
+import itertools
+import operator
 import sys
 
 import torch
@@ -356,6 +358,10 @@ def _cpu_float32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
+def _int64(t: torch.Tensor) -> bool:
+    return t.dtype == torch.int64 and t.is_contiguous()
+
+
 class FusedDecoderStack:
     """Consecutive fused layers (a model's, or a pipeline stage's) run by one `decoder_layers_float` call per step:
     the per-layer Python of FusedDecoderLayer (argument checks, a new output tensor, a ctypes call of 17 arguments:
@@ -364,9 +370,9 @@ class FusedDecoderStack:
 
     __call__(residual, x, rope, kv_caches, metas) takes what the layers' forwards take (kv_caches and metas: each
     layer's) and returns the last layer's MLP output [T, hidden], or None (nothing done) where a layer would
-    decline the step (FusedDecoderLayer's rules), the layers do not share one metadata (several KV cache groups),
-    or a layer's fused form was turned off (its `fused` no longer the one built). Raises ValueError when a kernel
-    refuses a shape.
+    decline the step (FusedDecoderLayer's rules) or the layers do not share one metadata (several KV cache groups).
+    The layers' fused forms are the ones built with the stack: to run them otherwise, drop the model's stack too
+    (its `fused_stack` False). Raises ValueError when a kernel refuses a shape.
     """
 
     def __init__(self, modules: list, layers: list[FusedDecoderLayer]):
@@ -377,6 +383,7 @@ class FusedDecoderStack:
         self._caches: tuple | None = None  # (the caches' addresses, k array, v array), rebuilt when they move
         self.ends: StepEnds | None = None  # add_ends: the model's ends computed in the same call (`step`)
         self._ends_keep: list[torch.Tensor] = []  # the tensors whose addresses `ends` holds
+        self._ends_ref = None  # ctypes.byref(ends)
         self.head_rows = 0  # the most logits rows the ends' LM head takes (0: no head; compute_logits)
 
     @classmethod
@@ -422,7 +429,7 @@ class FusedDecoderStack:
                 e.refine_k = min(ops.REFINE_TOP, w.rows)  # GGUFEmbeddingMethod.logits' rescoring
                 keep += [w.data] + ([] if w.r16_copy is None else [w.r16_copy])
                 self.head_rows = w.kernel_rows
-        self.ends, self._ends_keep = e, keep
+        self.ends, self._ends_keep, self._ends_ref = e, keep, ctypes.byref(e)
         return True
 
     def step(self, input_ids, positions, residual, kv_caches, metas, logits_indices=None) -> tuple | None:
@@ -431,74 +438,74 @@ class FusedDecoderStack:
         stream `residual` (float32 [T, hidden]: the previous stage's, or the caller's embedding; updated in place);
         the rotary tables' rows at positions (int64 [T]); the layers (kv_caches and metas as __call__ takes them);
         on the last stage the final norm and, for the increasing rows `logits_indices` (int64 [N]) of its output,
-        the LM head's logits as its `logits` computes them. Returns (the normed hidden states [T, hidden], or on a
-        stage but the last the residual stream after its layers; float32 logits [N, vocab], or None where the head
-        was left to compute_logits), or None, nothing done, where __call__ would decline the step or `step` is off.
-        Raises ValueError when a kernel refuses a shape or a token id or position is outside its table."""
+        the LM head's logits as its `logits` computes them, and their rows' argmax. Returns (the normed hidden states
+        [T, hidden], or on a stage but the last the residual stream after its layers; float32 logits [N, vocab] and
+        int64 argmax [N] (ops.argmax's), or None and None where the head was left to compute_logits), or None,
+        nothing done, where __call__ would decline the step or `step` is off. Raises ValueError when a kernel
+        refuses a shape or a token id or position is outside its table.
+
+        The metadata check runs in C (map, operator.is_): with the caches cold from the layers' weights, generators
+        over 30 layers and the step's buffers as torch tensors cost 0.1 ms a batch-1 step."""
         e, first = self.ends, self.first
         T = positions.shape[0]
-        ints = [positions] + ([input_ids] if residual is None else [])
-        ints += [] if logits_indices is None else [logits_indices]
         if (
             e is None
             or (residual is None and not e.embed)
             or (residual is not None and not _cpu_float32(residual))
-            or any(t.dtype != torch.int64 or not t.is_contiguous() for t in ints)
+            or not _int64(positions)
+            or (residual is None and not _int64(input_ids))
+            or (logits_indices is not None and not _int64(logits_indices))
             or len(kv_caches) != len(self.layers)
-            or any(m is not metas[0] for m in metas)
-            or any(module.fused is not layer for module, layer in zip(self.modules, self.layers))
+            or not all(map(operator.is_, metas, itertools.repeat(metas[0])))
             or not first.takes_rows(T, kv_caches[0][0], self.max_rows)
         ):
             return None
-        meta, H = metas[0], first.desc.hidden
+        meta = metas[0]
         n = 0 if logits_indices is None or not e.head.n else logits_indices.shape[0]
         n = n if n <= self.head_rows else 0  # more rows than the head's kernel takes: compute_logits
-        gather = 0 < n < T  # the logits rows copied out first; n == T: every row, in order
         last = bool(e.norm)
-        own = residual is None and last  # the stream lives only in the call
-        scratch = torch.empty(T * (H * (1 + own) + 2 * e.half) + (n * H if gather else 0), dtype=torch.float32)
-        x = scratch[: T * H].view(T, H)
-        if residual is None:
-            residual = scratch[T * H : 2 * T * H].view(T, H) if own else torch.empty(T, H, dtype=torch.float32)
-        tables = scratch[T * H * (1 + own) :]
-        hidden = torch.empty(T, H, dtype=torch.float32) if last else None
+        if residual is None and not last:  # a first stage's stream, passed on
+            residual = torch.empty(T, first.desc.hidden, dtype=torch.float32)
+        hidden = torch.empty(T, first.desc.hidden, dtype=torch.float32) if last else None
         logits = torch.empty(n, e.vocab, dtype=torch.float32) if n else None
-        _, k_caches, v_caches = self._cache_arrays(kv_caches)
+        argmax = torch.empty(n, dtype=torch.int64) if n else None
+        k_caches, v_caches = self._cache_arrays(kv_caches)
         rc = self.lib.decoder_step_float(
-            ctypes.byref(e), self._descs, len(self.layers), input_ids.data_ptr(), positions.data_ptr(),
-            residual.data_ptr(), x.data_ptr(), None if hidden is None else hidden.data_ptr(), T, tables.data_ptr(),
-            tables.data_ptr() + 4 * T * e.half, k_caches, v_caches, meta.slot_mapping.data_ptr(),
+            self._ends_ref, self._descs, len(self.layers), input_ids.data_ptr(),
+            positions.data_ptr(), None if residual is None else residual.data_ptr(),
+            None if hidden is None else hidden.data_ptr(), T, k_caches, v_caches, meta.slot_mapping.data_ptr(),
             meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), meta.num_seqs,
             meta.block_tables.shape[1], first.backend.isa, torch.get_num_threads(),
-            logits_indices.data_ptr() if n else None, n, tables.data_ptr() + 4 * 2 * T * e.half if gather else None,
-            None if logits is None else logits.data_ptr(),
+            logits_indices.data_ptr() if n else None, n, None if logits is None else logits.data_ptr(),
+            None if argmax is None else argmax.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             why = "a token id or position outside its table" if rc == -2 else "a kernel refused a layer's shapes"
             raise ValueError(f"decoder_step_float: {why} (status {rc})")
-        return (hidden if last else residual), logits
+        return (hidden if last else residual), logits, argmax
 
     def _cache_arrays(self, kv_caches) -> tuple:
-        key = tuple(k.data_ptr() for k, _ in kv_caches)
+        """The layers' K and V cache addresses as C arrays, rebuilt when the caches are others (the runner's list
+        of them is kept for the engine's life; its first and last tensors' addresses are checked too)."""
+        key = (id(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr())
         if self._caches is None or self._caches[0] != key:
             n = len(self.layers)
             self._caches = (
                 key,
-                (ctypes.c_void_p * n)(*key),
+                (ctypes.c_void_p * n)(*(k.data_ptr() for k, _ in kv_caches)),
                 (ctypes.c_void_p * n)(*(v.data_ptr() for _, v in kv_caches)),
             )
-        return self._caches
+        return self._caches[1:]
 
     def __call__(self, residual, x, rope, kv_caches, metas) -> torch.Tensor | None:
         meta, first = metas[0], self.first
         if (
             len(kv_caches) != len(self.layers)
-            or any(m is not meta for m in metas)
-            or any(module.fused is not layer for module, layer in zip(self.modules, self.layers))
+            or not all(map(operator.is_, metas, itertools.repeat(meta)))
             or not first.takes(residual, x, rope, kv_caches[0][0], self.max_rows)
         ):
             return None
-        _, k_caches, v_caches = self._cache_arrays(kv_caches)
+        k_caches, v_caches = self._cache_arrays(kv_caches)
         out, head, tail = first.step_args(residual, x, rope, meta)
         rc = self.lib.decoder_layers_float(self._descs, len(self.layers), *head, k_caches, v_caches, *tail)
         if rc != 0:

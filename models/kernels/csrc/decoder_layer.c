@@ -498,9 +498,11 @@ int gguf_embed_rows(int type, const uint8_t *w, int r16, int rows, int K, const 
                     int round_bf16, int num_threads);
 int gguf_refine_top(const float *hidden, int n, int K, const uint8_t *w, int type, int r16, float *out, int V, int k,
                     int num_threads);
+void top_k_float(const float *x, int n, int v, int k, int64_t *out, int num_threads);
 
 /* The ends of a model's stack that decoder_step_float computes, filled by models/layers/fused_layer.py's
- * StepEnds: a NULL pointer (head.n 0) leaves that end to the caller */
+ * StepEnds: a NULL embedding leaves it to the caller, a NULL norm marks a stage but the last, head.n 0 leaves the
+ * logits to the caller */
 typedef struct {
     /* the first pipeline stage's token embedding: GGUF rows [embed_rows, hidden] (R16 where embed_r16), rounded to
      * bfloat16 first where embed_bf16 (looked up in a bfloat16 model's dtype) */
@@ -517,27 +519,32 @@ typedef struct {
     int head_type, head_r16, vocab, refine_k;
 } StepEnds;
 
-/* One step of a model's stage, the layers L[0 .. n-1] as decoder_layers_float runs them (its metadata arguments),
- * with E's ends: residual float32 [M, hidden] is the embedding of ids [M] where E->embed (written here), else the
- * previous stage's stream (in place); cos_t, sin_t float32 [M, half] are the rotary tables' rows at positions [M]
- * where E->cos (written here), else the caller's; x [M, hidden] takes the last layer's MLP output. Where E->norm,
- * hidden [M, hidden] = RMSNorm(residual + x) and, where E->head.n, logits float32 [n_rows, vocab] are the LM head's
- * of hidden's rows `rows` [n_rows] (hrows [n_rows, hidden] their copy, NULL when n_rows == M and rows are 0 ..
- * M - 1), rescored (gguf_refine_top); else residual += x (the stream passed on to the next stage). Returns 0, -2 for
- * a token id or position outside its table (nothing computed), or the first failing kernel's status. */
+/* One step of a model's stage: the rotary tables' rows at positions [M], the layers L[0 .. n-1] as
+ * decoder_layers_float runs them (its metadata arguments), and E's ends. residual float32 [M, hidden]: the stream,
+ * updated in place; the embedding of ids [M] where E->embed (written here; NULL: the call's own buffer, for a last
+ * stage), else the previous stage's or the caller's embedding. Where E->norm, hidden [M, hidden] = RMSNorm(residual +
+ * the last layer's MLP output) and, where E->head.n, logits float32 [n_rows, vocab] are the LM head's of hidden's
+ * rows `rows` [n_rows] (increasing, each below M), rescored (gguf_refine_top), and where `argmax` (int64 [n_rows])
+ * each row's argmax as ops.argmax takes it (top_k_float, k = 1: the first of equal maxima) while the logits are in
+ * this core's caches (cold, from Python, the scan took 50-100 us a row); else the MLP output joins residual (the
+ * stream passed on to the next stage). Returns 0, -2 for a token id or position outside its table (nothing
+ * computed), or the first failing kernel's status. */
 int decoder_step_float(const StepEnds *E, const LayerDesc *const *L, int n, const int64_t *ids,
-                       const int64_t *positions, float *residual, float *x, float *hidden, int M, float *cos_t,
-                       float *sin_t, void *const *k_caches, void *const *v_caches, const int64_t *slot_mapping,
-                       const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
-                       int num_seqs, int max_blocks, int isa, int nt, const int64_t *rows, int n_rows, float *hrows,
-                       float *logits) {
-    const int H = L[0]->hidden;
-    if (E->cos)
-        for (int m = 0; m < M; m++) {
-            if (positions[m] < 0 || positions[m] >= E->table_rows) return -2;
-            memcpy(cos_t + (size_t)m * E->half, E->cos + (size_t)positions[m] * E->half, sizeof(float) * E->half);
-            memcpy(sin_t + (size_t)m * E->half, E->sin + (size_t)positions[m] * E->half, sizeof(float) * E->half);
-        }
+                       const int64_t *positions, float *residual, float *hidden, int M, void *const *k_caches,
+                       void *const *v_caches, const int64_t *slot_mapping, const int32_t *block_tables,
+                       const int32_t *seq_lens, const int32_t *query_start_loc, int num_seqs, int max_blocks, int isa,
+                       int nt, const int64_t *rows, int n_rows, float *logits, int64_t *argmax) {
+    const int H = L[0]->hidden, half = E->half, gather = n_rows < M;
+    /* the MLP output x, the stream where the call owns it, the rotary rows and the logits rows' hidden states */
+    float *x = kernel_scratch(4, sizeof(float) * ((size_t)M * (2 * H + 2 * half) + (gather ? (size_t)n_rows * H : 0)));
+    float *cos_t = x + (size_t)M * H, *sin_t = cos_t + (size_t)M * half, *own = sin_t + (size_t)M * half;
+    float *hrows = own + (size_t)M * H;
+    residual = residual ? residual : own;
+    for (int m = 0; m < M; m++) {
+        if (positions[m] < 0 || positions[m] >= E->table_rows) return -2;
+        memcpy(cos_t + (size_t)m * half, E->cos + (size_t)positions[m] * half, sizeof(float) * half);
+        memcpy(sin_t + (size_t)m * half, E->sin + (size_t)positions[m] * half, sizeof(float) * half);
+    }
     int rc;
     if (E->embed &&
         (rc = gguf_embed_rows(E->embed_type, E->embed, E->embed_r16, E->embed_rows, H, ids, M, residual, E->embed_bf16,
@@ -553,15 +560,17 @@ int decoder_step_float(const StepEnds *E, const LayerDesc *const *L, int n, cons
     add_rms_norm_float(residual, x, E->norm, hidden, M, H, E->eps, nt);
     if (!E->head.n || n_rows == 0) return 0;
     const float *h = hidden;
-    if (hrows) {
+    if (gather) {
         for (int r = 0; r < n_rows; r++)
             memcpy(hrows + (size_t)r * H, hidden + (size_t)rows[r] * H, sizeof(float) * H);
         h = hrows;
     }
     if ((rc = layer_linear(&E->head, h, 0, H, logits, 0, n_rows, nt))) return rc;
-    return E->refine_k ? gguf_refine_top(h, n_rows, H, E->head_blocks, E->head_type, E->head_r16, logits, E->vocab,
-                                         E->refine_k, nt)
-                       : 0;
+    if (E->refine_k && (rc = gguf_refine_top(h, n_rows, H, E->head_blocks, E->head_type, E->head_r16, logits, E->vocab,
+                                             E->refine_k, nt)))
+        return rc;
+    if (argmax) top_k_float(logits, n_rows, E->vocab, 1, argmax, nt);
+    return 0;
 }
 
 /* One layer: decoder_layers_float of n = 1 (x_in, x_out, the cache and the metadata as there) */
