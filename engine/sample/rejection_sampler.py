@@ -70,9 +70,8 @@ class RejectionSampler(Sampler):
         Returns each request's new tokens (accepted drafts + one more) and their Logprob|None (from the
         raw logits, as `Sampler`)."""
         if grammar_bitmask is None and all(_plain_greedy(r) for r in requests):  # the common decode: one argmax a row
-            return [[t] for t in (ops.argmax(logits) if argmax is None else argmax).tolist()], [
-                [None] for _ in requests
-            ]
+            tokens = ops.argmax(logits) if argmax is None else argmax
+            return [[t] for t in tokens.tolist()], [[None] for _ in requests]
         views = [WithDrafts(r, r.spec_token_ids[:j]) for r in requests for j in range(len(r.spec_token_ids) + 1)]
         if grammar_bitmask is not None:
             first_row = np.cumsum([0] + [len(r.spec_token_ids) + 1 for r in requests])

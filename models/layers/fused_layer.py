@@ -297,7 +297,11 @@ class FusedDecoderLayer:
         out = torch.empty_like(residual)
         cos, sin = rope
         head = (residual.data_ptr(), None if x is None else x.data_ptr(), out.data_ptr(), residual.shape[0])
-        tail = (
+        return out, head + (cos.data_ptr(), sin.data_ptr()), self.meta_args(meta)
+
+    def meta_args(self, meta: AttentionMetadata) -> tuple:
+        """The C calls' arguments after the caches: the step's metadata, the attention ISA and the thread count."""
+        return (
             meta.slot_mapping.data_ptr(),
             meta.block_tables.data_ptr(),
             meta.seq_lens.data_ptr(),
@@ -307,7 +311,6 @@ class FusedDecoderLayer:
             self.backend.isa,
             torch.get_num_threads(),
         )
-        return out, head + (cos.data_ptr(), sin.data_ptr()), tail
 
     def __call__(self, residual, x, rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
         k_cache, v_cache = kv_cache
@@ -375,8 +378,8 @@ class FusedDecoderStack:
     (its `fused_stack` False). Raises ValueError when a kernel refuses a shape.
     """
 
-    def __init__(self, modules: list, layers: list[FusedDecoderLayer]):
-        self.modules, self.layers = modules, layers
+    def __init__(self, layers: list[FusedDecoderLayer]):
+        self.layers = layers
         self.lib, self.first = layers[0].lib, layers[0]
         self.max_rows = min(layer.max_rows for layer in layers)
         self._descs = (ctypes.c_void_p * len(layers))(*(ctypes.addressof(layer.desc) for layer in layers))
@@ -398,7 +401,7 @@ class FusedDecoderStack:
             return None
         if len({f.attn_dtype for f in layers}) != 1:
             return None
-        return cls(modules, layers)
+        return cls(layers)
 
     def add_ends(self, embed, rotary, norm, head) -> bool:
         """Lets `step` compute the model's ends with the layers: `embed` the token embedding of a first pipeline
@@ -460,7 +463,6 @@ class FusedDecoderStack:
             or not first.takes_rows(T, kv_caches[0][0], self.max_rows)
         ):
             return None
-        meta = metas[0]
         n = 0 if logits_indices is None or not e.head.n else logits_indices.shape[0]
         n = n if n <= self.head_rows else 0  # more rows than the head's kernel takes: compute_logits
         last = bool(e.norm)
@@ -473,9 +475,7 @@ class FusedDecoderStack:
         rc = self.lib.decoder_step_float(
             self._ends_ref, self._descs, len(self.layers), input_ids.data_ptr(),
             positions.data_ptr(), None if residual is None else residual.data_ptr(),
-            None if hidden is None else hidden.data_ptr(), T, k_caches, v_caches, meta.slot_mapping.data_ptr(),
-            meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), meta.num_seqs,
-            meta.block_tables.shape[1], first.backend.isa, torch.get_num_threads(),
+            None if hidden is None else hidden.data_ptr(), T, k_caches, v_caches, *first.meta_args(metas[0]),
             logits_indices.data_ptr() if n else None, n, None if logits is None else logits.data_ptr(),
             None if argmax is None else argmax.data_ptr(),
         )  # fmt: skip

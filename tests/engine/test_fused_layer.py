@@ -89,13 +89,13 @@ def _counting(monkeypatch, *classes) -> list[tuple[type, str, bool]]:
 def _assert_fused_equals_plain(
     llm, prompts, monkeypatch, stack: bool = True, layer_classes: tuple = (FusedDecoderLayer,)
 ) -> None:
-    """Greedy tokens of decode steps of 1 row (the sampler's one argmax a row: the stage's call computes it) and 8
-    rows (with their logprobs), the whole stage in one call with the model's ends and without them (unless not
-    `stack`) and one call per layer against op by op, bit for bit, while each fused path really ran (in the per-layer
-    mode, every one of `layer_classes`)."""
+    """Greedy tokens and their logprobs of decode steps of 1 and 8 rows, and of 1 row without logprobs (the
+    sampler's one argmax a row: the stage's call computes it), the whole stage in one call with the model's ends and
+    without them (unless not `stack`) and one call per layer against op by op, bit for bit, while each fused path
+    really ran (in the per-layer mode, every one of `layer_classes`)."""
     calls = _counting(monkeypatch, FusedDecoderStack, *layer_classes)
     stacks = [("step", {(FusedDecoderStack, "step")}), ("stack", {(FusedDecoderStack, "__call__")})]
-    for batch, logprobs in [(prompts[:1], None), (prompts, 2)]:  # 1-row and 8-row decode steps
+    for batch, logprobs in [(prompts[:1], None), (prompts[:1], 2), (prompts, 2)]:  # 1-row and 8-row decodes
         params = SamplingParams(temperature=0, max_tokens=12, logprobs=logprobs, ignore_eos=True)
         plain = _generate(llm, batch, "plain", params)
         for mode, ran in stacks * stack + [("layers", {(cls, "__call__") for cls in layer_classes})]:
