@@ -5,8 +5,11 @@
  * bytes, row k / 2 holding the pairs (w[n][k], w[n][k + 1]) of the 16 weight rows n; the activations are bfloat16
  * rows (float32 ones rounded), 32 per A tile; TDPBF16PS accumulates the products in float32 tiles over all K. Two
  * groups of weight rows and two tiles of 16 activation rows at a time: 4 result tiles (tmm4..tmm7) fed by 2 A
- * (tmm0, tmm1) and 2 B tiles (tmm2, tmm3), one tile load per tile op. Each thread takes whole pairs of groups, so
- * each core streams its own weights once.
+ * (tmm0, tmm1) and 2 B tiles (tmm2, tmm3), one tile load per tile op. Each thread takes a run of whole pairs of
+ * groups, so each core streams its own weights once, and dequantizes them a block of pairs at a time (AMX_B_BYTES
+ * of B tiles, kept in its L2) that every 32 activation rows pass over in turn: a prompt step's activations are read
+ * once per block, not once per pair. The activations' rows are K + 32 values apart, so that an A tile's 16 rows do
+ * not share one L1 set where a row is 4 KB. Buffers are the threads' own, kept between calls (kernel_scratch).
  *
  * Why not int8 tiles (llama.cpp's ggml-cpu/amx/mmq.cpp: activations to int8 per 32, one TDPBSSD / TDPBSUD per
  * 32-weight block, the int32 tile stored and rescaled by the block's scales after every op): measured on an Emerald
@@ -26,6 +29,10 @@
 
 #include "bf16.h"
 #include "gguf_r16.h"
+
+#define AMX_B_BYTES (512 << 10) /* B tiles a thread keeps in its L2 (2 MB a core on Sapphire Rapids and later) */
+
+void *kernel_scratch(int slot, size_t bytes); /* paged_attention.c: a thread's buffer kept between calls */
 
 static int amx_min_rows; /* rows of x from which gguf_r16_linear takes the tiles; 0: never */
 static int amx_state = 2; /* gguf_amx_probe's result; 2: not probed */
@@ -131,12 +138,18 @@ AMX_INLINE void bf16_store(const float *c, void *y, int y_bf16, int y_stride, in
 AMX static int bf16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
                            int y_stride, int M, int N, int K, int num_threads) {
     const int Mp = (M + 31) / 32 * 32, groups = (N + 15) / 16, pairs = (groups + 1) / 2;
-    const size_t group_bytes = (size_t)(K / block_weights(type)) * r16_record_bytes(type), stride = 2 * (size_t)K;
-    bf16 *xa = aligned_alloc(64, sizeof(bf16) * Mp * K); /* the activations, zero rows past M */
+    const size_t group_bytes = (size_t)(K / block_weights(type)) * r16_record_bytes(type);
+    /* the activations' rows one cache line longer than K: at a row of 4 KB (K = 2,048) every row of an A tile fell
+     * in one L1 set and the 1B shape's Q4_K linears ran at half the speed of K = 576's */
+    const int ks = K + 32;
+    /* pairs of groups whose B tiles (64 K bytes a pair) fill AMX_B_BYTES of a core's L2 */
+    const int max_block = (int)(AMX_B_BYTES / (64 * (size_t)K)) > 1 ? (int)(AMX_B_BYTES / (64 * (size_t)K)) : 1;
+    const size_t stride = 2 * (size_t)ks;
+    bf16 *xa = kernel_scratch(5, sizeof(bf16) * Mp * ks); /* the activations, zero rows past M */
     _Pragma("omp parallel num_threads(num_threads)") {
         _Pragma("omp for schedule(static)")
         for (int m = 0; m < Mp; m++) {
-            bf16 *row = xa + (size_t)m * K;
+            bf16 *row = xa + (size_t)m * ks;
             if (m >= M)
                 memset(row, 0, sizeof(bf16) * K);
             else if (x_bf16)
@@ -146,55 +159,65 @@ AMX static int bf16_linear(const void *x, int x_bf16, int x_stride, const uint8_
                     _mm256_store_si256((__m256i *)(row + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(
                                                                  (const float *)x + (size_t)m * x_stride + k)));
         }
-        bf16 *bt = aligned_alloc(64, sizeof(bf16) * 2 * 16 * K); /* two groups' B tiles */
+        /* each thread its own run of pairs of groups, in blocks of up to `block` pairs whose B tiles stay in the L2
+         * while every 32 rows of activations pass over them: with a pair at a time, a 2,048-row prompt step's
+         * activations (2.4-6.3 MB) were streamed again from the L3 for every 32 weight rows */
+        const int t = omp_get_thread_num(), nth = omp_get_num_threads();
+        const int p_begin = (int)((long)pairs * t / nth), p_end = (int)((long)pairs * (t + 1) / nth);
+        const int per = p_end - p_begin, blocks = (per + max_block - 1) / (max_block > 0 ? max_block : 1);
+        const int block = blocks ? (per + blocks - 1) / blocks : 1;
+        bf16 *bt = kernel_scratch(6, sizeof(bf16) * 2 * 16 * K * (size_t)block); /* the block's B tiles */
         float c[4][256] __attribute__((aligned(64)));
         bf16_configure();
-        _Pragma("omp for schedule(static)")
-        for (int p = 0; p < pairs; p++) {
-            const int g0 = 2 * p, two_n = g0 + 1 < groups;
-            bf16 *b0 = bt, *b1 = bt + 16 * K;
-            bf16_unpack(type, w + g0 * group_bytes, K, b0);
-            if (two_n)
-                bf16_unpack(type, w + (g0 + 1) * group_bytes, K, b1);
-            else
-                memset(b1, 0, sizeof(bf16) * 16 * K);
+        for (int pb = p_begin; pb < p_end; pb += block) {
+            const int pe = pb + block < p_end ? pb + block : p_end;
+            for (int p = pb; p < pe; p++) {
+                const int g0 = 2 * p;
+                bf16 *b0 = bt + (size_t)(p - pb) * 32 * K, *b1 = b0 + 16 * K;
+                bf16_unpack(type, w + g0 * group_bytes, K, b0);
+                if (g0 + 1 < groups)
+                    bf16_unpack(type, w + (g0 + 1) * group_bytes, K, b1);
+                else
+                    memset(b1, 0, sizeof(bf16) * 16 * K);
+            }
             for (int m0 = 0; m0 < M; m0 += 32) {
                 const int two_m = m0 + 16 < M;
-                const bf16 *a0 = xa + (size_t)m0 * K, *a1 = a0 + (size_t)16 * K;
-                _tile_zero(4);
-                _tile_zero(5);
-                _tile_zero(6);
-                _tile_zero(7);
-                for (int kt = 0; kt < K / 32; kt++) {
-                    _tile_loadd(0, a0 + 32 * kt, stride);
-                    _tile_loadd(2, b0 + 512 * kt, 64);
-                    _tile_loadd(3, b1 + 512 * kt, 64);
-                    _tile_dpbf16ps(4, 0, 2);
-                    _tile_dpbf16ps(5, 0, 3);
-                    if (two_m) {
-                        _tile_loadd(1, a1 + 32 * kt, stride);
-                        _tile_dpbf16ps(6, 1, 2);
-                        _tile_dpbf16ps(7, 1, 3);
+                const bf16 *a0 = xa + (size_t)m0 * ks, *a1 = a0 + (size_t)16 * ks;
+                for (int p = pb; p < pe; p++) {
+                    const int g0 = 2 * p, two_n = g0 + 1 < groups;
+                    const bf16 *b0 = bt + (size_t)(p - pb) * 32 * K, *b1 = b0 + 16 * K;
+                    _tile_zero(4);
+                    _tile_zero(5);
+                    _tile_zero(6);
+                    _tile_zero(7);
+                    for (int kt = 0; kt < K / 32; kt++) {
+                        _tile_loadd(0, a0 + 32 * kt, stride);
+                        _tile_loadd(2, b0 + 512 * kt, 64);
+                        _tile_loadd(3, b1 + 512 * kt, 64);
+                        _tile_dpbf16ps(4, 0, 2);
+                        _tile_dpbf16ps(5, 0, 3);
+                        if (two_m) {
+                            _tile_loadd(1, a1 + 32 * kt, stride);
+                            _tile_dpbf16ps(6, 1, 2);
+                            _tile_dpbf16ps(7, 1, 3);
+                        }
                     }
-                }
-                _tile_stored(4, c[0], 64);
-                _tile_stored(5, c[1], 64);
-                bf16_store(c[0], y, y_bf16, y_stride, m0, M, 16 * g0, N - 16 * g0 < 16 ? N - 16 * g0 : 16);
-                if (two_n) bf16_store(c[1], y, y_bf16, y_stride, m0, M, 16 * g0 + 16, N - 16 * g0 - 16 < 16 ? N - 16 * g0 - 16 : 16);
-                if (two_m) {
-                    _tile_stored(6, c[2], 64);
-                    _tile_stored(7, c[3], 64);
-                    bf16_store(c[2], y, y_bf16, y_stride, m0 + 16, M, 16 * g0, N - 16 * g0 < 16 ? N - 16 * g0 : 16);
-                    if (two_n)
-                        bf16_store(c[3], y, y_bf16, y_stride, m0 + 16, M, 16 * g0 + 16,
-                                   N - 16 * g0 - 16 < 16 ? N - 16 * g0 - 16 : 16);
+                    const int n0 = 16 * g0, nr0 = N - n0 < 16 ? N - n0 : 16, nr1 = N - n0 - 16 < 16 ? N - n0 - 16 : 16;
+                    _tile_stored(4, c[0], 64);
+                    _tile_stored(5, c[1], 64);
+                    bf16_store(c[0], y, y_bf16, y_stride, m0, M, n0, nr0);
+                    if (two_n) bf16_store(c[1], y, y_bf16, y_stride, m0, M, n0 + 16, nr1);
+                    if (two_m) {
+                        _tile_stored(6, c[2], 64);
+                        _tile_stored(7, c[3], 64);
+                        bf16_store(c[2], y, y_bf16, y_stride, m0 + 16, M, n0, nr0);
+                        if (two_n) bf16_store(c[3], y, y_bf16, y_stride, m0 + 16, M, n0 + 16, nr1);
+                    }
                 }
             }
         }
         _tile_release();
-        free(bt);
     }
-    free(xa);
     return 0;
 }
 
