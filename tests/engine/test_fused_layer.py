@@ -58,6 +58,10 @@ def _generate(llm, prompts, mode: str, params):
     elif mode == "plain":
         for layer in model.layers:
             layer.fused = False
+    # every mode from an empty prefix cache: a prompt whose blocks an earlier mode cached computes only its tail, in
+    # steps of other row counts than the whole prompt's (other kernels: dequantized weights and torch's GEMM from
+    # PORTABLE_MAX_ROWS rows), which on an AMX Xeon moved the next decode's logprobs in the 7th digit
+    llm.reset_prefix_cache()
     try:
         return llm.generate(prompts, params, use_tqdm=False)
     finally:  # what the mode turned off (and a stack built over turned-off layers) as it was
