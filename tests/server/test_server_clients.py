@@ -55,7 +55,9 @@ async def test_echo_scores_prompts_as_lm_eval_asks(openai_client, http):
     [choice] = zero["choices"]
     assert choice["finish_reason"] == "length" and zero["usage"]["completion_tokens"] == 0
     assert choice["text"] == PROMPT + generated and choice["logprobs"]["tokens"] == lp["tokens"][:-1]
-    assert choice["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"][:-1], abs=1e-5)
+    # another request, whose prompt runs alone in its step where the first ran beside the context (other row counts
+    # and attention tasks, so other summation orders): an entry moved by 1.1e-5 on the pool's AMX Xeon
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"][:-1], abs=1e-4)
     assert (await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0})).status_code == 400
 
 
