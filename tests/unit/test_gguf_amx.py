@@ -32,13 +32,16 @@ def dequantize(raw: torch.Tensor, qtype: T, cols: int) -> np.ndarray:
 @pytest.mark.parametrize("qtype", R16_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("M", [1, 2, 17, 33, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_amx_is_the_bfloat16_product(qtype, M, dtype):
-    """37 weight rows (3 groups of 16: an odd number, the last partial), K of 7 blocks of 32 or 3 super-blocks; M
+@pytest.mark.parametrize("long_k", [False, True], ids=["K", "long K"])
+def test_amx_is_the_bfloat16_product(qtype, M, dtype, long_k):
+    """37 weight rows (3 groups of 16: an odd number, the last partial), K of 7 blocks of 32 or 3 super-blocks, or
+    (long K) 45 blocks or 5 super-blocks: passes over AMX_KC tile columns of K at a time, the last pass shorter, the
+    sums carried between them in the result tiles; M
     rows of x one or two tiles of 16 at a time, the last partial. The result is gguf-py's dequantized weights rounded
     to bfloat16 against the activations in bfloat16, to float32 accumulation (a weight whose float32 value sits
     at a bfloat16 tie may round the other way: gguf-py multiplies and adds in two roundings, the kernel in one)."""
     rows = 37
-    cols = 7 * 32 if GGML_QUANT_SIZES[qtype][0] == 32 else 3 * 256
+    cols = (45 if long_k else 7) * 32 if GGML_QUANT_SIZES[qtype][0] == 32 else (5 if long_k else 3) * 256
     raw = random_blocks(qtype, rows, cols, seed=300 + M)
     w = quants.dequantize(raw.numpy(), qtype).reshape(rows, cols).astype(np.float64)
     x = torch.randn(M, cols, generator=torch.Generator().manual_seed(M)).to(dtype)

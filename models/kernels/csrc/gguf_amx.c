@@ -8,8 +8,11 @@
  * (tmm0, tmm1) and 2 B tiles (tmm2, tmm3), one tile load per tile op. Each thread takes a run of whole pairs of
  * groups, so each core streams its own weights once, and dequantizes them a block of pairs at a time (AMX_B_BYTES
  * of B tiles, kept in its L2) that every 32 activation rows pass over in turn: a prompt step's activations are read
- * once per block, not once per pair. The activations' rows are K + 32 values apart, so that an A tile's 16 rows do
- * not share one L1 set where a row is 4 KB. Buffers are the threads' own, kept between calls (kernel_scratch).
+ * once per block, not once per pair; where K is long, a pass takes AMX_KC tile columns of K over every pair of the
+ * block (those 32 rows' A tiles stay in the L1), the pairs' sums kept between passes in memory (the 4 result tiles
+ * stored and loaded again: float32, exact, the same order of additions). The activations' rows are K + 32 values
+ * apart, so that an A tile's 16 rows do not share one L1 set where a row is 4 KB. Buffers are the threads' own, kept
+ * between calls (kernel_scratch).
  *
  * Why not int8 tiles (llama.cpp's ggml-cpu/amx/mmq.cpp: activations to int8 per 32, one TDPBSSD / TDPBSUD per
  * 32-weight block, the int32 tile stored and rescaled by the block's scales after every op): measured on an Emerald
@@ -30,7 +33,8 @@
 #include "bf16.h"
 #include "gguf_r16.h"
 
-#define AMX_B_BYTES (512 << 10) /* B tiles a thread keeps in its L2 (2 MB a core on Sapphire Rapids and later) */
+#define AMX_KC 16 /* tile columns of K a pass takes where K > 2 AMX_KC tiles (32 values each) */
+#define AMX_B_BYTES (1024 << 10) /* B tiles a thread keeps in its L2 (2 MB a core on Sapphire Rapids and later) */
 
 void *kernel_scratch(int slot, size_t bytes); /* paged_attention.c: a thread's buffer kept between calls */
 
@@ -145,6 +149,9 @@ AMX static int bf16_linear(const void *x, int x_bf16, int x_stride, const uint8_
     /* pairs of groups whose B tiles (64 K bytes a pair) fill AMX_B_BYTES of a core's L2 */
     const int max_block = (int)(AMX_B_BYTES / (64 * (size_t)K)) > 1 ? (int)(AMX_B_BYTES / (64 * (size_t)K)) : 1;
     const size_t stride = 2 * (size_t)ks;
+    /* tile columns (32 values of K) a pass over a block's pairs takes: all of K, or AMX_KC where K is longer, so that
+     * 32 activation rows of the pass (32 KB) stay in the L1 while the block's B tiles stream from the L2 */
+    const int kc = K / 32 > 2 * AMX_KC ? AMX_KC : K / 32;
     bf16 *xa = kernel_scratch(5, sizeof(bf16) * Mp * ks); /* the activations, zero rows past M */
     _Pragma("omp parallel num_threads(num_threads)") {
         _Pragma("omp for schedule(static)")
@@ -166,7 +173,9 @@ AMX static int bf16_linear(const void *x, int x_bf16, int x_stride, const uint8_
         const int p_begin = (int)((long)pairs * t / nth), p_end = (int)((long)pairs * (t + 1) / nth);
         const int per = p_end - p_begin, blocks = (per + max_block - 1) / (max_block > 0 ? max_block : 1);
         const int block = blocks ? (per + blocks - 1) / blocks : 1;
-        bf16 *bt = kernel_scratch(6, sizeof(bf16) * 2 * 16 * K * (size_t)block); /* the block's B tiles */
+        /* the block's B tiles, then its pairs' 4 result tiles between the chunks of K (AMX_KC) */
+        bf16 *bt = kernel_scratch(6, sizeof(bf16) * 2 * 16 * K * (size_t)block + sizeof(float) * 1024 * (size_t)block);
+        float *partial = (float *)(bt + (size_t)2 * 16 * K * block);
         float c[4][256] __attribute__((aligned(64)));
         bf16_configure();
         for (int pb = p_begin; pb < p_end; pb += block) {
@@ -183,35 +192,54 @@ AMX static int bf16_linear(const void *x, int x_bf16, int x_stride, const uint8_
             for (int m0 = 0; m0 < M; m0 += 32) {
                 const int two_m = m0 + 16 < M;
                 const bf16 *a0 = xa + (size_t)m0 * ks, *a1 = a0 + (size_t)16 * ks;
-                for (int p = pb; p < pe; p++) {
-                    const int g0 = 2 * p, two_n = g0 + 1 < groups;
-                    const bf16 *b0 = bt + (size_t)(p - pb) * 32 * K, *b1 = b0 + 16 * K;
-                    _tile_zero(4);
-                    _tile_zero(5);
-                    _tile_zero(6);
-                    _tile_zero(7);
-                    for (int kt = 0; kt < K / 32; kt++) {
-                        _tile_loadd(0, a0 + 32 * kt, stride);
-                        _tile_loadd(2, b0 + 512 * kt, 64);
-                        _tile_loadd(3, b1 + 512 * kt, 64);
-                        _tile_dpbf16ps(4, 0, 2);
-                        _tile_dpbf16ps(5, 0, 3);
-                        if (two_m) {
-                            _tile_loadd(1, a1 + 32 * kt, stride);
-                            _tile_dpbf16ps(6, 1, 2);
-                            _tile_dpbf16ps(7, 1, 3);
+                for (int k0 = 0; k0 < K / 32; k0 += kc) { /* tile columns k0 .. k1 - 1 of every pair in turn */
+                    const int k1 = k0 + kc < K / 32 ? k0 + kc : K / 32, last = k1 == K / 32;
+                    for (int p = pb; p < pe; p++) {
+                        const int g0 = 2 * p, two_n = g0 + 1 < groups;
+                        const bf16 *b0 = bt + (size_t)(p - pb) * 32 * K, *b1 = b0 + 16 * K;
+                        float *part = partial + (size_t)(p - pb) * 1024;
+                        if (k0 == 0) {
+                            _tile_zero(4);
+                            _tile_zero(5);
+                            _tile_zero(6);
+                            _tile_zero(7);
+                        } else {
+                            _tile_loadd(4, part, 64);
+                            _tile_loadd(5, part + 256, 64);
+                            _tile_loadd(6, part + 512, 64);
+                            _tile_loadd(7, part + 768, 64);
                         }
-                    }
-                    const int n0 = 16 * g0, nr0 = N - n0 < 16 ? N - n0 : 16, nr1 = N - n0 - 16 < 16 ? N - n0 - 16 : 16;
-                    _tile_stored(4, c[0], 64);
-                    _tile_stored(5, c[1], 64);
-                    bf16_store(c[0], y, y_bf16, y_stride, m0, M, n0, nr0);
-                    if (two_n) bf16_store(c[1], y, y_bf16, y_stride, m0, M, n0 + 16, nr1);
-                    if (two_m) {
-                        _tile_stored(6, c[2], 64);
-                        _tile_stored(7, c[3], 64);
-                        bf16_store(c[2], y, y_bf16, y_stride, m0 + 16, M, n0, nr0);
-                        if (two_n) bf16_store(c[3], y, y_bf16, y_stride, m0 + 16, M, n0 + 16, nr1);
+                        for (int kt = k0; kt < k1; kt++) {
+                            _tile_loadd(0, a0 + 32 * kt, stride);
+                            _tile_loadd(2, b0 + 512 * kt, 64);
+                            _tile_loadd(3, b1 + 512 * kt, 64);
+                            _tile_dpbf16ps(4, 0, 2);
+                            _tile_dpbf16ps(5, 0, 3);
+                            if (two_m) {
+                                _tile_loadd(1, a1 + 32 * kt, stride);
+                                _tile_dpbf16ps(6, 1, 2);
+                                _tile_dpbf16ps(7, 1, 3);
+                            }
+                        }
+                        if (!last) {
+                            _tile_stored(4, part, 64);
+                            _tile_stored(5, part + 256, 64);
+                            _tile_stored(6, part + 512, 64);
+                            _tile_stored(7, part + 768, 64);
+                            continue;
+                        }
+                        const int n0 = 16 * g0, nr0 = N - n0 < 16 ? N - n0 : 16;
+                        const int nr1 = N - n0 - 16 < 16 ? N - n0 - 16 : 16;
+                        _tile_stored(4, c[0], 64);
+                        _tile_stored(5, c[1], 64);
+                        bf16_store(c[0], y, y_bf16, y_stride, m0, M, n0, nr0);
+                        if (two_n) bf16_store(c[1], y, y_bf16, y_stride, m0, M, n0 + 16, nr1);
+                        if (two_m) {
+                            _tile_stored(6, c[2], 64);
+                            _tile_stored(7, c[3], 64);
+                            bf16_store(c[2], y, y_bf16, y_stride, m0 + 16, M, n0, nr0);
+                            if (two_n) bf16_store(c[3], y, y_bf16, y_stride, m0 + 16, M, n0 + 16, nr1);
+                        }
                     }
                 }
             }
