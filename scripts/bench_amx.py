@@ -146,12 +146,14 @@ def main() -> None:
             x = torch.randn(M, K).to(torch.bfloat16)
             y = torch.empty(M, N, dtype=torch.bfloat16)
             row = {"shape": name, "type": qtype.name, "N": N, "K": K, "M": M}
-            for path, tiles in (("vnni", 0), ("amx", 1)):
+            for path, tiles, int8 in (("vnni", 0, False), ("vnni_int8", 0, True), ("amx", 1, False)):
                 lib.gguf_amx_enable(tiles)
-                row[f"{path}_ms"] = best_ms(lambda: ops.gguf_linear(x, r16, qtype, N, K, True, out=y), args.repeats)
+                row[f"{path}_ms"] = best_ms(
+                    lambda: ops.gguf_linear(x, r16, qtype, N, K, True, out=y, int8_activations=int8), args.repeats
+                )
             lib.gguf_amx_enable(0)
             row["torch_bf16_ms"] = best_ms(lambda: torch.nn.functional.linear(x, wb), args.repeats)
-            for key in ("vnni", "amx", "torch_bf16"):
+            for key in ("vnni", "vnni_int8", "amx", "torch_bf16"):
                 row[f"{key}_gmacs"] = round(M * N * K / row[f"{key}_ms"] / 1e6, 1)
                 row[f"{key}_ms"] = round(row[f"{key}_ms"], 4)
             row["amx_vs_vnni"] = round(row["vnni_ms"] / row["amx_ms"], 2)

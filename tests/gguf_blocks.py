@@ -10,7 +10,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from models.kernels import cpu_kernels
-from models.quantization.gguf import AMX_MIN_ROWS, amx_tiles
+from models.quantization.gguf import amx_min_rows, amx_tiles
 
 
 def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -50,4 +50,4 @@ def amx_rows(min_rows: int):
     try:
         yield
     finally:
-        lib.gguf_amx_enable(AMX_MIN_ROWS if amx_tiles() else 0)
+        lib.gguf_amx_enable(amx_min_rows() if amx_tiles() else 0)

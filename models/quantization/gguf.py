@@ -87,7 +87,7 @@ Q8_TYPES = (
 )
 
 
-# MINIVLLM_GGUF_KERNEL: which kernel family quantized linears take. auto: AMX tiles from AMX_MIN_ROWS rows where the
+# MINIVLLM_GGUF_KERNEL: which kernel family quantized linears take. auto: AMX tiles from amx_min_rows() rows where the
 # probe passes, else the AVX512-VNNI kernel on repacked weights (bfloat16 activations, and float32 ones unless
 # MINIVLLM_GGUF_ACTIVATIONS=float) or the AVX2 int8 / portable kernels on blocks; vnni: never AMX; amx: AMX tiles for
 # every row count of repacked weights (refused at load where AMX cannot run); avx2: the AVX2 int8 kernel on the
@@ -101,6 +101,10 @@ ACTIVATION_MODES = ("int8", "int16", "float")
 # at 16 the tiles 1.75-2.6x faster, on every shape of the default model and the 1B shape (an Emerald Rapids Xeon, 2
 # threads: docs/benchmarks.md); fewer rows are memory-bound and keep the VNNI kernel
 AMX_MIN_ROWS = 16
+# the same against the VNNI kernel on int8 activations (the default, r16_int8), twice the int16 one's rate: on the
+# pool's AMX Xeon (2 threads, scripts/bench_amx.py) int8 was 1.02-1.5x the tiles at 16 rows, even at 20-24, and the
+# tiles 1.2-1.5x at 28, on every shape of the default model and the 1B shape
+AMX_MIN_ROWS_INT8 = 24
 # why gguf_amx_probe() refused the tiles, by its status
 AMX_REFUSALS = {
     0: "the CPU has no AMX-BF16 (or no AVX512-BF16)",
@@ -124,7 +128,7 @@ def gguf_kernel() -> str:
 def amx_tiles() -> bool:
     """Whether repacked (R16) weights take the AMX kernel (models/kernels/csrc/gguf_amx.c) in this process:
     probes the CPU once (CPUID, the OS's tile state, Linux's tile-data permission requested for the process, one
-    tile op checked under a SIGILL guard) and turns the tiles on from AMX_MIN_ROWS rows (every row count with
+    tile op checked under a SIGILL guard) and turns the tiles on from amx_min_rows() rows (every row count with
     MINIVLLM_GGUF_KERNEL=amx; never with MINIVLLM_GGUF_ACTIVATIONS=float unless forced so: the tiles round the
     weights to bfloat16). Where the probe fails on a CPU that has AMX, logs one line naming why and keeps the
     VNNI kernel. Raises ValueError when MINIVLLM_GGUF_KERNEL=amx and AMX cannot run, naming why."""
@@ -141,7 +145,13 @@ def amx_tiles() -> bool:
         if status != 0:
             logger.warning("AMX tiles not used: %s; quantized linears run on AVX512-VNNI", reason)
         return False
-    return lib.gguf_amx_enable(1 if mode == "amx" else AMX_MIN_ROWS) == 0
+    return lib.gguf_amx_enable(1 if mode == "amx" else amx_min_rows()) == 0
+
+
+def amx_min_rows() -> int:
+    """Rows of x from which R16 weights take the AMX tiles by default: AMX_MIN_ROWS_INT8 where the VNNI kernel
+    below them runs on int8 activations (r16_int8), else AMX_MIN_ROWS."""
+    return AMX_MIN_ROWS_INT8 if r16_int8() else AMX_MIN_ROWS
 
 
 def activations_mode() -> str:
