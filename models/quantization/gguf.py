@@ -107,7 +107,7 @@ AMX_MIN_ROWS = 16
 AMX_MIN_ROWS_INT8 = 24
 # why gguf_amx_probe() refused the tiles, by its status
 AMX_REFUSALS = {
-    0: "the CPU has no AMX-BF16 (or no AVX512-BF16)",
+    0: "the CPU has no AMX-BF16 (or no AVX512-BF16 or AVX512-VBMI)",
     -1: "the OS does not enable the AMX tile state (XCR0)",
     -2: "Linux refused the AMX tile-data permission (arch_prctl ARCH_REQ_XCOMP_PERM)",
     -3: "the first AMX tile instruction raised SIGILL",

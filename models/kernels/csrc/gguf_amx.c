@@ -48,7 +48,8 @@ static int amx_state = 2; /* gguf_amx_probe's result; 2: not probed */
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx512dq,f16c,fma")))
+#define AMX                                                                                                    \
+    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx512dq,avx512vbmi,f16c,fma")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -71,18 +72,30 @@ AMX static void bf16_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* the 4 codes of each lane of wq (codes k..k+3 of 16 weight rows) with scale s and offset o per lane, as the two
- * B tile rows (k / 2, k / 2 + 1) of bfloat16 pairs at dst */
-AMX_INLINE void bf16_pairs(__m512i wq, __m512 s, __m512 o, bf16 *dst) {
-    const __m512i byte = _mm512_set1_epi32(0xFF);
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    __m512 w[4];
-    for (int j = 0; j < 4; j++)
-        w[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(wq, 8 * j), byte)), s, o);
-    for (int h = 0; h < 2; h++) /* words w0[0..15] | w1[0..15] interleaved to (w0[n], w1[n]) */
-        _mm512_store_si512(dst + 32 * h,
-                           _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(w[2 * h + 1], w[2 * h])));
+/* a per-row vector v (lane n: weight row n) as two vectors in a B tile row's order, each lane twice: d[h] lanes
+ * (2i, 2i + 1) = v[8h + i] */
+AMX_INLINE void rows_twice(__m512 v, __m512 d[2]) {
+    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    d[0] = _mm512_permutexvar_ps(lo, v);
+    d[1] = _mm512_permutexvar_ps(_mm512_add_epi32(lo, _mm512_set1_epi32(8)), v);
+}
+
+/* the 4 codes of each lane of wq (codes k..k+3 of 16 weight rows) with scale s and offset o per row (rows_twice), as
+ * the two B tile rows (k / 2, k / 2 + 1) of bfloat16 pairs at dst. One byte permute with zeroing gathers the codes
+ * (k, k + 1) (or (k + 2, k + 3)) of 8 rows as 16 int32 lanes in the tile row's order, so that the bfloat16 pair
+ * conversion of two of them is the tile row (a shift and a mask a code, and a word permute a tile row, before) */
+AMX_INLINE void bf16_pairs(__m512i wq, const __m512 s[2], const __m512 o[2], bf16 *dst) {
+    for (int r = 0; r < 2; r++) {
+        __m512 w[2];
+        for (int h = 0; h < 2; h++) { /* lane 2i + j: byte 4 (8h + i) + 2r + j of wq */
+            const int b = 32 * h + 2 * r;
+            const __m512i idx = _mm512_set_epi32(b + 29, b + 28, b + 25, b + 24, b + 21, b + 20, b + 17, b + 16, b + 13,
+                                                 b + 12, b + 9, b + 8, b + 5, b + 4, b + 1, b);
+            const __m512i q = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, idx, wq);
+            w[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s[h], o[h]);
+        }
+        _mm512_store_si512(dst + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+    }
 }
 
 /* a group of 16 weight rows (R16 records over all K) as K / 32 bfloat16 B tiles at dst (1 KB each) */
@@ -93,9 +106,11 @@ AMX static void bf16_unpack(int type, const uint8_t *grp, int K, bf16 *dst) {
         for (int b = 0; b < K / 32; b++) {
             const uint8_t *rec = grp + (size_t)b * rb;
             r16_codes32(type, rec, wq);
-            __m512 d, o;
+            __m512 d, o, d2[2], o2[2];
             r16_scales32(type, rec, &d, &o);
-            for (int z = 0; z < 8; z++) bf16_pairs(wq[z], d, o, dst + 512 * b + 64 * z);
+            rows_twice(d, d2);
+            rows_twice(o, o2);
+            for (int z = 0; z < 8; z++) bf16_pairs(wq[z], d2, o2, dst + 512 * b + 64 * z);
         }
         return;
     }
@@ -110,8 +125,10 @@ AMX static void bf16_unpack(int type, const uint8_t *grp, int K, bf16 *dst) {
                 for (int h = 0; h < 2; h++) {
                     const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                                           _mm_loadu_si128((const __m128i *)(sc + 32 + 16 * (2 * jb + h))))));
-                    const __m512 o = _mm512_mul_ps(s, _mm512_set1_ps(-32.f));
-                    for (int z = 4 * h; z < 4 * h + 4; z++) bf16_pairs(wq[z], s, o, t + 64 * z);
+                    __m512 s2[2], o2[2];
+                    rows_twice(s, s2);
+                    rows_twice(_mm512_mul_ps(s, _mm512_set1_ps(-32.f)), o2);
+                    for (int z = 4 * h; z < 4 * h + 4; z++) bf16_pairs(wq[z], s2, o2, t + 64 * z);
                 }
                 continue;
             }
@@ -121,7 +138,10 @@ AMX static void bf16_unpack(int type, const uint8_t *grp, int K, bf16 *dst) {
             const __m512 o = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin),
                                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                                _mm_loadu_si128((const __m128i *)(sc + 192 + 16 * jb)))));
-            for (int z = 0; z < 8; z++) bf16_pairs(wq[z], s, o, t + 64 * z);
+            __m512 s2[2], o2[2];
+            rows_twice(s, s2);
+            rows_twice(o, o2);
+            for (int z = 0; z < 8; z++) bf16_pairs(wq[z], s2, o2, t + 64 * z);
         }
     }
 }
@@ -287,7 +307,8 @@ static int probe(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 22 & 1) || !(d >> 24 & 1)) return 0; /* AMX-BF16, -TILE */
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx2"))
+    if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx2") ||
+        !__builtin_cpu_supports("avx512vbmi"))
         return 0;
     if (!__get_cpuid(1, &a, &b, &c, &d) || !(c >> 27 & 1)) return -1; /* OSXSAVE */
     unsigned lo, hi;
@@ -307,8 +328,8 @@ static int probe(void) {
 #endif
 
 /* Probes AMX once per process (later calls return the first answer): 1 ready; 0 the CPU lacks AMX-BF16 (or the
- * AVX512-BF16 the dequantization uses); -1 the OS does not enable the tile state; -2 Linux refused the tile data
- * permission; -3 the first tile op raised SIGILL; -4 it gave a wrong result. */
+ * AVX512-BF16 and AVX512-VBMI the dequantization uses); -1 the OS does not enable the tile state; -2 Linux refused
+ * the tile data permission; -3 the first tile op raised SIGILL; -4 it gave a wrong result. */
 int gguf_amx_probe(void) {
 #if defined(__x86_64__) && defined(__linux__)
     if (amx_state == 2) amx_state = probe();
