@@ -3,10 +3,10 @@ time, in one run (models/kernels/csrc/gguf_amx.c). Needs a CPU with AMX-BF16 (Sa
 
 For each weight shape of the default model (SmolLM2-135M, Q4_1 linears, Q8_0 LM head) and of the 1B shape
 (Llama-3.2-1B's Q4_K_M: Q4_K, Q6_K), random blocks with sane scales (speed does not depend on values), R16
-repacked, bfloat16 activations of M rows: milliseconds per call of the VNNI kernel (int16 activations), the AMX
-kernel (the weights dequantized to bfloat16 tiles), and torch.nn.functional.linear on the weight dequantized to
-bfloat16 (oneDNN's AMX brgemm, what vLLM-CPU runs), best of --repeats after a warm-up; GMAC/s and the AMX
-speed-up. One JSON line per shape and M.
+repacked, bfloat16 activations of M rows: milliseconds per call of the VNNI kernel on int16 and on int8
+activations (`vnni`, `vnni_int8`), the AMX kernel (the weights dequantized to bfloat16 tiles), and
+torch.nn.functional.linear on the weight dequantized to bfloat16 (oneDNN's AMX brgemm, what vLLM-CPU runs), best of
+--repeats after a warm-up; GMAC/s and the AMX speed-up over the int16 kernel. One JSON line per shape and M.
 
     OMP_NUM_THREADS=2 taskset -c 0,1 python scripts/bench_amx.py --rows 1 2 4 8 16 64 512
 

@@ -102,8 +102,8 @@ ACTIVATION_MODES = ("int8", "int16", "float")
 # threads: docs/benchmarks.md); fewer rows are memory-bound and keep the VNNI kernel
 AMX_MIN_ROWS = 16
 # the same against the VNNI kernel on int8 activations (the default, r16_int8), twice the int16 one's rate: on the
-# pool's AMX Xeon (2 threads, scripts/bench_amx.py) int8 was 1.02-1.5x the tiles at 16 rows, even at 20-24, and the
-# tiles 1.2-1.5x at 28, on every shape of the default model and the 1B shape
+# pool's AMX Xeon (2 threads, scripts/bench_amx.py, every shape of the default model and the 1B shape) the tiles ran
+# at 0.66-1.16x its speed at 16 rows over two runs, 0.88-1.13x at 20, 1.01-1.24x at 24 and 1.17-1.46x at 28
 AMX_MIN_ROWS_INT8 = 24
 # why gguf_amx_probe() refused the tiles, by its status
 AMX_REFUSALS = {

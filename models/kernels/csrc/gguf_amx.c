@@ -167,7 +167,7 @@ AMX static int bf16_linear(const void *x, int x_bf16, int x_stride, const uint8_
      * in one L1 set and the 1B shape's Q4_K linears ran at half the speed of K = 576's */
     const int ks = K + 32;
     /* pairs of groups whose B tiles (64 K bytes a pair) fill AMX_B_BYTES of a core's L2 */
-    const int max_block = (int)(AMX_B_BYTES / (64 * (size_t)K)) > 1 ? (int)(AMX_B_BYTES / (64 * (size_t)K)) : 1;
+    const int fit = (int)(AMX_B_BYTES / (64 * (size_t)K)), max_block = fit > 1 ? fit : 1;
     const size_t stride = 2 * (size_t)ks;
     /* tile columns (32 values of K) a pass over a block's pairs takes: all of K, or AMX_KC where K is longer, so that
      * 32 activation rows of the pass (32 KB) stay in the L1 while the block's B tiles stream from the L2 */
@@ -191,7 +191,7 @@ AMX static int bf16_linear(const void *x, int x_bf16, int x_stride, const uint8_
          * activations (2.4-6.3 MB) were streamed again from the L3 for every 32 weight rows */
         const int t = omp_get_thread_num(), nth = omp_get_num_threads();
         const int p_begin = (int)((long)pairs * t / nth), p_end = (int)((long)pairs * (t + 1) / nth);
-        const int per = p_end - p_begin, blocks = (per + max_block - 1) / (max_block > 0 ? max_block : 1);
+        const int per = p_end - p_begin, blocks = (per + max_block - 1) / max_block;
         const int block = blocks ? (per + blocks - 1) / blocks : 1;
         /* the block's B tiles, then its pairs' 4 result tiles between the chunks of K (AMX_KC) */
         bf16 *bt = kernel_scratch(6, sizeof(bf16) * 2 * 16 * K * (size_t)block + sizeof(float) * 1024 * (size_t)block);

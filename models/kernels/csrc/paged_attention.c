@@ -829,8 +829,8 @@ static inline Tile tile_of(int tile, const int *tile_start, const int32_t *query
 
 /* A buffer of at least `bytes` (64-byte aligned) owned by the calling thread and kept between calls, one per `slot`
  * (0 and 1 this file's workspaces, 2 and 3 decoder_layer.c's layers', 4 its step's, 5 and 6 gguf_amx.c's activations
- * and B tiles): workspaces above malloc's mmap
- * threshold (~170 KiB at batch 1 here) mapped fresh pages and faulted them in on every call, ~10 us a layer. */
+ * and B tiles): workspaces above malloc's mmap threshold (~170 KiB at batch 1 here) mapped fresh pages and faulted
+ * them in on every call, ~10 us a layer. */
 void *kernel_scratch(int slot, size_t bytes) {
     static __thread void *buf[7];
     static __thread size_t cap[7];
