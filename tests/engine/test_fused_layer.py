@@ -232,14 +232,19 @@ def test_q8_0_blocks_and_their_r16_copy_in_the_fused_layer(llm, prompts, tmp_pat
         assert "Q8_0 (R16 copy)" in qwen3.engine.engine_core.executor.runner.weight_bytes
 
 
-@pytest.mark.skipif(not cpu_kernels.load().gguf_r16_isa(), reason="the CPU has no AVX512-VNNI + BF16 (R16 copies)")
+@pytest.mark.skipif(not cpu_kernels.load().gguf_q8_isa(), reason="the CPU has no AVX2 (the int8 kernels' team forms)")
 def test_a_stack_runs_its_layers_with_a_one_region_form_together(llm, prompts, tmp_path, monkeypatch):
-    """A stack whose first layer has no one-region form (its Q8_0 weights on their blocks, the AVX2 int8 kernel, at
-    every row count: its R16 copies dropped) and whose second layer has one (R16 copies for steps of
-    R16_COPY_MIN_ROWS rows): decoder_layers_float runs the first kernel by kernel and the second in a region of its
-    own, reading the first one's output and its own cache, so greedy tokens and logprobs of 8-row decode steps equal
-    the op-by-op layers' bit for bit, on the tiny Qwen3's Q8_0 file llama.cpp's converter makes."""
-    from models.quantization.gguf import quantized_weights
+    """A stack whose first layer has no one-region form (its Q8_0 weights on their blocks and the exact float32
+    kernel, gguf_linear: its R16 copies dropped and its int8 activations off) and whose second layer has one (R16
+    copies for steps of R16_COPY_MIN_ROWS rows where the CPU has AVX512-VNNI, the blocks on the AVX2 int8 kernel
+    below them and on every other CPU): decoder_layers_float runs the first kernel by kernel and the second in a
+    region of its own, reading the first one's output and its own cache, so greedy tokens and logprobs of 1- and
+    8-row decode steps equal the op-by-op layers' bit for bit, on the tiny Qwen3's Q8_0 file llama.cpp's converter
+    makes."""
+    from models.quantization.gguf import GGUFTensor, quantized_weights
+
+    class ExactTensor(GGUFTensor):  # the first layer's weights: float32 activations in both paths
+        int8 = False
 
     with _gguf_settings(monkeypatch, MINIVLLM_GGUF_ACTIVATIONS="int8"):
         qwen3 = make_llm(model=_qwen3_q8_0_with_copies(llm, tmp_path, monkeypatch), dtype="bfloat16")
@@ -247,11 +252,14 @@ def test_a_stack_runs_its_layers_with_a_one_region_form_together(llm, prompts, t
         assert len(layers) == 2
         for module in layers[0].modules():
             for w in quantized_weights(module):
-                w.r16_copy = None
+                w.r16_copy, w.__class__ = None, ExactTensor
         _assert_fused_equals_plain(qwen3, prompts, monkeypatch)
         descs = [layer.fused.desc for layer in layers]
-        assert not any(d.qkv.copy[0] or d.o.copy[0] or d.gate_up.copy[0] or d.down.copy[0] for d in descs[:1])
-        assert all(d.qkv.copy[0] and d.o.copy[0] and d.gate_up.copy[0] and d.down.copy[0] for d in descs[1:])
+        first = [descs[0].qkv, descs[0].o, descs[0].gate_up, descs[0].down]
+        assert not any(d.copy[0] for d in first) and {d.kernel[0] for d in first} == {KERNEL_EXACT}
+        second = [descs[1].qkv, descs[1].o, descs[1].gate_up, descs[1].down]
+        assert {d.kernel[0] for d in second} == {KERNEL_INT8}
+        assert all(bool(d.copy[0]) == bool(cpu_kernels.load().gguf_r16_isa()) for d in second)
 
 
 @pytest.mark.parametrize("dtype, kernel", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "avx2")])

@@ -132,6 +132,10 @@ int gguf_r16_isa(void);
 long gguf_r16_bytes(int type, int N, int K);
 int gguf_amx_takes(int M);
 size_t gguf_r16_acts_bytes(int type, int M, int K, int int8);
+long gguf_q8_acts_bytes(int type, int M, int K);
+void gguf_q8_linear_team(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                         int y_stride, int M, int N, int K, void *ws);
+int gguf_q8_isa(void);
 void gguf_r16_linear_team(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
                           int y_stride, int M, int N, int K, int int8, void *ws);
 int attention_tiles(int num_seqs, const int32_t *query_start_loc, const int32_t *seq_lens, int *tile_start);
@@ -311,21 +315,26 @@ static int decoder_layer_ops(const LayerDesc *L, float *residual, const float *x
  * Each kernel above runs on a team of its own: ~8 teams a layer (240 a step of the default model), each a fork, a
  * join and the threads' reads of the weights started afresh. Reading the default model's weights in its step's
  * pattern (2 threads, a Zen 5 EPYC) took 2.17 ms with a team per kernel against 1.87 ms in one region with a
- * barrier between kernels. So where every kernel of every layer has a team form (the R16 linears, the norms,
- * rotary, the output gate, SiLU-and-mul, the attention; the same arithmetic and the same split of the work), the
- * layers run in one region: each thread walks the whole stack, sharing out each kernel's work with the others and
- * meeting them at its end. Other layers (a mixture of experts; a weight on gguf_linear or gguf_q8_linear; AMX
- * tiles taking the step's rows) run kernel by kernel. */
+ * barrier between kernels. So where every kernel of every layer has a team form (the R16 linears and the AVX2
+ * int8 ones, the norms, rotary, the output gate, SiLU-and-mul, the attention; the same arithmetic and the same split
+ * of the work), the layers run in one region: each thread walks the whole stack, sharing out each kernel's work with
+ * the others and meeting them at its end. Other layers (a mixture of experts; a weight on gguf_linear; AMX tiles
+ * taking the step's rows) run kernel by kernel. */
 
-/* the most bytes of activations a segment of w takes on the R16 kernels for M rows of K, or -1 where a segment is
- * on another kernel (or its type has no R16 layout) */
+/* the most bytes of activations a segment of w takes on its kernel for M rows of K (the R16 kernels, or the AVX2
+ * int8 kernel: gguf_q8_linear), or -1 where a segment is on another kernel (or its type has no R16 layout) */
 static long linear_team_bytes(const LayerLinear *w, int K, int M) {
     long most = 0;
     for (int s = 0; s < w->n; s++) {
         const uint8_t *data;
         const int k = segment_kernel(w, s, M, &data);
-        if ((k != 2 && k != 3) || gguf_r16_bytes(w->type[s], 1, K) < 0) return -1;
-        const long b = (long)gguf_r16_acts_bytes(w->type[s], M, K, k == 3);
+        long b;
+        if (k == 1) {
+            if ((b = gguf_q8_acts_bytes(w->type[s], M, K)) < 0) return -1;
+        } else {
+            if ((k != 2 && k != 3) || gguf_r16_bytes(w->type[s], 1, K) < 0) return -1;
+            b = (long)gguf_r16_acts_bytes(w->type[s], M, K, k == 3);
+        }
         most = b > most ? b : most;
     }
     return most;
@@ -356,7 +365,10 @@ static void linear_team(const LayerLinear *w, const void *x, int x_bf16, int K, 
         if (s) { /* the last segment's reads of acts done */
             _Pragma("omp barrier")
         }
-        gguf_r16_linear_team(x, x_bf16, K, data, w->type[s], ys, y_bf16, N, M, w->rows[s], K, k == 3, acts);
+        if (k == 1)
+            gguf_q8_linear_team(x, x_bf16, K, data, w->type[s], ys, y_bf16, N, M, w->rows[s], K, acts);
+        else
+            gguf_r16_linear_team(x, x_bf16, K, data, w->type[s], ys, y_bf16, N, M, w->rows[s], K, k == 3, acts);
     }
     _Pragma("omp barrier")
     if (!w->bias) return;
@@ -453,7 +465,7 @@ int decoder_layers_float(const LayerDesc *const *L, int n, float *residual, cons
                          const int64_t *slot_mapping, const int32_t *block_tables, const int32_t *seq_lens,
                          const int32_t *query_start_loc, int num_seqs, int max_blocks, int isa, int nt) {
     StepTiles t = {NULL, 0};
-    if (gguf_r16_isa() && !gguf_amx_takes(M)) {
+    if ((gguf_r16_isa() || gguf_q8_isa()) && !gguf_amx_takes(M)) {
         t.tile_start = malloc(sizeof(int) * (num_seqs + 1));
         t.max_len = attention_tiles(num_seqs, query_start_loc, seq_lens, t.tile_start);
     }

@@ -1558,29 +1558,33 @@ static q8_range_fn q8_kernel(int type, int M) {
     return table[t][M - 1];
 }
 
-/* the N weight rows split evenly over the threads, one specialised call each */
-static void q8_rows(const Q8Acts *a, int type, const uint8_t *w, void *y, int y_bf16, int y_stride, int N,
-                    int num_threads) {
+/* thread t of nt's share of the N weight rows (an even split, one specialised call each) */
+static void q8_rows_share(const Q8Acts *a, int type, const uint8_t *w, void *y, int y_bf16, int y_stride, int N, int t,
+                          int nt) {
     const int nb = a->K / 32;
     const size_t y_elem = y_bf16 ? sizeof(bf16) : sizeof(float);
     /* Q6_K's 8-row kernel runs out of registers (8 int32 sums and 8 float accumulators): 4 rows at a time measured
      * 10-20% faster from 8 rows up */
     const int group_rows = type == Q6_K ? 4 : Q8_MAX_ROWS;
-    _Pragma("omp parallel num_threads(num_threads)") {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int n0 = (int)((long)N * t / nt), n1 = (int)((long)N * (t + 1) / nt);
-        /* more rows than one call takes: a tile of weight rows meets every group of rows while it is in L1 */
-        const int tile = a->M <= group_rows ? n1 - n0 : Q8_TILE;
-        for (int r0 = n0; r0 < n1; r0 += tile) {
-            const int r1 = r0 + tile < n1 ? r0 + tile : n1;
-            for (int m0 = 0; m0 < a->M; m0 += group_rows) {
-                const int mm = a->M - m0 < group_rows ? a->M - m0 : group_rows;
-                const Q8Acts group = {a->xq + (size_t)m0 * a->K, a->xd + (size_t)m0 * nb, a->xs + (size_t)m0 * nb,
-                                      a->xb ? a->xb + (size_t)m0 * (a->K / 16) : NULL, mm, a->K};
-                q8_kernel(type, mm)(&group, w, r0, r1, (char *)y + (size_t)m0 * y_stride * y_elem, y_bf16, y_stride);
-            }
+    const int n0 = (int)((long)N * t / nt), n1 = (int)((long)N * (t + 1) / nt);
+    /* more rows than one call takes: a tile of weight rows meets every group of rows while it is in L1 */
+    const int tile = a->M <= group_rows ? n1 - n0 : Q8_TILE;
+    for (int r0 = n0; r0 < n1; r0 += tile) {
+        const int r1 = r0 + tile < n1 ? r0 + tile : n1;
+        for (int m0 = 0; m0 < a->M; m0 += group_rows) {
+            const int mm = a->M - m0 < group_rows ? a->M - m0 : group_rows;
+            const Q8Acts group = {a->xq + (size_t)m0 * a->K, a->xd + (size_t)m0 * nb, a->xs + (size_t)m0 * nb,
+                                  a->xb ? a->xb + (size_t)m0 * (a->K / 16) : NULL, mm, a->K};
+            q8_kernel(type, mm)(&group, w, r0, r1, (char *)y + (size_t)m0 * y_stride * y_elem, y_bf16, y_stride);
         }
     }
+}
+
+/* the N weight rows split evenly over the threads of a team of their own */
+static void q8_rows(const Q8Acts *a, int type, const uint8_t *w, void *y, int y_bf16, int y_stride, int N,
+                    int num_threads) {
+    _Pragma("omp parallel num_threads(num_threads)")
+    q8_rows_share(a, type, w, y, y_bf16, y_stride, N, omp_get_thread_num(), omp_get_num_threads());
 }
 
 /* One group of a float32 row (`group` = 32 or 256 values) to int8 codes q = v * (127 / max|v|) rounded to nearest
@@ -1636,45 +1640,92 @@ typedef struct {
     int16_t *xb;
 } Q8Buf;
 
-/* x [M, K] (float32, or bfloat16 when x_bf16; rows x_stride apart) quantized to int8 per 32, or per 256 for the
- * K-quants (llama.cpp's Q8_K: one scale per 256 values, so a super-block's sub-blocks sum in int32; xd then holds
- * that scale in each of its 8 slots, xs each 32's integer sum, and for Q6_K xb each 16's). Release with q8_release. */
-static Q8Buf q8_prepare(const void *x, int x_bf16, int x_stride, int type, int M, int K, int num_threads) {
-    const int nb = K / 32;
-    Q8Buf b = {{0}, malloc((size_t)M * K), malloc(sizeof(float) * (size_t)M * nb),
-               malloc(sizeof(float) * (size_t)M * nb), type == Q6_K ? malloc(sizeof(int16_t) * (size_t)M * (K / 16)) : NULL};
-    int8_t *xq = b.xq;
-    float *xd = b.xd, *xs = b.xs;
-    int16_t *xb = b.xb;
-    const int group = q8_group(type);
-    _Pragma("omp parallel for num_threads(num_threads) if (M > Q8_MAX_ROWS)")
-    for (int m = 0; m < M; m++) {
-        for (int g = 0; g < K / group; g++) {
-            const int b0 = group / 32 * g;
-            const size_t at = (size_t)m * x_stride + (size_t)group * g;
-            float v[256], amax;
-            int sums[8];
-            if (x_bf16) /* bfloat16 rows widened first (exact) */
-                for (int i = 0; i < group; i++) v[i] = load_x(x, 1, at + i);
-            q8_quantize_f32(x_bf16 ? v : (const float *)x + at, group, xq + (size_t)m * K + 32 * b0, &amax, sums);
-            for (int c = 0; c < group / 32; c++) {
-                xd[m * nb + b0 + c] = amax / 127.f;
-                xs[m * nb + b0 + c] = group == 32 ? xd[m * nb + b0 + c] * (float)sums[c] : (float)sums[c];
-            }
-        }
-        if (xb)
-            for (int i = 0; i < K / 16; i++) {
-                int sum = 0;
-                for (int e = 0; e < 16; e++) sum += xq[(size_t)m * K + 16 * i + e];
-                xb[(size_t)m * (K / 16) + i] = (int16_t)sum;
-            }
+/* The buffers of M rows of K quantized for `type` carved from `ws` (64-byte aligned pieces), or with ws NULL only
+ * their bytes (q8_buf_bytes): xq int8 [M, K], xd and xs float [M, K / 32], and for Q6_K xb int16 [M, K / 16] */
+static size_t q8_carve(Q8Buf *b, void *ws, int type, int M, int K) {
+    const size_t bytes[4] = {(size_t)M * K, sizeof(float) * (size_t)M * (K / 32), sizeof(float) * (size_t)M * (K / 32),
+                             type == Q6_K ? sizeof(int16_t) * (size_t)M * (K / 16) : 0};
+    void *at[4];
+    size_t total = 0;
+    for (int i = 0; i < 4; i++) {
+        at[i] = bytes[i] && ws ? (char *)ws + total : NULL;
+        total += (bytes[i] + 63) / 64 * 64;
     }
-    b.a = (Q8Acts){xq, xd, xs, xb, M, K};
+    if (b) *b = (Q8Buf){{at[0], at[1], at[2], at[3], M, K}, at[0], at[1], at[2], at[3]};
+    return total;
+}
+
+/* Row m of x (float32, or bfloat16 when x_bf16; rows x_stride apart) quantized into b: to int8 per 32, or per 256
+ * for the K-quants (llama.cpp's Q8_K: one scale per 256 values, so a super-block's sub-blocks sum in int32; xd then
+ * holds that scale in each of its 8 slots, xs each 32's integer sum, and for Q6_K xb each 16's) */
+static void q8_prepare_row(const Q8Buf *b, const void *x, int x_bf16, int x_stride, int type, int K, int m) {
+    const int nb = K / 32, group = q8_group(type);
+    int8_t *xq = b->xq;
+    float *xd = b->xd, *xs = b->xs;
+    for (int g = 0; g < K / group; g++) {
+        const int b0 = group / 32 * g;
+        const size_t at = (size_t)m * x_stride + (size_t)group * g;
+        float v[256], amax;
+        int sums[8];
+        if (x_bf16) /* bfloat16 rows widened first (exact) */
+            for (int i = 0; i < group; i++) v[i] = load_x(x, 1, at + i);
+        q8_quantize_f32(x_bf16 ? v : (const float *)x + at, group, xq + (size_t)m * K + 32 * b0, &amax, sums);
+        for (int c = 0; c < group / 32; c++) {
+            xd[m * nb + b0 + c] = amax / 127.f;
+            xs[m * nb + b0 + c] = group == 32 ? xd[m * nb + b0 + c] * (float)sums[c] : (float)sums[c];
+        }
+    }
+    if (b->xb)
+        for (int i = 0; i < K / 16; i++) {
+            int sum = 0;
+            for (int e = 0; e < 16; e++) sum += xq[(size_t)m * K + 16 * i + e];
+            b->xb[(size_t)m * (K / 16) + i] = (int16_t)sum;
+        }
+}
+
+/* x [M, K] quantized for `type`'s kernel (q8_prepare_row) into buffers of its own; release with q8_release */
+static Q8Buf q8_prepare(const void *x, int x_bf16, int x_stride, int type, int M, int K, int num_threads) {
+    Q8Buf b;
+    q8_carve(&b, aligned_alloc(64, q8_carve(NULL, NULL, type, M, K)), type, M, K);
+    _Pragma("omp parallel for num_threads(num_threads) if (M > Q8_MAX_ROWS)")
+    for (int m = 0; m < M; m++) q8_prepare_row(&b, x, x_bf16, x_stride, type, K, m);
     return b;
 }
 
-static void q8_release(Q8Buf *b) { free(b->xq), free(b->xd), free(b->xs), free(b->xb); }
+static void q8_release(Q8Buf *b) { free(b->xq); } /* the one allocation q8_carve split */
 #endif
+
+/* The bytes gguf_q8_linear_team takes from its `ws` for M rows of K, or -1 where gguf_q8_linear refuses the type,
+ * the shape or the CPU */
+long gguf_q8_acts_bytes(int type, int M, int K) {
+#if defined(__x86_64__)
+    if (!has_avx2() || !q8_type(type) || K % block_weights(type) || M < 1) return -1;
+    return (long)q8_carve(NULL, NULL, type, M, K);
+#else
+    (void)type, (void)M, (void)K;
+    return -1;
+#endif
+}
+
+/* gguf_q8_linear by the calling thread's team: inside a parallel region every thread of the team calls it with the
+ * same arguments (`ws` shared, gguf_q8_acts_bytes of it, 64-byte aligned). The team quantizes x's rows (shared out
+ * statically, then a barrier), and each thread returns once its share of the weight rows is done, without waiting
+ * for the others: y is whole, and ws free for the next product, after the team's next barrier. The same
+ * arithmetic and split of the rows as gguf_q8_linear, which runs it on a team of its own; the caller has checked
+ * what gguf_q8_acts_bytes checks. */
+void gguf_q8_linear_team(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
+                         int y_stride, int M, int N, int K, void *ws) {
+#if defined(__x86_64__)
+    Q8Buf b;
+    q8_carve(&b, ws, type, M, K);
+    _Pragma("omp for schedule(static)")
+    for (int m = 0; m < M; m++) q8_prepare_row(&b, x, x_bf16, x_stride, type, K, m);
+    q8_rows_share(&b.a, type, w, y, y_bf16, y_stride, N, omp_get_thread_num(), omp_get_num_threads());
+#else
+    (void)x, (void)x_bf16, (void)x_stride, (void)w, (void)type, (void)y, (void)y_bf16, (void)y_stride, (void)M;
+    (void)N, (void)K, (void)ws;
+#endif
+}
 
 /* y = x W^T for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks and M rows of x, with x quantized to int8
  * per 32 (the kernels take 8 rows at a time, past 8 over tiles of Q8_TILE weight rows). Returns -1 (nothing
