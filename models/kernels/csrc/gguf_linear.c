@@ -1641,7 +1641,7 @@ typedef struct {
 } Q8Buf;
 
 /* The buffers of M rows of K quantized for `type` carved from `ws` (64-byte aligned pieces), or with ws NULL only
- * their bytes (q8_buf_bytes): xq int8 [M, K], xd and xs float [M, K / 32], and for Q6_K xb int16 [M, K / 16] */
+ * their bytes: xq int8 [M, K], xd and xs float [M, K / 32], and for Q6_K xb int16 [M, K / 16] */
 static size_t q8_carve(Q8Buf *b, void *ws, int type, int M, int K) {
     const size_t bytes[4] = {(size_t)M * K, sizeof(float) * (size_t)M * (K / 32), sizeof(float) * (size_t)M * (K / 32),
                              type == Q6_K ? sizeof(int16_t) * (size_t)M * (K / 16) : 0};
@@ -1733,7 +1733,7 @@ void gguf_q8_linear_team(const void *x, int x_bf16, int x_stride, const uint8_t 
 int gguf_q8_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
                    int y_stride, int M, int N, int K, int num_threads) {
 #if defined(__x86_64__)
-    if (!has_avx2() || !q8_type(type) || K % block_weights(type) || M < 1) return -1;
+    if (gguf_q8_acts_bytes(type, M, K) < 0) return -1;
     Q8Buf b = q8_prepare(x, x_bf16, x_stride, type, M, K, num_threads);
     q8_rows(&b.a, type, w, y, y_bf16, y_stride, N, num_threads);
     q8_release(&b);
