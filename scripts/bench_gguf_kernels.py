@@ -2,7 +2,7 @@
 on the file's blocks (`gguf_q8_linear`: activations to int8 per 32, or per 256 for the K-quants, llama.cpp's
 arithmetic) against the AVX512-VNNI kernels on R16-repacked weights (`gguf_r16_linear_i8`: int8 activations per 32,
 `vpdpbusd`, the default; `gguf_r16_linear`: int16 per 32, `vpdpwssd`, MINIVLLM_GGUF_ACTIVATIONS=int16), which
-float32 activations take where the CPU has AVX512-VNNI and BF16 (models/quantization/gguf.py).
+float32 activations take where the CPU has AVX512-VNNI (models/quantization/gguf.py).
 
 For each weight shape of scripts/bench_amx.py (the default model's Q4_1 linears and Q8_0 LM head, the 1B shape's
 Q4_K and Q6_K), random blocks with sane scales (speed does not depend on values) and float32 activations of M rows:
@@ -36,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     lib = cpu_kernels.load()
     if lib is None or not lib.gguf_q8_isa() or not lib.gguf_r16_isa():
-        sys.exit("this CPU lacks AVX2 or AVX512-VNNI + BF16 (or there is no C compiler): nothing to compare")
+        sys.exit("this CPU lacks AVX2 or AVX512-VNNI (or there is no C compiler): nothing to compare")
     lib.gguf_amx_enable(0)  # the VNNI kernel itself, also on an AMX CPU
     print(json.dumps({"threads": torch.get_num_threads()}), flush=True)
     for name, qtype, N, K in SHAPES:

@@ -217,7 +217,7 @@ def _qwen3_q8_0_with_copies(llm, tmp_path, monkeypatch) -> str:
     return str(gguf)
 
 
-@pytest.mark.skipif(not cpu_kernels.load().gguf_r16_isa(), reason="the CPU has no AVX512-VNNI + BF16 (R16 copies)")
+@pytest.mark.skipif(not cpu_kernels.load().gguf_r16_isa(), reason="the CPU has no AVX512-VNNI (R16 copies)")
 def test_q8_0_blocks_and_their_r16_copy_in_the_fused_layer(llm, prompts, tmp_path, monkeypatch):
     """A Q8_0 weight over R16_Q8_0_MAX_BYTES keeps its blocks with an R16 copy beside them (made 0 here, so that
     every weight of the tiny Qwen3's Q8_0 file llama.cpp's converter makes does): the one-call layer takes the

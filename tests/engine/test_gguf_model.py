@@ -27,7 +27,7 @@ def test_float32_keeps_the_blocks(llm):
 
 @pytest.mark.skipif(
     not (cpu_kernels.load() and cpu_kernels.load().gguf_r16_isa()),
-    reason="the CPU has no AVX512-VNNI + BF16 for the R16 kernels",
+    reason="the CPU has no AVX512-VNNI for the R16 kernels",
 )
 def test_bfloat16_repacks_for_vnni_without_growing():
     """Bfloat16 activations: the blocks repacked for the VNNI kernel, same bytes; the norms keep the file's

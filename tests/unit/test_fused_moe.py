@@ -194,7 +194,7 @@ def test_one_call_experts_equal_the_per_expert_loop(qtypes, limit, activation, t
     if lib is None or not lib.gguf_q8_isa():
         pytest.skip("the CPU has no AVX2")
     if layout == "r16" and not lib.gguf_r16_isa():
-        pytest.skip("the CPU has no AVX512-VNNI and BF16")
+        pytest.skip("the CPU has no AVX512-VNNI (R16 kernels)")
     monkeypatch.setenv("MINIVLLM_GGUF_KERNEL", "avx2" if layout == "blocks" else "auto")
     monkeypatch.setenv("MINIVLLM_GGUF_ACTIVATIONS", "int8")
     for cached in (gguf_kernel, int8_activations, r16_int8):

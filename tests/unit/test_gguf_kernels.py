@@ -60,7 +60,7 @@ def test_refine_top_in_one_call(qtype, r16, n):
     the blocks, or from R16) equal the torch path's (ops.refine_top over gguf-py's dequantized rows) to float32
     rounding, the top chosen the same and every other logit left as it was; rows past 8 over threads."""
     if r16 and not vnni():
-        pytest.skip("the CPU has no AVX512-VNNI + BF16 (R16 kernels)")
+        pytest.skip("the CPU has no AVX512-VNNI (R16 kernels)")
     vocab, cols = 300, 2 * GGML_QUANT_SIZES[qtype][0]
     raw = random_blocks(qtype, vocab, cols, seed=3)
     w = torch.from_numpy(reference(raw, qtype, cols))
@@ -77,7 +77,7 @@ def test_refine_top_in_one_call(qtype, r16, n):
     assert torch.equal(out[untouched], expect[untouched])
 
 
-@pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI + BF16 (R16 kernels)")
+@pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI (R16 kernels)")
 @pytest.mark.parametrize("qtype", R16_TYPES, ids=lambda t: t.name)
 def test_r16_repack_is_lossless(qtype):
     rows, cols = shape(qtype)
@@ -110,7 +110,7 @@ def test_linear_bfloat16(qtype, path, M):
     """bfloat16 activations: the portable path is the float product rounded to bfloat16; R16 stays within
     what quantizing the activations to int16 per 32 can move, and rounding the output."""
     if path != "portable" and not vnni():
-        pytest.skip("the CPU has no AVX512-VNNI + BF16")
+        pytest.skip("the CPU has no AVX512-VNNI (R16 kernels)")
     if path == "r16" and qtype not in R16_TYPES:
         assert ops.gguf_repack_r16(random_blocks(qtype, 16, shape(qtype)[1]), qtype, shape(qtype)[1]) is None
         return  # kept as blocks: the portable case covers it
@@ -136,6 +136,25 @@ def test_linear_bfloat16(qtype, path, M):
         assert torch.equal(wide[:, 5 : 5 + rows], y) and not wide[:, :5].any() and not wide[:, 5 + rows :].any()
 
 
+@pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI (R16 kernels)")
+@pytest.mark.parametrize("int8", [False, True], ids=["int16", "int8"])
+def test_r16_bfloat16_output_is_its_float32_output_rounded(int8):
+    """The R16 kernel's bfloat16 output is its own float32 output rounded to nearest even, as torch rounds, bit for
+    bit (the kernels round with integer ops: no AVX512-BF16 needed). 1M outputs hold ties (low 16 bits 0x8000) of
+    both parities, so a round-half-up also fails."""
+    qtype, rows, cols, M = T.Q8_0, 16384, 64, 64
+    data = ops.gguf_repack_r16(random_blocks(qtype, rows, cols, seed=7), qtype, cols)
+    x = torch.randn(M, cols, generator=torch.Generator().manual_seed(7)).bfloat16()
+    y32 = torch.empty(M, rows)
+    with amx_rows(0):
+        ops.gguf_linear(x, data, qtype, rows, cols, r16=True, out=y32, int8_activations=int8)
+        y16 = ops.gguf_linear(x, data, qtype, rows, cols, r16=True, int8_activations=int8)
+    bits = y32.view(torch.int32)
+    ties = (bits & 0xFFFF) == 0x8000
+    assert ties.sum() >= 4 and (ties & (bits & 0x10000).bool()).any() and (ties & ~(bits & 0x10000).bool()).any()
+    assert torch.equal(y16.view(torch.int16), y32.bfloat16().view(torch.int16))
+
+
 def rounded_int8(x: torch.Tensor, group: int) -> np.ndarray:
     """x rounded as the int8 kernels do: per `group` values, scale max|x| / 127 (float32), round to nearest."""
     M = x.shape[0]
@@ -146,7 +165,7 @@ def rounded_int8(x: torch.Tensor, group: int) -> np.ndarray:
     return (codes * (amax / np.float32(127)).astype(np.float64)).reshape(M, -1)
 
 
-@pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI + BF16 (R16 kernels)")
+@pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI (R16 kernels)")
 @pytest.mark.parametrize("qtype", R16_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("M", [1, 3, 8, 9, 17, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -188,7 +207,7 @@ def test_gguf_tensor_repacks_for_bfloat16_only_where_the_cpu_can():
     assert np.array_equal(t.dequantize_rows(ids, torch.float32).numpy(), reference(raw, T.Q4_1, 64)[ids])
 
 
-@pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI + BF16 (R16 kernels)")
+@pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI (R16 kernels)")
 def test_an_r16_copy_takes_steps_of_many_rows():
     """A Q8_0 weight that keeps its blocks (over R16_Q8_0_MAX_BYTES) gets an R16 copy: a step of
     R16_COPY_MIN_ROWS rows or more runs on the copy (its result is the repacked weight's, bit for bit), fewer on

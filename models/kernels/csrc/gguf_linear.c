@@ -618,11 +618,21 @@ static void prepare_row(Acts *a, const void *x, int x_bf16, int x_stride, int K,
  * weights' exact product with the rounded activations, where the exact sums would leave the unsigned codes' larger
  * error (codes 0..255 against -128..127 for Q8_0). */
 #if defined(__x86_64__)
-#define VNNI_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,f16c")))
+/* AVX512-VNNI and BW alone: no AVX512-BF16 instruction, so the kernels also run on the Xeons that have VNNI without
+ * BF16 (Cascade Lake, Ice Lake, and VMs that hide BF16); bfloat16 is widened and rounded with integer ops */
+#define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
 /* 16 bfloat16 values widened to float32 */
-VNNI_BF16 static inline __m512 widen_bf16(__m256i h) {
+VNNI512 static inline __m512 widen_bf16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 16 float32 values rounded to bfloat16, to nearest even, as bf16.h's f32_to_bf16 (without AVX512-BF16's
+ * vcvtneps2bf16, which also flushes denormals: the two differ only there and on NaN payloads) */
+VNNI512 static inline __m256i narrow_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
 }
 
 /* Horizontal reductions of 16 registers at once, transpose-free: hfold4 folds v[0..3] into one register whose
@@ -630,13 +640,13 @@ VNNI_BF16 static inline __m512 widen_bf16(__m256i h) {
  * (of v[0..15]) into lane j = OP over all of v[j]. 45 shuffles and OPs for 16 registers where 16 reductions one by
  * one take ~130 and chain each block's quantization behind its own. */
 #define HFOLD(NAME, OP)                                                                                           \
-    VNNI_BF16 static inline __m512 NAME##_fold4(const __m512 *v) {                                                \
+    VNNI512 static inline __m512 NAME##_fold4(const __m512 *v) {                                                \
         const __m512 t0 = OP(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));                    \
         const __m512 t1 = OP(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));                    \
         const __m512d a = _mm512_castps_pd(t0), b = _mm512_castps_pd(t1);                                       \
         return OP(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));      \
     }                                                                                                             \
-    VNNI_BF16 static inline __m512 NAME##_lanes(const __m512 *u) {                                                \
+    VNNI512 static inline __m512 NAME##_lanes(const __m512 *u) {                                                \
         const __m512 w0 = OP(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));    \
         const __m512 w1 = OP(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));    \
         return OP(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));                        \
@@ -650,7 +660,7 @@ HFOLD(hsum, ADD_EPI32)
 /* prepare_row8's 16 blocks from column k0 (k0 + 512 <= K), their reductions folded together (HFOLD): the same
  * codes, scales and sums as one block at a time, bit for bit (the max and the integer sums exact in any order);
  * half the time */
-VNNI_BF16 static void prepare_span8(Acts *a, const void *x, int x_bf16, int x_stride, int m, int k0) {
+VNNI512 static void prepare_span8(Acts *a, const void *x, int x_bf16, int x_stride, int m, int k0) {
     const int Kp = a->Kp;
     const bf16 *pb = (const bf16 *)x + (size_t)m * x_stride + k0;
     const float *pf = (const float *)x + (size_t)m * x_stride + k0;
@@ -694,7 +704,7 @@ VNNI_BF16 static void prepare_span8(Acts *a, const void *x, int x_bf16, int x_st
 /* row m of x to int8 codes per 32 (scale max|x| / 127, rounded to nearest even), their scales and the rounded
  * values' sums per 32 (each half's d sum(codes) rounded, then added: RN keeps -ffast-math from fusing them), with
  * AVX-512: 512 values a step (prepare_span8), then 32 a step, zeros past K */
-VNNI_BF16 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_stride, int K, int m) {
+VNNI512 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_stride, int K, int m) {
     const int Kp = a->Kp;
     int k = 0;
     for (; k + 512 <= K; k += 512) prepare_span8(a, x, x_bf16, x_stride, m, k);
@@ -726,7 +736,7 @@ VNNI_BF16 static void prepare_row8(Acts *a, const void *x, int x_bf16, int x_str
 
 /* row m of x to int8 codes per 256 (llama.cpp's Q8_K: scale max|x| / 127 over 256 values, in xd at [m, Kp / 256]),
  * with the codes' integer sums per 16 (is16) and per 32 (is32), int16; K a multiple of 256 */
-VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_stride, int K, int m) {
+VNNI512 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_stride, int K, int m) {
     const int Kp = a->Kp;
     for (int k0 = 0; k0 < K; k0 += 256) {
         __m512 v[16];
@@ -779,7 +789,7 @@ VNNI_BF16 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_st
     do {                                                                                                  \
         const size_t at = (size_t)(m) * y_stride + n0;                                                    \
         if (y_bf16)                                                                                       \
-            _mm256_mask_storeu_epi16((bf16 *)y + at, keep, (__m256i)_mm512_cvtneps_pbh(v));               \
+            _mm256_mask_storeu_epi16((bf16 *)y + at, keep, narrow_bf16(v));               \
         else                                                                                              \
             _mm512_mask_storeu_ps((float *)y + at, keep, v);                                              \
     } while (0)
@@ -879,7 +889,7 @@ dpbusd8_bcst(__m512i *is, __m512i wq, const int8_t *r, size_t stride) {
 /* One group of 16 rows of a 32-weight TYPE against MM rows of x: y[m0 + j][n0 + r] for r < nr; NAME r16_group
  * (int16 activations) or r16b_group (int8, I8) */
 #define R16_GROUP_OF(NAME, I8, TYPE, MM)                                                                             \
-    VNNI_BF16 static void NAME##_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nb, int m0, void *y, int y_bf16, \
+    VNNI512 static void NAME##_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nb, int m0, void *y, int y_bf16, \
                                                int y_stride, int n0, int nr) {                                       \
         const int Kp = a->Kp, rec_bytes = r16_record_bytes(TYPE);                                                    \
         __m512 acc[MM]; /* the scaled dot products and the offsets' terms, summed together */                        \
@@ -913,7 +923,7 @@ dpbusd8_bcst(__m512i *is, __m512i wq, const int8_t *r, size_t stride) {
 /* One group of 16 rows of a super-block TYPE against MM rows of x quantized to int16 per 32 (int8 activations
  * take r16q_group) */
 #define R16K_GROUP(TYPE, MM)                                                                                         \
-    VNNI_BF16 static void r16_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y, int y_bf16, \
+    VNNI512 static void r16_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y, int y_bf16, \
                                                int y_stride, int n0, int nr) {                                       \
         const int Kp = a->Kp, cb = r16_codes_end(TYPE), rec_bytes = r16_record_bytes(TYPE);                          \
         __m512 acc[MM];                                                                                              \
@@ -951,7 +961,7 @@ dpbusd8_bcst(__m512i *is, __m512i wq, const int8_t *r, size_t stride) {
  * 16; its -32 offset once per super-block, vpdpwssd on (sc_h, sc_h+1) pairs against the codes' sums per 16). The int32
  * sums stay below 2^31: 8 x 63 x 32 x 31 x 127 for Q5_K, 16 x 128 x 16 x 63 x 127 for Q6_K. */
 #define R16Q_GROUP(TYPE, MM)                                                                                      \
-    VNNI_BF16 static void r16q_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y,      \
+    VNNI512 static void r16q_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y,      \
                                                   int y_bf16, int y_stride, int n0, int nr) {                         \
         const int Kp = a->Kp, cb = r16_codes_end(TYPE), rec_bytes = r16_record_bytes(TYPE);                          \
         __m512 acc[MM];                                                                                              \
@@ -1067,17 +1077,17 @@ static r16_group_fn r16_group(int type, int mm, int i8) {
     return i8 ? fns8[t][mm - 1] : fns[t][mm - 1];
 }
 
-static int has_vnni_bf16(void) {
+static int has_vnni512(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512bf16");
+           __builtin_cpu_supports("avx512vl");
 }
 #endif
 
-/* 1 when this CPU runs gguf_r16_linear (AVX512-VNNI and AVX512-BF16), else 0 */
+/* 1 when this CPU runs gguf_r16_linear (AVX512-VNNI, BW and VL; no AVX512-BF16 needed), else 0 */
 int gguf_r16_isa(void) {
 #if defined(__x86_64__)
-    return has_vnni_bf16();
+    return has_vnni512();
 #else
     return 0;
 #endif
@@ -1119,7 +1129,7 @@ size_t gguf_r16_acts_bytes(int type, int M, int K, int int8) {
  * without waiting for the others: y is whole, and ws free for the next product, after the team's next barrier. The
  * arithmetic and the split of the work (groups of 16 rows shared out statically) are gguf_r16_linear's (_i8's with
  * int8), which runs it on a team of its own. The caller has checked what r16_linear checks (the type has an R16
- * layout, the CPU AVX512-VNNI and BF16, AMX not taking M rows). */
+ * layout, the CPU AVX512-VNNI, AMX not taking M rows). */
 void gguf_r16_linear_team(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
                           int y_stride, int M, int N, int K, int int8, void *ws) {
 #if defined(__x86_64__)
@@ -1156,7 +1166,7 @@ void gguf_r16_linear_team(const void *x, int x_bf16, int x_stride, const uint8_t
 static int r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
                       int y_stride, int M, int N, int K, int num_threads, int int8) {
 #if defined(__x86_64__)
-    if (gguf_r16_bytes(type, 1, K) < 0 || !has_vnni_bf16()) return -1;
+    if (gguf_r16_bytes(type, 1, K) < 0 || !has_vnni512()) return -1;
     const int amx = gguf_amx_r16_linear(x, x_bf16, x_stride, w, type, y, y_bf16, y_stride, M, N, K, num_threads);
     if (amx <= 0) return amx; /* done on AMX tiles */
     void *ws = aligned_alloc(64, gguf_r16_acts_bytes(type, M, K, int8));
@@ -1777,7 +1787,7 @@ static size_t expert_bytes(int r16, int type, int rows, int cols) {
  * w_up: every expert's [inter, hidden] stacked (E * inter rows of GGUF blocks of t_gate, t_up, or their R16 form,
  * each expert a whole number of 16-row groups), w_down [hidden, inter] per expert (t_down); b13 float32 [E, 2 inter]
  * (gate | up) and b2 [E, hidden] or NULL. Returns -1 (nothing written) for a type or shape the kernels do not take,
- * or a CPU without AVX2 (AVX512-VNNI and BF16 for R16). */
+ * or a CPU without AVX2 (AVX512-VNNI for R16). */
 int gguf_moe(const float *x, int T, int hidden, const int64_t *ids, const float *topw, int top_k,
              const uint8_t *w_gate, int t_gate, const uint8_t *w_up, int t_up, const uint8_t *w_down, int t_down,
              int num_experts, int inter, const float *b13, const float *b2, float limit, float alpha, int geglu,
@@ -1785,7 +1795,7 @@ int gguf_moe(const float *x, int T, int hidden, const int64_t *ids, const float 
 #if defined(__x86_64__)
     if (T < 1 || hidden % block_weights(t_gate) || hidden % block_weights(t_up) || inter % block_weights(t_down))
         return -1;
-    if (r16 ? !has_vnni_bf16() || !r16_type(t_gate) || !r16_type(t_up) || !r16_type(t_down) || inter % 16 ||
+    if (r16 ? !has_vnni512() || !r16_type(t_gate) || !r16_type(t_up) || !r16_type(t_down) || inter % 16 ||
                   hidden % 16
             : !has_avx2() || !q8_type(t_gate) || !q8_type(t_up) || !q8_type(t_down))
         return -1;
