@@ -20,9 +20,9 @@ from models.kernels import cpu_kernels
 def kernel_isa(dtype: torch.dtype = torch.bfloat16) -> str:
     """The path the kernel takes on this CPU for a cache in `dtype` (head_dim 64 or 128): "avx512bf16" (bfloat16,
     and the quantized caches' storage dtypes, int8 and fp8 rows turned into bfloat16 per chunk, queries rounded to
-    bfloat16 under float32 activations), "avx2" (float32, and the quantized caches as float32 rows on a CPU without
-    AVX512-BF16), or "portable" (on a CPU without either). `MINIVLLM_CPU_ISA=portable` forces the portable C
-    path."""
+    bfloat16 under float32 activations), "avx512" (float32 on a CPU with AVX512F, and the quantized caches as float32
+    rows there without AVX512-BF16), "avx2" (the same without AVX-512), or "portable" (on a CPU without either).
+    `MINIVLLM_CPU_ISA=portable` forces the portable C path."""
     lib = cpu_kernels.load()
     if lib is None or os.environ.get("MINIVLLM_CPU_ISA") == "portable":
         return "portable"
@@ -30,6 +30,8 @@ def kernel_isa(dtype: torch.dtype = torch.bfloat16) -> str:
     quantized = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
     if (dtype == torch.bfloat16 or dtype in quantized) and isa & 1:
         return "avx512bf16"
+    if (dtype == torch.float32 or dtype in quantized) and isa & 4:
+        return "avx512"
     return "avx2" if (dtype == torch.float32 or dtype in quantized) and isa & 2 else "portable"
 
 

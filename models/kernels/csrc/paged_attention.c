@@ -27,9 +27,10 @@
  * bfloat16 pairs (16 scores per register, no horizontal sums), a vector exp, and accumulators kept in
  * registers for blocks of up to RB query rows; so do quantized caches of those head sizes, each chunk's keys and
  * values first turned into bfloat16 rows (queries rounded to bfloat16 under float32 activations). float32 with
- * head_dim 64, 128 or 256 takes an AVX2 path (keys read in place, eight scores per register, a vector exp); so do
- * quantized caches on a CPU without AVX512-BF16 (or of head_dim 256), each chunk turned into float rows (int8 times
- * its scale; fp8 through float16 with F16C). The portable path is
+ * head_dim 64, 128 or 256 takes an AVX-512 path on any AVX512F CPU, else an AVX2 one (keys read in place, 16 or 8
+ * scores per register, a vector exp); so do quantized caches on a CPU without AVX512-BF16 (or of head_dim 256), each
+ * chunk turned into float rows (int8 times its scale; fp8 through bfloat16 lookups on AVX-512, float16 on AVX2). The
+ * portable path is
  * plain C that the compiler vectorizes, for other head sizes, soft caps and CPUs without those extensions.
  * Accumulation is float32 throughout.
  *
@@ -708,12 +709,143 @@ AVX2F static void chunk_avx2_q(Task *tk, const uint8_t *kp, const uint8_t *vp, i
     kvq_load_avx2(vp, n, tk->D, tk->row, tk->kvq, vf);
     chunk_avx2(tk, kvf, vf, pos0, n);
 }
+
+/* ---- float32 caches on AVX-512 (AVX512F alone: the Xeons without AVX512-BF16 take it, as every AVX-512 CPU does for
+ * a float32 cache): CHUNK_AVX2's scheme 16 lanes wide. A row's query is held in registers, each of the chunk's 16
+ * keys is read in place into one register of partial dot products, the 16 are folded into the chunk's 16 scores in
+ * one register (fold4_add, fold_lanes: 45 shuffles and adds), one vector exp, and the row's D accumulators are held
+ * in registers across the chunk's values. ---- */
+#define AVX512FA __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,fma")))
+#define AVX512F_PATH 3 /* `avx` of the float32 cache's AVX-512 step (1: AVX2) */
+
+static int cpu_has_avx512f(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+
+/* v[0..3] folded into one register whose 128-bit lane L holds, at position i, the sum of v[i]'s lane L */
+AVX512FA static inline __m512 fold4_add(const __m512 *v) {
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+    const __m512d a = _mm512_castps_pd(t0), b = _mm512_castps_pd(t1);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+/* lane j = the sum of v[j]'s 16 lanes, j < 16 */
+AVX512FA static inline __m512 hsum16x16(const __m512 *v) {
+    const __m512 u0 = fold4_add(v), u1 = fold4_add(v + 4), u2 = fold4_add(v + 8), u3 = fold4_add(v + 12);
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x44), _mm512_shuffle_f32x4(u0, u1, 0xEE));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, 0x44), _mm512_shuffle_f32x4(u2, u3, 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+#define CHUNK_AVX512F(D)                                                                               \
+    AVX512FA static void chunk_avx512f_##D(Task *tk, const float *kp, const float *vp, int pos0, int n) { \
+        enum { NV = D / 16 };                                                                          \
+        const __mmask16 live = (__mmask16)((1u << n) - 1);                                             \
+        const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(pos0),                              \
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));                   \
+        for (int r = 0; r < tk->R; r++) {                                                              \
+            const int qpos = tk->first_pos + r / tk->G;                                                \
+            const __mmask16 seen = live & _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(qpos))    \
+                & _mm512_cmpgt_epi32_mask(key_pos, _mm512_set1_epi32(tk->window ? qpos - tk->window : -1)); \
+            if (!seen) continue; /* the row sees none of these keys */                                 \
+            const float *q = tk->qf + (size_t)r * D;                                                   \
+            __m512 qv[NV], dots[CHUNK];                                                                \
+            for (int c = 0; c < NV; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);                          \
+            for (int t = 0; t < CHUNK; t++) {                                                          \
+                __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();                               \
+                if (t < n) {                                                                           \
+                    const float *k = kp + (size_t)t * D;                                               \
+                    for (int c = 0; c < NV; c += 2) {                                                  \
+                        a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);                    \
+                        b = _mm512_fmadd_ps(qv[c + 1], _mm512_loadu_ps(k + 16 * c + 16), b);           \
+                    }                                                                                  \
+                }                                                                                      \
+                dots[t] = _mm512_add_ps(a, b);                                                         \
+            }                                                                                          \
+            const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), seen,                        \
+                                                 _mm512_mul_ps(hsum16x16(dots), _mm512_set1_ps(tk->scale))); \
+            const float mx = fmaxf(tk->m[r], _mm512_reduce_max_ps(sc));                                \
+            const float alpha = IS_NEG_INF(tk->m[r]) ? 0.f : expf(tk->m[r] - mx);                      \
+            const __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));  \
+            float p[CHUNK];                                                                            \
+            _mm512_storeu_ps(p, e);                                                                    \
+            tk->m[r] = mx;                                                                             \
+            tk->l[r] = tk->l[r] * alpha + _mm512_reduce_add_ps(e);                                     \
+            float *acc = tk->acc + (size_t)r * D;                                                      \
+            __m512 o[NV];                                                                              \
+            for (int c = 0; c < NV; c++) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), _mm512_set1_ps(alpha)); \
+            for (int t = 0; t < n; t++) {                                                              \
+                const __m512 w = _mm512_set1_ps(p[t]);                                                 \
+                const float *vr = vp + (size_t)t * D;                                                  \
+                for (int c = 0; c < NV; c++) o[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * c), o[c]); \
+            }                                                                                          \
+            for (int c = 0; c < NV; c++) _mm512_storeu_ps(acc + 16 * c, o[c]);                         \
+        }                                                                                              \
+    }
+CHUNK_AVX512F(64)
+CHUNK_AVX512F(128)
+CHUNK_AVX512F(256)
+
+AVX512FA static void chunk_avx512f(Task *tk, const float *kp, const float *vp, int pos0, int n) {
+    if (tk->D == 64) chunk_avx512f_64(tk, kp, vp, pos0, n);
+    else if (tk->D == 128) chunk_avx512f_128(tk, kp, vp, pos0, n);
+    else chunk_avx512f_256(tk, kp, vp, pos0, n);
+}
+
+/* kvq_load into float32 rows [n, D] (D % 32 == 0) with AVX512F and BW, 32 values at a time: fp8 codes looked up in
+ * FP8_BF16 as kvq_load_bf16 does (exact: fp8's bits within bfloat16's) and widened; int8 codes times their per-32
+ * scale. The same floats as kvq_load. */
+AVX512FA static void kvq_load_f32(const uint8_t *src, int n, int D, int row, int kvq, float *dst) {
+    if (kvq == 1) {
+        for (int t = 0; t < n; t++) {
+            const uint8_t *r = src + (size_t)t * row;
+            for (int d = 0; d < D; d += 16) {
+                float scale;
+                memcpy(&scale, r + D + d / 32 * sizeof(float), sizeof(float));
+                _mm512_storeu_ps(dst + (size_t)t * D + d,
+                                 _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + d)))),
+                                               _mm512_set1_ps(scale)));
+            }
+        }
+        return;
+    }
+    const uint16_t *table = FP8_BF16[kvq == 2 ? 0 : 1];
+    const __m512i t0 = _mm512_loadu_si512(table), t1 = _mm512_loadu_si512(table + 32);
+    const __m512i t2 = _mm512_loadu_si512(table + 64), t3 = _mm512_loadu_si512(table + 96);
+    for (int t = 0; t < n; t++) {
+        const uint8_t *r = src + (size_t)t * row;
+        float *o = dst + (size_t)t * D;
+        for (int d = 0; d < D; d += 32) {
+            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(r + d)));
+            const __m512i lo = _mm512_permutex2var_epi16(t0, w, t1), hi = _mm512_permutex2var_epi16(t2, w, t3);
+            const __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), lo, hi);
+            const __m512i b = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+            _mm512_storeu_ps(o + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16)));
+            _mm512_storeu_ps(o + d + 16, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                             _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16)));
+        }
+    }
+}
+
+/* A chunk of a quantized cache on AVX-512 without AVX512-BF16: its keys and values into float rows (kvf holds 2 CHUNK
+ * rows of D), then the float32 step. */
+AVX512FA static void chunk_avx512f_q(Task *tk, const uint8_t *kp, const uint8_t *vp, int pos0, int n, float *kvf) {
+    float *vf = kvf + (size_t)CHUNK * tk->D;
+    kvq_load_f32(kp, n, tk->D, tk->row, tk->kvq, kvf);
+    kvq_load_f32(vp, n, tk->D, tk->row, tk->kvq, vf);
+    chunk_avx512f(tk, kvf, vf, pos0, n);
+}
 #else
 static int cpu_has_avx2f(void) { return 0; }
+static int cpu_has_avx512f(void) { return 0; }
 #endif
 
-/* The SIMD paths this CPU takes: bit 0 = AVX512-BF16 (bfloat16 and quantized caches), bit 1 = AVX2 (float32 caches). */
-int attention_isa(void) { return cpu_has_avx512bf16() | cpu_has_avx2f() << 1; }
+/* The SIMD paths this CPU takes: bit 0 = AVX512-BF16 (bfloat16 and quantized caches), bit 1 = AVX2 (quantized caches
+ * without AVX512-BF16, float32 caches without AVX-512), bit 2 = AVX-512 (float32 caches). */
+int attention_isa(void) { return cpu_has_avx512bf16() | cpu_has_avx2f() << 1 | cpu_has_avx512f() << 2; }
 
 /* Asks for [p, p + bytes) in the L2 (hint T1) or the L1 (T0) ahead of use. */
 static inline void prefetch_l2(const void *p, size_t bytes) {
@@ -775,7 +907,8 @@ static inline void prefetch_l1(const void *p, size_t bytes) {
 #if defined(__x86_64__)
 #define CHUNK_DISPATCH_float(tk, kp, vp, t, n, kvf, avx)                                               \
     do {                                                                                               \
-        if (avx) chunk_avx2(tk, kp, vp, t, n);                                                         \
+        if (avx == AVX512F_PATH) chunk_avx512f(tk, kp, vp, t, n);                                      \
+        else if (avx) chunk_avx2(tk, kp, vp, t, n);                                                    \
         else chunk_portable_float(tk, kp, vp, t, n, kvf);                                              \
     } while (0)
 #define CHUNK_DISPATCH_bf16(tk, kp, vp, t, n, kvf, avx)                                                \
@@ -791,6 +924,7 @@ static inline void prefetch_l1(const void *p, size_t bytes) {
 #define CHUNK_DISPATCH_uint8_t(tk, kp, vp, t, n, kvf, avx)                                             \
     do {                                                                                               \
         if (avx == AVX_BF16) chunk_avx512_q(tk, kp, vp, t, n, (bf16 *)(kvf));                          \
+        else if (avx == AVX512F_PATH) chunk_avx512f_q(tk, kp, vp, t, n, kvf);                          \
         else if (avx) chunk_avx2_q(tk, kp, vp, t, n, kvf);                                             \
         else chunk_portable_uint8_t(tk, kp, vp, t, n, kvf);                                            \
     } while (0)
@@ -941,12 +1075,14 @@ int attention_workspace(int num_tiles, int max_len, int num_heads, int num_kv_he
                                      float *thread_ws, float *part_ws) {                               \
         const int G = num_heads / num_kv_heads;                                                        \
         const int row = kvq ? kvq_row_bytes(D, kvq) : D; /* cache elements per row of a head */       \
-        /* the SIMD chunk step: AVX512-BF16 for bfloat16, AVX2 for float32 and (through float rows) quantized */ \
+        /* the SIMD chunk step: AVX512-BF16 for bfloat16 and quantized, else AVX-512 or AVX2 (float rows) */ \
         const int bf16_ok = (D == 64 || D == 128) && cpu_has_avx512bf16();                             \
         const int avx = !isa || softcap != 0.f ? 0                                                     \
                         : sizeof(TC) == 2      ? bf16_ok                                               \
                         : sizeof(TC) == 1 && bf16_ok ? AVX_BF16                                        \
-                        : (D == 64 || D == 128 || D == 256) && cpu_has_avx2f();                        \
+                        : !(D == 64 || D == 128 || D == 256) ? 0                                      \
+                        : cpu_has_avx512f() ? AVX512F_PATH                                            \
+                                                              : cpu_has_avx2f();                       \
         /* 1. the new tokens' K/V into their slots (every read below may need them) */                 \
         _Pragma("omp for schedule(static)")                                                                          \
         for (int i = 0; i < num_tokens; i++) {                                                         \
