@@ -195,6 +195,19 @@ static inline uint8_t fp8_encode(float x, const float *table, int top) {
 }
 
 #if defined(__x86_64__)
+/* FP8_BF16's 128 entries of format kvq (2 e4m3, 3 e5m2) in four registers, for fp8_bf16_32 */
+__attribute__((target("avx512f,avx512bw"))) static inline void fp8_tables(int kvq, __m512i t[4]) {
+    for (int i = 0; i < 4; i++) t[i] = _mm512_loadu_si512(FP8_BF16[kvq == 2 ? 0 : 1] + 32 * i);
+}
+
+/* The bfloat16 bits of 32 fp8 codes, zero-extended to words in w (AVX512BW, no AVX512-BF16): their format's table t
+ * (fp8_tables) looked up by two _mm512_permutex2var_epi16, the sign bit moved across */
+__attribute__((target("avx512f,avx512bw"))) static inline __m512i fp8_bf16_32(__m512i w, const __m512i t[4]) {
+    const __m512i lo = _mm512_permutex2var_epi16(t[0], w, t[1]), hi = _mm512_permutex2var_epi16(t[2], w, t[3]);
+    const __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), lo, hi);
+    return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+}
+
 /* fp8_encode of 16 values at once (AVX-512), the same codes: the float's mantissa rounded to the format's M bits to
  * nearest even by an integer add on its bits (the carry moving the exponent), its exponent rebiased; below the
  * smallest normal the step count round(|x| / step), to nearest even; at or past the largest finite value (or NaN)
@@ -555,18 +568,13 @@ AVX512BF16 static void kvq_load_bf16(const uint8_t *src, int n, int D, int row, 
         }
         return;
     }
-    const uint16_t *table = FP8_BF16[kvq == 2 ? 0 : 1];
-    const __m512i t0 = _mm512_loadu_si512(table), t1 = _mm512_loadu_si512(table + 32);
-    const __m512i t2 = _mm512_loadu_si512(table + 64), t3 = _mm512_loadu_si512(table + 96);
+    __m512i tab[4];
+    fp8_tables(kvq, tab);
     for (int t = 0; t < n; t++) {
         const uint8_t *r = src + (size_t)t * row;
-        for (int d = 0; d < D; d += 32) {
-            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(r + d)));
-            const __m512i lo = _mm512_permutex2var_epi16(t0, w, t1), hi = _mm512_permutex2var_epi16(t2, w, t3);
-            const __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), lo, hi);
-            const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8);
-            _mm512_storeu_si512(dst + (size_t)t * D + d, _mm512_or_si512(v, sign));
-        }
+        for (int d = 0; d < D; d += 32)
+            _mm512_storeu_si512(dst + (size_t)t * D + d,
+                                fp8_bf16_32(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(r + d))), tab));
     }
 }
 
@@ -812,17 +820,13 @@ AVX512FA static void kvq_load_f32(const uint8_t *src, int n, int D, int row, int
         }
         return;
     }
-    const uint16_t *table = FP8_BF16[kvq == 2 ? 0 : 1];
-    const __m512i t0 = _mm512_loadu_si512(table), t1 = _mm512_loadu_si512(table + 32);
-    const __m512i t2 = _mm512_loadu_si512(table + 64), t3 = _mm512_loadu_si512(table + 96);
+    __m512i tab[4];
+    fp8_tables(kvq, tab);
     for (int t = 0; t < n; t++) {
         const uint8_t *r = src + (size_t)t * row;
         float *o = dst + (size_t)t * D;
         for (int d = 0; d < D; d += 32) {
-            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(r + d)));
-            const __m512i lo = _mm512_permutex2var_epi16(t0, w, t1), hi = _mm512_permutex2var_epi16(t2, w, t3);
-            const __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), lo, hi);
-            const __m512i b = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+            const __m512i b = fp8_bf16_32(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(r + d))), tab);
             _mm512_storeu_ps(o + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16)));
             _mm512_storeu_ps(o + d + 16, _mm512_castsi512_ps(_mm512_slli_epi32(
                                              _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16)));
