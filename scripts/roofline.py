@@ -214,13 +214,14 @@ def main():
     dtype = getattr(torch, args.dtype)
     measure = args.device == "cpu" or torch.cuda.is_available()
 
-    # 256 sequences of ~400 tokens need ~2.4 GB of bfloat16 K/V for SmolLM2-135M
+    # 256 sequences of ~400 tokens need ~2.4 GB of bfloat16 K/V for SmolLM2-135M (twice that in float32: a full
+    # cache preempts sequences, and the timed steps would run fewer)
     llm = (
         LLM(
             dtype=args.dtype,
             quantization=args.quantization,
             max_num_seqs=max(DECODE_BATCHES),
-            kv_cache_memory=4 << 30,
+            kv_cache_memory=(4 if args.dtype == "bfloat16" else 8) << 30,
             max_num_batched_tokens=max(args.prefill_tokens, 2048),
         )
         if measure
