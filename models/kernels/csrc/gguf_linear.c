@@ -46,6 +46,7 @@
 #endif
 
 #include "bf16.h"
+#include "hfold.h"
 #include "gguf_r16.h"
 
 /* the values of IQ4_NL's and IQ4_XS's 4-bit codes (ggml's kvalues_iq4nl) */
@@ -632,30 +633,15 @@ VNNI512 static inline __m512 widen_bf16(__m256i h) {
 VNNI512 static inline __m256i narrow_bf16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-/* Horizontal reductions of 16 registers at once, transpose-free: hfold4 folds v[0..3] into one register whose
- * 128-bit lane L holds, for each v[i] (at position i), OP over v[i]'s lane L; hfold_lanes folds four such u[0..3]
- * (of v[0..15]) into lane j = OP over all of v[j]. 45 shuffles and OPs for 16 registers where 16 reductions one by
- * one take ~130 and chain each block's quantization behind its own. */
-#define HFOLD(NAME, OP)                                                                                           \
-    VNNI512 static inline __m512 NAME##_fold4(const __m512 *v) {                                                \
-        const __m512 t0 = OP(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));                    \
-        const __m512 t1 = OP(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));                    \
-        const __m512d a = _mm512_castps_pd(t0), b = _mm512_castps_pd(t1);                                       \
-        return OP(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));      \
-    }                                                                                                             \
-    VNNI512 static inline __m512 NAME##_lanes(const __m512 *u) {                                                \
-        const __m512 w0 = OP(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));    \
-        const __m512 w1 = OP(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));    \
-        return OP(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));                        \
-    }
 #define MAX_PS(a, b) _mm512_max_ps(a, b)
 #define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* a product rounded as written, never fused into an FMA */
 #define ADD_EPI32(a, b) _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
-HFOLD(hmax, MAX_PS)
-HFOLD(hsum, ADD_EPI32)
+HFOLD(VNNI512, hmax, MAX_PS) /* hfold.h */
+HFOLD(VNNI512, hsum, ADD_EPI32)
 
 /* prepare_row8's 16 blocks from column k0 (k0 + 512 <= K), their reductions folded together (HFOLD): the same
  * codes, scales and sums as one block at a time, bit for bit (the max and the integer sums exact in any order);
@@ -789,7 +775,7 @@ VNNI512 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_stri
     do {                                                                                                  \
         const size_t at = (size_t)(m) * y_stride + n0;                                                    \
         if (y_bf16)                                                                                       \
-            _mm256_mask_storeu_epi16((bf16 *)y + at, keep, narrow_bf16(v));               \
+            _mm256_mask_storeu_epi16((bf16 *)y + at, keep, narrow_bf16(v));                              \
         else                                                                                              \
             _mm512_mask_storeu_ps((float *)y + at, keep, v);                                              \
     } while (0)

@@ -64,6 +64,7 @@
 #define IS_NEG_INF(x) ((x) <= 0.5f * NEG_INF)
 
 #include "bf16.h"
+#include "hfold.h"
 #include "vexp.h" /* exp512 (softmax arguments <= 0, up to LAZY_MAX above it in the chunks) */
 
 /* Per-task state: rows r = j * G + g (tile position j, head g of the group). */
@@ -732,20 +733,14 @@ static int cpu_has_avx512f(void) {
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
 
-/* v[0..3] folded into one register whose 128-bit lane L holds, at position i, the sum of v[i]'s lane L */
-AVX512FA static inline __m512 fold4_add(const __m512 *v) {
-    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
-    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
-    const __m512d a = _mm512_castps_pd(t0), b = _mm512_castps_pd(t1);
-    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-}
+/* lane j of hadd_lanes(u) = the sum of v[j]'s 16 lanes, u[g] = hadd_fold4(v + 4 g) (hfold.h) */
+#define ADD_PS(a, b) _mm512_add_ps(a, b)
+HFOLD(AVX512FA, hadd, ADD_PS)
 
 /* lane j = the sum of v[j]'s 16 lanes, j < 16 */
 AVX512FA static inline __m512 hsum16x16(const __m512 *v) {
-    const __m512 u0 = fold4_add(v), u1 = fold4_add(v + 4), u2 = fold4_add(v + 8), u3 = fold4_add(v + 12);
-    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x44), _mm512_shuffle_f32x4(u0, u1, 0xEE));
-    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, 0x44), _mm512_shuffle_f32x4(u2, u3, 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+    const __m512 u[4] = {hadd_fold4(v), hadd_fold4(v + 4), hadd_fold4(v + 8), hadd_fold4(v + 12)};
+    return hadd_lanes(u);
 }
 
 #define CHUNK_AVX512F(D)                                                                               \
