@@ -60,7 +60,7 @@ PORTABLE_MAX_ROWS = 8
 # types as fast as or faster than their blocks (Q4_K 32-39 GB/s against 29-37, Q6_K 32-37 against 28-34,
 # prefetching whole records), and 1.3-2.5x faster from a few rows; the Llama-3.2-1B shape's batch-1 decode took
 # 17-24 ms all repacked against 23-28 with its >8 MiB weights on blocks (AMD EPYC with AVX512-VNNI, 2 threads:
-# docs/benchmarks.md)
+# docs/benchmarks.md); on AMD's CPUs only (q8_0_blocks_at_one_row)
 R16_Q8_0_MAX_BYTES = 8 << 20
 # such a weight also gets an R16 copy for steps of at least this many rows: the blocks' AVX2 kernel ran the default
 # model's LM head at 64 rows at 90 GMAC/s against the VNNI kernel's 255 (a W64 decode step's LM head 23 -> 9 ms), for
@@ -187,6 +187,22 @@ def int8_activations() -> bool:
     return lib is not None and bool(lib.gguf_q8_isa())
 
 
+@functools.cache
+def q8_0_blocks_at_one_row() -> bool:
+    """Whether a Q8_0 weight over R16_Q8_0_MAX_BYTES keeps its blocks (the AVX2 int8 kernel at one row, an R16 copy
+    for more): on AMD's CPUs, whose one-row reads of large Q8_0 weights were faster from the blocks (the EPYCs of
+    R16_Q8_0_MAX_BYTES's note). Intel's read the R16 layout faster, so there every Q8_0 weight repacks: on an Intel
+    Xeon with AVX512-VNNI (family 6 model 207, no AVX512-BF16, 2 threads) the default model's 30 MB LM head at one
+    row took 0.82 ms repacked against 1.48 ms from its blocks, and batch-1 decode ~10% less time a token
+    (docs/benchmarks.md). From /proc/cpuinfo's vendor_id, read once; a CPU that names no vendor keeps the blocks."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        vendor = ""
+    return vendor != "GenuineIntel"
+
+
 @dataclass
 class GGUFTensor:
     """A quantized 2-D weight standing for a float [rows, cols] matrix (torch order: out, in).
@@ -304,11 +320,12 @@ class GGUFLinearMethod:
         """Stacks the loaded projections into segments (float ones in `dtype`, but F16 and BF16 ones kept 16-bit
         under float32: half the bytes, the same values) and repacks the quantized ones for the AVX512-VNNI kernel
         where the CPU has it (int8 activations per 32, or int16 with MINIVLLM_GGUF_ACTIVATIONS=int16; Q8_0 weights
-        over R16_Q8_0_MAX_BYTES keep their blocks for the AVX2 int8 kernel, faster at one row, with an R16 copy for
-        steps of R16_COPY_MIN_ROWS rows), except with MINIVLLM_GGUF_ACTIVATIONS=float, which keeps the blocks for
-        the exact float32 kernel (bfloat16 activations repack all the same); probes AMX (amx_tiles). Raises
-        ValueError when a projection is missing, for a bad MINIVLLM_GGUF_ACTIVATIONS or MINIVLLM_GGUF_KERNEL, or for
-        MINIVLLM_GGUF_KERNEL=amx where AMX cannot run (read here, at load, rather than at a request's first step)."""
+        over R16_Q8_0_MAX_BYTES keep their blocks on AMD's CPUs (q8_0_blocks_at_one_row) for the AVX2 int8 kernel,
+        faster there at one row, with an R16 copy for steps of R16_COPY_MIN_ROWS rows), except with
+        MINIVLLM_GGUF_ACTIVATIONS=float, which keeps the blocks for the exact float32 kernel (bfloat16 activations
+        repack all the same); probes AMX (amx_tiles). Raises ValueError when a projection is missing, for a bad
+        MINIVLLM_GGUF_ACTIVATIONS or MINIVLLM_GGUF_KERNEL, or for MINIVLLM_GGUF_KERNEL=amx where AMX cannot run (read
+        here, at load, rather than at a request's first step)."""
         int8_activations()
         r16_int8()
         amx_tiles()
@@ -331,7 +348,11 @@ class GGUFLinearMethod:
         for _, w in self.segments:
             if isinstance(w, GGUFTensor):
                 w.rows = w.data.shape[0]
-                large_q8 = w.qtype == GGMLQuantizationType.Q8_0 and w.data.nbytes > R16_Q8_0_MAX_BYTES
+                large_q8 = (
+                    w.qtype == GGMLQuantizationType.Q8_0
+                    and w.data.nbytes > R16_Q8_0_MAX_BYTES
+                    and q8_0_blocks_at_one_row()
+                )
                 if large_q8 and activations_mode() != "float":
                     w.add_r16_copy()
                 elif dtype == torch.bfloat16 or activations_mode() != "float":
