@@ -941,11 +941,14 @@ dpbusd8_bcst(__m512i *is, __m512i wq, const int8_t *r, size_t stride) {
     }
 
 /* One group of 16 rows of a K-quant TYPE against MM rows of x quantized per 256 (prepare_row8k, llama.cpp's
- * ggml_vec_dot_q4_K_q8_K arithmetic): a sub-block's int32 sums meet its integer scale in int32 (vpmulld), so the
- * float work is once per super-block: y += d dx sum_j sc_j (q_j . x_j) - dmin dx sum_j m_j sum(x_j) for Q4_K and
+ * ggml_vec_dot_q4_K_q8_K arithmetic): a sub-block's int32 sums meet its integer scale in one float32 FMA, each
+ * product an integer below 2^24 and so exact (31 x 127 x 32 x 63 for Q5_K, 63 x 127 x 16 x 128 for Q6_K), their sum
+ * rounded only past 2^24: vpmulld in int32, 2 uops on port 0 of Intel's cores and an add, was 3-8% slower on the 1B
+ * shape's Q4_K and Q6_K tensors on an Intel Xeon, with the same outputs there. The rest of the float work is once per
+ * super-block: y += d dx sum_j sc_j (q_j . x_j) - dmin dx sum_j m_j sum(x_j) for Q4_K and
  * Q5_K (the mins' term with vpdpwssd on (m_j, m_j+1) pairs), y += d dx sum_h sc_h ((q_h - 32) . x_h) for Q6_K (per
- * 16; its -32 offset once per super-block, vpdpwssd on (sc_h, sc_h+1) pairs against the codes' sums per 16). The int32
- * sums stay below 2^31: 8 x 63 x 32 x 31 x 127 for Q5_K, 16 x 128 x 16 x 63 x 127 for Q6_K. */
+ * 16; its -32 offset once per super-block, vpdpwssd on (sc_h, sc_h+1) pairs against the codes' sums per 16, in
+ * int32). */
 #define R16Q_GROUP(TYPE, MM)                                                                                      \
     VNNI512 static void r16q_group_##TYPE##_##MM(const Acts *a, const uint8_t *grp, int nsb, int m0, void *y,      \
                                                   int y_bf16, int y_stride, int n0, int nr) {                         \
@@ -954,8 +957,8 @@ dpbusd8_bcst(__m512i *is, __m512i wq, const int8_t *r, size_t stride) {
         for (int j = 0; j < MM; j++) acc[j] = _mm512_setzero_ps();                                                   \
         for (int sb = 0; sb < nsb; sb++) {                                                                           \
             const uint8_t *rec = grp + (size_t)sb * rec_bytes, *sc = rec + cb;                                       \
-            __m512i A[MM];                                                                                           \
-            for (int j = 0; j < MM; j++) A[j] = _mm512_setzero_si512();                                              \
+            __m512 A[MM]; /* sum_j sc_j (q_j . x_j), in float32: each product below 2^24, so exact */                \
+            for (int j = 0; j < MM; j++) A[j] = _mm512_setzero_ps();                                                 \
             for (int jb = 0; jb < 8; jb++) {                                                                         \
                 R16K_PREFETCH(rec, rec_bytes, jb);                                                                   \
                 __m512i wq[8], is[MM];                                                                               \
@@ -964,14 +967,16 @@ dpbusd8_bcst(__m512i *is, __m512i wq, const int8_t *r, size_t stride) {
                 if (TYPE == Q6_K) {                                                                                  \
                     _Pragma("GCC unroll 2") /* wq[] indexed by constants: registers, not the stack */        \
                     for (int h = 0; h < 2; h++) {                                                                    \
-                        const __m512i s = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 32 + 32 * jb + 16 * h))); \
+                        const __m512 s = _mm512_cvtepi32_ps(                                                         \
+                            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 32 + 32 * jb + 16 * h))));  \
                         R16B_SUMS(a, m0, k0, wq, 4 * h, 4 * h + 4, MM, is);                                          \
-                        for (int j = 0; j < MM; j++) A[j] = _mm512_add_epi32(A[j], _mm512_mullo_epi32(is[j], s));    \
+                        for (int j = 0; j < MM; j++) A[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[j]), s, A[j]);     \
                     }                                                                                                \
                 } else {                                                                                             \
-                    const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 64 + 16 * jb)));   \
+                    const __m512 s = _mm512_cvtepi32_ps(                                                             \
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 64 + 16 * jb))));               \
                     R16B_SUMS(a, m0, k0, wq, 0, 8, MM, is);                                                          \
-                    for (int j = 0; j < MM; j++) A[j] = _mm512_add_epi32(A[j], _mm512_mullo_epi32(is[j], s));        \
+                    for (int j = 0; j < MM; j++) A[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[j]), s, A[j]);         \
                 }                                                                                                    \
             }                                                                                                        \
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));                               \
@@ -986,11 +991,11 @@ dpbusd8_bcst(__m512i *is, __m512i wq, const int8_t *r, size_t stride) {
                     const int32_t *x16 = (const int32_t *)(a->is16 + (size_t)(m0 + j) * (Kp / 16) + 16 * sb);         \
                     __m512i B = _mm512_setzero_si512();                                                              \
                     for (int t = 0; t < 8; t++) B = _mm512_dpwssd_epi32(B, sp[t], _mm512_set1_epi32(x16[t]));         \
-                    A[j] = _mm512_sub_epi32(A[j], _mm512_slli_epi32(B, 5));                                          \
+                    A[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(B), _mm512_set1_ps(32.f), A[j]);                      \
                 }                                                                                                    \
                 for (int j = 0; j < MM; j++) {                                                                       \
                     const float dx = a->xd[(size_t)(m0 + j) * (Kp / 256) + sb];                                      \
-                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[j]), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[j]); \
+                    acc[j] = _mm512_fmadd_ps(A[j], _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[j]);                    \
                 }                                                                                                    \
             } else {                                                                                                 \
                 const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));                 \
@@ -1005,7 +1010,7 @@ dpbusd8_bcst(__m512i *is, __m512i wq, const int8_t *r, size_t stride) {
                     __m512i B = _mm512_setzero_si512();                                                              \
                     for (int t = 0; t < 4; t++) B = _mm512_dpwssd_epi32(B, mp[t], _mm512_set1_epi32(s32[t]));        \
                     const __m512 dx = _mm512_set1_ps(a->xd[row * (Kp / 256) + sb]);                                  \
-                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A[j]), _mm512_mul_ps(d, dx), acc[j]);                \
+                    acc[j] = _mm512_fmadd_ps(A[j], _mm512_mul_ps(d, dx), acc[j]);                                    \
                     acc[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(B), _mm512_mul_ps(dmin, dx), acc[j]);               \
                 }                                                                                                    \
             }                                                                                                        \
