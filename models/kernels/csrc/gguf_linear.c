@@ -840,8 +840,9 @@ VNNI512 static void prepare_row8k(Acts *a, const void *x, int x_bf16, int x_stri
  * issues a vpbroadcastd per product, and on a Zen 4 EPYC those took a vector-pipe slot each beside the products
  * (8 rows x 8 products from an L1-resident array: 2.4-2.6 against 3.2-3.3 G vpdpbusd/s; the R16 Q4_K kernel 4-13%
  * faster with this, bit for bit). One statement for the 8 rows keeps their chains interleaved: an asm a product let
- * the compiler put each row's chain back to back. R16B_SUMS takes it for runs of all 8 code registers only: Q6_K's
- * half passes (4 registers) measured 3-4% slower with it. */
+ * the compiler put each row's chain back to back. R16B_SUMS takes it for Q6_K's half passes (4 code registers) too:
+ * 4-9% faster on the 1B shape's Q6_K tensors at 32 and 256 rows on an Intel Xeon (model 207), where the EPYC had
+ * measured them 3-4% slower with it. */
 __attribute__((target("avx512f,avx512vnni"), always_inline)) static inline void
 dpbusd8_bcst(__m512i *is, __m512i wq, const int8_t *r, size_t stride) {
     __asm__("vpdpbusd %9%{1to16%}, %8, %0\n\tvpdpbusd %10%{1to16%}, %8, %1\n\t"
@@ -864,7 +865,7 @@ dpbusd8_bcst(__m512i *is, __m512i wq, const int8_t *r, size_t stride) {
         const int8_t *xq_ = (const int8_t *)(a)->xq + (size_t)(m0) * (a)->Kp + (k);                                  \
         for (int j = 0; j < MM; j++) is[j] = _mm512_setzero_si512();                                                 \
         for (int p = p0; p < p1; p++)                                                                                \
-            if (MM == 8 && (p1) - (p0) == 8)                                                                         \
+            if (MM == 8 && (p1) - (p0) >= 4)                                                                         \
                 dpbusd8_bcst(is, wq[p], xq_ + 4 * p, (size_t)(a)->Kp);                                               \
             else                                                                                                     \
                 for (int j = 0; j < MM; j++)                                                                         \
