@@ -937,6 +937,19 @@ AVX512FA static void kvq_load_f32(const uint8_t *src, int n, int D, int row, int
 
 /* A chunk of a quantized cache on AVX-512 without AVX512-BF16: its keys and values into float rows (kvf holds 2 CHUNK
  * rows of D), then the float32 step. */
+/* A chunk of a bfloat16 cache on AVX-512 without AVX512-BF16: its n keys and values [n, D] widened into float rows
+ * (exact; kvf holds 2 CHUNK rows of D), then the float32 step. Before, such a cache took the portable step. */
+AVX512FA static void chunk_avx512f_b(Task *tk, const bf16 *kp, const bf16 *vp, int pos0, int n, float *kvf) {
+    float *vf = kvf + (size_t)CHUNK * tk->D;
+    for (size_t i = 0; i < (size_t)n * tk->D; i += 16) {
+        const __m512i k = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(kp + i)));
+        const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vp + i)));
+        _mm512_storeu_ps(kvf + i, _mm512_castsi512_ps(_mm512_slli_epi32(k, 16)));
+        _mm512_storeu_ps(vf + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+    }
+    chunk_avx512f(tk, kvf, vf, pos0, n);
+}
+
 AVX512FA static void chunk_avx512f_q(Task *tk, const uint8_t *kp, const uint8_t *vp, int pos0, int n, float *kvf) {
     float *vf = kvf + (size_t)CHUNK * tk->D;
     kvq_load_f32(kp, n, tk->D, tk->row, tk->kvq, kvf);
@@ -1018,7 +1031,8 @@ static inline void prefetch_l1(const void *p, size_t bytes) {
     } while (0)
 #define CHUNK_DISPATCH_bf16(tk, kp, vp, t, n, kvf, avx)                                                \
     do {                                                                                               \
-        if (avx) chunk_avx512(tk, kp, vp, t, n);                                                       \
+        if (avx == AVX512F_PATH) chunk_avx512f_b(tk, kp, vp, t, n, kvf);                               \
+        else if (avx) chunk_avx512(tk, kp, vp, t, n);                                                  \
         else chunk_portable_bf16(tk, kp, vp, t, n, kvf);                                               \
     } while (0)
 #else
@@ -1041,7 +1055,7 @@ RUN_KEYS(bf16)
 RUN_KEYS(uint8_t)
 #if defined(__x86_64__)
 #define UNPERMUTE_float(tk, avx) if (avx == AVX512F_PATH) fold_lv(tk)
-#define UNPERMUTE_bf16(tk, avx) if (avx) unpermute_acc(tk)
+#define UNPERMUTE_bf16(tk, avx) if (avx == AVX512F_PATH) fold_lv(tk); else if (avx) unpermute_acc(tk)
 #define UNPERMUTE_uint8_t(tk, avx) if (avx == AVX_BF16) unpermute_acc(tk); else if (avx == AVX512F_PATH) fold_lv(tk)
 #else
 #define UNPERMUTE_float(tk, avx)
@@ -1184,7 +1198,9 @@ int attention_workspace(int num_tiles, int max_len, int num_heads, int num_kv_he
         /* the SIMD chunk step: AVX512-BF16 for bfloat16 and quantized, else AVX-512 or AVX2 (float rows) */ \
         const int bf16_ok = (D == 64 || D == 128) && cpu_has_avx512bf16();                             \
         const int avx = !isa || softcap != 0.f ? 0                                                     \
-                        : sizeof(TC) == 2      ? bf16_ok                                               \
+                        : sizeof(TC) == 2 && bf16_ok ? 1                                               \
+                        : sizeof(TC) == 2 && (D == 64 || D == 128 || D == 256) && cpu_has_avx512f() ? AVX512F_PATH \
+                        : sizeof(TC) == 2      ? 0                                                     \
                         : sizeof(TC) == 1 && bf16_ok ? AVX_BF16                                        \
                         : !(D == 64 || D == 128 || D == 256) ? 0                                      \
                         : cpu_has_avx512f() ? AVX512F_PATH                                            \
