@@ -65,7 +65,14 @@ class ModelRunner:
     ):
         self.config, self.device = config, device
         if config.dtype == "auto":
-            self.dtype, why = auto_dtype(self.device)
+            on_blocks = (  # a GGUF model whose weights stay in their blocks (_quant_config's default)
+                device.type == "cpu"
+                and config.quantization != "none"
+                and (group is None or group.tp is None)
+                and is_gguf(model_dir)
+                and cpu_kernels.load() is not None
+            )
+            self.dtype, why = auto_dtype(self.device, gguf_blocks=on_blocks)
             logger.info("dtype %s (auto: %s; --dtype overrides)", str(self.dtype).removeprefix("torch."), why)
         else:
             self.dtype = DTYPES[config.dtype]
@@ -529,17 +536,21 @@ def cpu_flags() -> set[str]:
         return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
 
 
-def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+def auto_dtype(device: torch.device, gguf_blocks: bool = False) -> tuple[torch.dtype, str]:
     """The model dtype for dtype "auto", and why: bfloat16 on CUDA, and on a CPU with native bfloat16
     arithmetic (AVX512-BF16 or AMX, vLLM-CPU's rule); float32 on other CPUs, where bfloat16 would be
-    emulated and slower. A GGUF model on its quantized blocks follows the same rule: there bfloat16 means q, k, v,
-    the attention and the KV cache in bfloat16 (norms and MLP stay float32, models/layers/attention.py), which on
-    an AMD EPYC with AVX512-BF16 decodes 10-15% faster at batch 1 and ~25% faster at 64 requests than float32, at
-    +0.02% perplexity (docs/benchmarks.md)."""
+    emulated and slower. A GGUF model on its quantized blocks (`gguf_blocks`) follows the same rule, and takes
+    bfloat16 on an AVX-512 CPU with VNNI but no BF16 too: there bfloat16 means q, k, v, the attention and the KV
+    cache in bfloat16 (norms and MLP stay float32, models/layers/attention.py), and the R16 kernels round their
+    bfloat16 outputs and the attention widens the cache's rows with integer ops, so nothing is emulated. On an AMD
+    EPYC with AVX512-BF16 that decodes 10-15% faster at batch 1 and ~25% faster at 64 requests than float32, at
+    +0.02% perplexity; on an Intel Xeon with VNNI and no BF16, W64 26% faster, batch 1 the same (docs/benchmarks.md)."""
     if device.type == "cuda":
         return torch.bfloat16, "CUDA"
     flags = cpu_flags()
     native = sorted(flags & {"avx512_bf16", "amx_bf16"})
     if native:
         return torch.bfloat16, f"the CPU has {' and '.join(native)}"
+    if gguf_blocks and {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= flags:
+        return torch.bfloat16, "a GGUF model on its blocks, and the CPU has AVX512-VNNI (bfloat16 without emulation)"
     return torch.float32, "the CPU has neither AVX512-BF16 nor AMX"

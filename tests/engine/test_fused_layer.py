@@ -365,19 +365,25 @@ def test_long_steps_are_declined(llm):
 
 
 def test_auto_dtype_is_bfloat16_where_the_cpu_has_it(monkeypatch):
-    """dtype auto: bfloat16 on a CPU with AVX512-BF16 or AMX (vLLM-CPU's rule), float32 without; the default GGUF
-    model takes it too and still runs its layers as one C call each (q, k, v and the attention in bfloat16)."""
+    """dtype auto: bfloat16 on a CPU with AVX512-BF16 or AMX (vLLM-CPU's rule), float32 without; a GGUF model on its
+    blocks also on an AVX-512 CPU with VNNI and no BF16 (nothing emulated there); the default GGUF model takes it and
+    still runs its layers as one C call each (q, k, v and the attention in bfloat16)."""
     from engine.worker import model_runner
 
     cpu = torch.device("cpu")
-    for flags, want in [
-        ({"avx2", "avx512_bf16"}, torch.bfloat16),
-        ({"avx2", "avx512_bf16", "amx_bf16"}, torch.bfloat16),
-        ({"avx2"}, torch.float32),
+    vnni = {"avx2", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
+    for flags, gguf, want in [
+        ({"avx2", "avx512_bf16"}, False, torch.bfloat16),
+        ({"avx2", "avx512_bf16", "amx_bf16"}, False, torch.bfloat16),
+        ({"avx2"}, False, torch.float32),
+        ({"avx2"}, True, torch.float32),
+        (vnni, False, torch.float32),
+        (vnni, True, torch.bfloat16),
+        (vnni - {"avx512_vnni"}, True, torch.float32),
     ]:
         monkeypatch.setattr(model_runner, "cpu_flags", lambda flags=flags: flags)
-        assert model_runner.auto_dtype(cpu)[0] == want, flags
-    for flags, want in [({"avx2", "avx512_bf16"}, torch.bfloat16), ({"avx2"}, torch.float32)]:
+        assert model_runner.auto_dtype(cpu, gguf_blocks=gguf)[0] == want, (flags, gguf)
+    for flags, want in [({"avx2", "avx512_bf16"}, torch.bfloat16), ({"avx2"}, torch.float32), (vnni, torch.bfloat16)]:
         monkeypatch.setattr(model_runner, "cpu_flags", lambda flags=flags: flags)
         llm = make_llm(dtype="auto")
         runner = llm.engine.engine_core.executor.runner
