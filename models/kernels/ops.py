@@ -420,13 +420,14 @@ def gguf_dequantize(data: torch.Tensor, qtype: int, cols: int, dtype: torch.dtyp
     return out
 
 
-def gguf_repack_r16(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor | None:
-    """ggml blocks `data` uint8 [rows, row_bytes] repacked 16 rows at a time for the AVX512-VNNI kernel
-    (R16, lossless; the blocks' bytes, up to 3% more for Q4_K and Q5_K, plus zero rows up to a multiple of
-    16): uint8 [ceil(rows / 16), bytes per 16 rows]. None where the CPU cannot run it or the type has no R16
-    layout (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K have)."""
+def gguf_repack_r16(data: torch.Tensor, qtype: int, cols: int, int8: bool = False) -> torch.Tensor | None:
+    """ggml blocks `data` uint8 [rows, row_bytes] repacked 16 rows at a time for the R16 kernels (lossless; the
+    blocks' bytes, up to 3% more for Q4_K and Q5_K, plus zero rows up to a multiple of 16): uint8 [ceil(rows / 16),
+    bytes per 16 rows]. None where the CPU cannot run them on the activations meant (int16, or `int8`) or the type
+    has no R16 layout (Q4_0, Q4_1, Q8_0, MXFP4, Q4_K, Q5_K and Q6_K have): AVX512-VNNI runs every R16 type on
+    either, AVX2 alone the int8 activations against all but Q8_0 (gguf_r16_takes)."""
     lib = cpu_kernels.load()
-    if lib is None or not lib.gguf_r16_isa():
+    if lib is None or not lib.gguf_r16_takes(int(qtype), int(int8)):
         return None
     nbytes = lib.gguf_r16_bytes(int(qtype), data.shape[0], cols)
     if nbytes < 0:

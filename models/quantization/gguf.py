@@ -249,11 +249,12 @@ class GGUFTensor:
         return GGUFTensor(self.qtype, self.data[rows].contiguous(), self.cols)
 
     def repack(self) -> None:
-        """Repacks to R16 where the CPU and the type allow it, unless MINIVLLM_GGUF_KERNEL=portable or avx2 (else
-        keeps the blocks)."""
+        """Repacks to R16 where the CPU and the type allow it for r16_int8()'s activations (AVX512-VNNI: every R16
+        type; AVX2 alone: int8 activations, all but Q8_0), unless MINIVLLM_GGUF_KERNEL=portable or avx2 (the
+        blocks' AVX2 kernel; else keeps the blocks)."""
         if self.r16 or gguf_kernel() in ("portable", "avx2"):
             return
-        packed = ops.gguf_repack_r16(self.data, self.qtype, self.cols)
+        packed = ops.gguf_repack_r16(self.data, self.qtype, self.cols, r16_int8())
         if packed is not None:
             self.data, self.r16 = packed, True
 
@@ -261,7 +262,7 @@ class GGUFTensor:
         """Keeps an R16 copy beside the blocks (where the CPU and the type allow it) for matmuls of at least
         R16_COPY_MIN_ROWS rows."""
         if not self.r16 and gguf_kernel() not in ("portable", "avx2"):
-            self.r16_copy = ops.gguf_repack_r16(self.data, self.qtype, self.cols)
+            self.r16_copy = ops.gguf_repack_r16(self.data, self.qtype, self.cols, r16_int8())
 
     @property
     def int8(self) -> bool:
@@ -319,7 +320,8 @@ class GGUFLinearMethod:
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
         """Stacks the loaded projections into segments (float ones in `dtype`, but F16 and BF16 ones kept 16-bit
         under float32: half the bytes, the same values) and repacks the quantized ones for the AVX512-VNNI kernel
-        where the CPU has it (int8 activations per 32, or int16 with MINIVLLM_GGUF_ACTIVATIONS=int16; Q8_0 weights
+        where the CPU has it, or with AVX2 alone for gguf_r16_avx2.c's (int8 activations, every R16 type but Q8_0)
+        (int8 activations per 32, or int16 with MINIVLLM_GGUF_ACTIVATIONS=int16; Q8_0 weights
         over R16_Q8_0_MAX_BYTES keep their blocks on AMD's CPUs (q8_0_blocks_at_one_row) for the AVX2 int8 kernel,
         faster there at one row, with an R16 copy for steps of R16_COPY_MIN_ROWS rows), except with
         MINIVLLM_GGUF_ACTIVATIONS=float, which keeps the blocks for the exact float32 kernel (bfloat16 activations

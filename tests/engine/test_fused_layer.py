@@ -126,8 +126,9 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel
     """Greedy tokens and their logprobs, bit for bit, over decode steps of 1 and 8 rows and prompts of 6 to 400
     tokens (fused prefill steps up to the layer's max_rows: any with the quantized kernels), while the fused path
     really ran: it calls the same kernels in the same order. With the exact float kernels (the suite's setting),
-    with the default (weights repacked for the AVX512-VNNI kernel on int8 activations where the CPU has it, else
-    the AVX2 int8 kernel), with the VNNI kernel's int16 activations, with the AVX2 int8 kernel on the file's blocks
+    with the default (weights repacked for the AVX512-VNNI kernel on int8 activations where the CPU has it, for
+    the AVX2 R16 kernels with AVX2 alone, Q8_0's blocks on the AVX2 int8 kernel there), with the VNNI kernel's
+    int16 activations, with the AVX2 int8 kernel on the file's blocks
     forced, and over an fp8 KV cache."""
     quantized = activations in ("int8", "int16")
     if quantized and not cpu_kernels.load().gguf_q8_isa():
@@ -136,7 +137,8 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel
     with _gguf_settings(monkeypatch, **env):
         if quantized or kv_cache_dtype != "auto":
             llm = make_llm(kv_cache_dtype=kv_cache_dtype)
-        r16 = quantized and kernel == "auto" and bool(cpu_kernels.load().gguf_r16_isa())
+        # Q4_1 repacked: with AVX512-VNNI, or with AVX2 alone on int8 activations (gguf_r16_avx2.c)
+        r16 = quantized and kernel == "auto" and bool(cpu_kernels.load().gguf_r16_takes(3, activations == "int8"))
         _assert_fused_equals_plain(llm, prompts, monkeypatch)
         layers = llm.engine.engine_core.executor.runner.model.layers
         assert all(isinstance(layer.fused, FusedDecoderLayer) for layer in layers)
@@ -148,7 +150,9 @@ def test_fused_layer_equals_the_op_by_op_layer(llm, prompts, activations, kernel
             want = KERNEL_INT8 if quantized else KERNEL_EXACT
         assert kinds == {want}, kinds
         held = set(llm.engine.engine_core.executor.runner.weight_bytes) if r16 else set()
-        if r16 and q8_0_blocks_at_one_row():  # the 30 MB Q8_0 LM head is over R16_Q8_0_MAX_BYTES: its
+        if r16 and not cpu_kernels.load().gguf_r16_isa():  # AVX2 alone: Q8_0 keeps its blocks, no copy
+            assert held >= {"Q4_1 (R16)", "Q8_0"} and "Q8_0 (R16 copy)" not in held, held
+        elif r16 and q8_0_blocks_at_one_row():  # the 30 MB Q8_0 LM head is over R16_Q8_0_MAX_BYTES: its
             assert held >= {"Q4_1 (R16)", "Q8_0", "Q8_0 (R16 copy)"}  # blocks for one row (and an R16 copy)
         elif r16:  # an Intel CPU: repacked, as every other weight
             assert held >= {"Q4_1 (R16)", "Q8_0 (R16)"} and "Q8_0" not in held, held

@@ -10,6 +10,7 @@ from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 
 from models.kernels import cpu_kernels, ops
+from models.quantization import gguf as gguf_quant
 from models.quantization.gguf import Q8_TYPES, QUANTIZED_TYPES, R16_COPY_MIN_ROWS, R16_TYPES, GGUFTensor
 from tests.gguf_blocks import amx_rows, random_blocks
 
@@ -20,6 +21,12 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compile
 
 def vnni() -> bool:
     return bool(cpu_kernels.load().gguf_r16_isa())
+
+
+def r16_int8(qtype: T) -> bool:
+    """Whether the CPU runs R16 weights of `qtype` on int8 activations: every R16 type with AVX512-VNNI, all but
+    Q8_0 with AVX2 alone (gguf_r16_avx2.c)."""
+    return bool(cpu_kernels.load().gguf_r16_takes(int(qtype), 1))
 
 
 def reference(raw: torch.Tensor, qtype: T, cols: int) -> np.ndarray:
@@ -77,12 +84,14 @@ def test_refine_top_in_one_call(qtype, r16, n):
     assert torch.equal(out[untouched], expect[untouched])
 
 
-@pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI (R16 kernels)")
 @pytest.mark.parametrize("qtype", R16_TYPES, ids=lambda t: t.name)
 def test_r16_repack_is_lossless(qtype):
     rows, cols = shape(qtype)
     raw = random_blocks(qtype, rows, cols, seed=1)
-    r16 = ops.gguf_repack_r16(raw, qtype, cols)
+    if not r16_int8(qtype):
+        assert ops.gguf_repack_r16(raw, qtype, cols, int8=True) is None  # nothing would run it
+        pytest.skip(f"the CPU has no R16 kernel for {qtype.name}")
+    r16 = ops.gguf_repack_r16(raw, qtype, cols, int8=True)
     assert r16 is not None and r16.shape[0] == 3  # ceil(37 / 16) groups
     # the same bytes, up to 3% more for the K-quants' expanded scales, plus the padding rows
     assert r16.numel() <= 1.03 * raw[0].numel() * 48
@@ -165,9 +174,8 @@ def rounded_int8(x: torch.Tensor, group: int) -> np.ndarray:
     return (codes * (amax / np.float32(127)).astype(np.float64)).reshape(M, -1)
 
 
-@pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI (R16 kernels)")
 @pytest.mark.parametrize("qtype", R16_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("M", [1, 3, 8, 9, 17, 64])
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 8, 9, 17, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("blocks", [3, 33])
 def test_r16_int8_activations(qtype, M, dtype, blocks):
@@ -175,7 +183,9 @@ def test_r16_int8_activations(qtype, M, dtype, blocks):
     32 (llama.cpp's Q8_0 activations), or per 256 against the K-quants (its Q8_K), to float rounding: the offsets
     (mins, Q4_0's -8, Q8_0's -128, Q6_K's -32) meet the rounded activations' sums. Row counts past its 8-row pass
     and a strided output included; 33 blocks take the 512-value spans of the rounding (prepare_span8) and a block
-    of zeros."""
+    of zeros. With AVX2 alone, the same bound for gguf_r16_avx2.c's kernels (4 rows a pass: 4, 5 and 9 rows)."""
+    if not r16_int8(qtype):
+        pytest.skip(f"the CPU has no R16 int8 kernel for {qtype.name}")
     rows, cols = 37, blocks * GGML_QUANT_SIZES[qtype][0]
     raw = random_blocks(qtype, rows, cols, seed=300 + M)
     w = reference(raw, qtype, cols).astype(np.float64)
@@ -184,7 +194,7 @@ def test_r16_int8_activations(qtype, M, dtype, blocks):
     x[0, 32:64] = 0
     xq = rounded_int8(x, 256 if qtype in SUPER_BLOCK_TYPES else 32)
     y_ref = xq @ w.T
-    r16 = ops.gguf_repack_r16(raw, qtype, cols)
+    r16 = ops.gguf_repack_r16(raw, qtype, cols, int8=True)
     wide = torch.zeros(M, rows + 10, dtype=dtype)
     with amx_rows(0):
         y = ops.gguf_linear(x, r16, qtype, rows, cols, r16=True, int8_activations=True)
@@ -198,11 +208,16 @@ def test_r16_int8_activations(qtype, M, dtype, blocks):
     assert torch.equal(wide[:, 5 : 5 + rows], y) and not wide[:, :5].any() and not wide[:, 5 + rows :].any()
 
 
-def test_gguf_tensor_repacks_for_bfloat16_only_where_the_cpu_can():
+def test_gguf_tensor_repacks_only_where_the_cpu_can():
+    """Q4_1 repacks with AVX512-VNNI, or with AVX2 where the activations are int8 (the default; not the tests'
+    float32 one); Q8_0 with VNNI only."""
     raw = random_blocks(T.Q4_1, 20, 64)
     t = GGUFTensor(T.Q4_1, raw.clone(), 64)
     t.repack()
-    assert t.r16 == vnni() and t.rows == 20
+    assert t.r16 == (vnni() or (q8() and gguf_quant.r16_int8())) and t.rows == 20
+    q8_0 = GGUFTensor(T.Q8_0, random_blocks(T.Q8_0, 20, 64), 64)
+    q8_0.repack()
+    assert q8_0.r16 == vnni()
     ids = torch.tensor([19, 3])
     assert np.array_equal(t.dequantize_rows(ids, torch.float32).numpy(), reference(raw, T.Q4_1, 64)[ids])
 

@@ -31,8 +31,10 @@
  *  - AVX512-VNNI on "R16" weights (below): the blocks of 16 rows interleaved at load, so that one
  *    instruction multiplies codes of 16 rows at once, with int8 activations (gguf_r16_linear_i8, the
  *    default) or int16 ones (gguf_r16_linear);
+ *  - AVX2 alone on R16 weights with int8 activations (gguf_r16_avx2.c: vpmaddubsw on 8 rows a register), for
+ *    the R16 types but Q8_0 on CPUs without AVX512-VNNI;
  *  - AVX2 on the file's blocks with int8 activations (gguf_q8_linear, llama.cpp's arithmetic), for the
- *    types without R16 and CPUs without AVX512-VNNI.
+ *    types without R16 and CPUs without AVX512-VNNI (Q8_0 there).
  * Threads split W's rows. x [M, K] float32 or bfloat16 (rows x_stride apart), y [M, N] float32 or
  * bfloat16 (rows y_stride apart). Functions return -1 for a type they do not know (nothing written).
  */
@@ -572,16 +574,7 @@ int gguf_r16_dequantize_rows(int type, const uint8_t *w, int K, const int64_t *i
  * (c0, c2) and (c1, c3), so the activations are stored as (x0, x2, x1, x3) per 4 and one broadcast
  * int32 feeds each. Sums of 16 products stay in int32 (255 * 32767 * 16 < 2^31); each group of 32
  * then takes its float scales. The offsets use exact float sums of x. */
-typedef struct {
-    int Kp;      /* K rounded up to 64 (zero padded) */
-    void *xq;    /* [M, Kp] codes: int16, (x0, x2, x1, x3) per 4; or int8 in order (the int8 kernels below) */
-    float *xd;   /* [M, Kp / 32] the scale of each block of 32 (per 256, prepare_row8k: [M, Kp / 256]) */
-    float *xsum;   /* [M, Kp / 16] exact sums of x per 16 (int16 activations: the K-quants' offsets per 16) */
-    float *xsum32; /* [M, Kp / 32] sums per 32, of x (int16) or of the rounded x (int8 per 32) */
-    int16_t *is16; /* per 256 (prepare_row8k): [M, Kp / 16] the int8 codes' sums per 16 (Q6_K's offset), two a
-                    * broadcast int32 */
-    int16_t *is32; /* per 256: [M, Kp / 32] the codes' sums per 32 (the K-quants' mins), two a broadcast int32 */
-} Acts;
+/* the activations of an R16 product: Acts, gguf_r16.h */
 
 /* values k0..k0 + 31 of row m of x into v (zeros past K); returns their largest magnitude */
 static float load_block32(const void *x, int x_bf16, int x_stride, int K, int m, int k0, float *v) {
@@ -1085,6 +1078,18 @@ int gguf_r16_isa(void) {
 #endif
 }
 
+/* 1 when this CPU runs R16 weights of `type` on int16 activations (`int8` 0) or int8 ones: every R16 type with
+ * AVX512-VNNI; with AVX2 alone, int8 activations against the types of gguf_r16_avx2.c (not Q8_0) */
+int gguf_r16_takes(int type, int int8) {
+#if defined(__x86_64__)
+    if (!r16_type(type)) return 0;
+    return has_vnni512() || (int8 && gguf_r16_avx2_type(type));
+#else
+    (void)type, (void)int8;
+    return 0;
+#endif
+}
+
 /* The activations' buffers of an R16 product of M rows of K (int8: int8 codes, per 256 against the K-quants), carved
  * from `ws` (gguf_r16_acts_bytes of it, 64-byte aligned), or their bytes where ws is NULL */
 #if defined(__x86_64__)
@@ -1130,11 +1135,16 @@ void gguf_r16_linear_team(const void *x, int x_bf16, int x_stride, const uint8_t
     Acts a;
     r16_acts(&a, ws, type, M, K, int8);
     const int q8k = int8 && is_k_quant(type);
-    const int step = int8 ? R16B_MM : R16_MM;
+    const int avx2 = !has_vnni512(); /* gguf_r16_avx2.c's kernels (int8 activations only) */
+    const int step = avx2 ? R16A_MM : int8 ? R16B_MM : R16_MM;
     /* R16_CHUNK_BYTES of codes a chunk, whole steps of rows */
     const int fit = (int)(R16_CHUNK_BYTES / ((int8 ? 1 : 2) * (long)a.Kp)) / step * step, chunk = fit > step ? fit : step;
     _Pragma("omp for schedule(static)")
-    for (int m = 0; m < M; m++) (q8k ? prepare_row8k : int8 ? prepare_row8 : prepare_row)(&a, x, x_bf16, x_stride, K, m);
+    for (int m = 0; m < M; m++)
+        if (avx2)
+            r16a_prepare_row(&a, x, x_bf16, x_stride, K, m, q8k);
+        else
+            (q8k ? prepare_row8k : int8 ? prepare_row8 : prepare_row)(&a, x, x_bf16, x_stride, K, m);
     /* rows of x in chunks whose codes stay in L2 while every group of weights passes over them (unchunked,
      * a 2,048-row prompt chunk's codes were streamed again from L3 for each 16 weight rows); the chunks are
      * independent, so no thread waits for the others between them */
@@ -1145,7 +1155,10 @@ void gguf_r16_linear_team(const void *x, int x_bf16, int x_stride, const uint8_t
             const int nr = N - 16 * g < 16 ? N - 16 * g : 16;
             for (int m0 = c0; m0 < c1; m0 += step) {
                 const int mm = c1 - m0 < step ? c1 - m0 : step;
-                r16_group(type, mm, int8)(&a, w + g * group_bytes, nb, m0, y, y_bf16, y_stride, 16 * g, nr);
+                if (avx2)
+                    r16a_group(type, mm, &a, w + g * group_bytes, nb, m0, y, y_bf16, y_stride, 16 * g, nr);
+                else
+                    r16_group(type, mm, int8)(&a, w + g * group_bytes, nb, m0, y, y_bf16, y_stride, 16 * g, nr);
             }
         }
     }
@@ -1158,7 +1171,7 @@ void gguf_r16_linear_team(const void *x, int x_bf16, int x_stride, const uint8_t
 static int r16_linear(const void *x, int x_bf16, int x_stride, const uint8_t *w, int type, void *y, int y_bf16,
                       int y_stride, int M, int N, int K, int num_threads, int int8) {
 #if defined(__x86_64__)
-    if (gguf_r16_bytes(type, 1, K) < 0 || !has_vnni512()) return -1;
+    if (gguf_r16_bytes(type, 1, K) < 0 || !gguf_r16_takes(type, int8)) return -1;
     const int amx = gguf_amx_r16_linear(x, x_bf16, x_stride, w, type, y, y_bf16, y_stride, M, N, K, num_threads);
     if (amx <= 0) return amx; /* done on AMX tiles */
     void *ws = aligned_alloc(64, gguf_r16_acts_bytes(type, M, K, int8));
@@ -1591,7 +1604,7 @@ static void q8_rows(const Q8Acts *a, int type, const uint8_t *w, void *y, int y_
 
 /* One group of a float32 row (`group` = 32 or 256 values) to int8 codes q = v * (127 / max|v|) rounded to nearest
  * even, its max |v| and each 32's code sum, eight values per instruction. */
-AVX2 static void q8_quantize_f32(const float *v, int group, int8_t *q, float *amax_out, int *sums) {
+AVX2 void q8_quantize_f32(const float *v, int group, int8_t *q, float *amax_out, int *sums) {
     __m256 mx = _mm256_setzero_ps();
     for (int i = 0; i < group; i += 8)
         mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(v + i)));
@@ -1787,7 +1800,8 @@ int gguf_moe(const float *x, int T, int hidden, const int64_t *ids, const float 
 #if defined(__x86_64__)
     if (T < 1 || hidden % block_weights(t_gate) || hidden % block_weights(t_up) || inter % block_weights(t_down))
         return -1;
-    if (r16 ? !has_vnni512() || !r16_type(t_gate) || !r16_type(t_up) || !r16_type(t_down) || inter % 16 ||
+    if (r16 ? !gguf_r16_takes(t_gate, r16 == 2) || !gguf_r16_takes(t_up, r16 == 2) || !gguf_r16_takes(t_down, r16 == 2) ||
+                  inter % 16 ||
                   hidden % 16
             : !has_avx2() || !q8_type(t_gate) || !q8_type(t_up) || !q8_type(t_down))
         return -1;

@@ -47,6 +47,29 @@ static inline int r16_record_bytes(int type) {
     return type == Q4_K ? 2368 : type == Q5_K ? 2880 : type == Q6_K ? 3360 : 16 * block_bytes(type);
 }
 long gguf_r16_bytes(int type, int N, int K);
+
+/* The quantized activations of an R16 product (gguf_linear.c carves them from a step's scratch), the int16 ones
+ * (x0, x2, x1, x3) per 4 for vpdpwssd, the int8 ones in order */
+typedef struct {
+    int Kp;      /* K rounded up to 64 (zero padded) */
+    void *xq;    /* [M, Kp] codes: int16, (x0, x2, x1, x3) per 4; or int8 in order (the int8 kernels below) */
+    float *xd;   /* [M, Kp / 32] the scale of each block of 32 (per 256, prepare_row8k: [M, Kp / 256]) */
+    float *xsum;   /* [M, Kp / 16] exact sums of x per 16 (int16 activations: the K-quants' offsets per 16) */
+    float *xsum32; /* [M, Kp / 32] sums per 32, of x (int16) or of the rounded x (int8 per 32) */
+    int16_t *is16; /* per 256 (prepare_row8k): [M, Kp / 16] the int8 codes' sums per 16 (Q6_K's offset), two a
+                    * broadcast int32 */
+    int16_t *is32; /* per 256: [M, Kp / 32] the codes' sums per 32 (the K-quants' mins), two a broadcast int32 */
+} Acts;
+
+/* in gguf_r16_avx2.c: the R16 kernels on AVX2 alone, int8 activations (Q4_0, Q4_1, MXFP4, Q4_K, Q5_K, Q6_K) */
+#define R16A_MM 4 /* rows of x per pass over a group's codes */
+/* 1 where the CPU has AVX2, FMA and F16C and `type` an AVX2 R16 kernel, else 0 */
+int gguf_r16_avx2_type(int type);
+/* row m of x into a's int8 codes: per 32 (xd, xsum32) or, `per256`, per 256 (xd per 256, is16, is32) */
+void r16a_prepare_row(const Acts *a, const void *x, int x_bf16, int x_stride, int K, int m, int per256);
+/* one group of 16 R16 rows (n0.., the first nr real; nb records) against mm <= R16A_MM rows of x from m0 */
+void r16a_group(int type, int mm, const Acts *a, const uint8_t *grp, int nb, int m0, void *y, int y_bf16,
+                int y_stride, int n0, int nr);
 /* Q6_K's high bits: code register z = 4h + u of a sub-block takes its two bits from byte 4r + i of the sub-block's
  * plane h (64 B), at bit R16_Q6K_SHIFT(u): 4, 6, 0, 2 (bits 4-5 of the byte, or one shift away) */
 #define R16_Q6K_SHIFT(u) ((4 + 2 * (u)) % 8)
