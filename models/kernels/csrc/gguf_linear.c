@@ -1080,10 +1080,11 @@ int gguf_r16_isa(void) {
 
 /* 1 when this CPU runs R16 weights of `type` on int16 activations (`int8` 0) or int8 ones: every R16 type with
  * AVX512-VNNI; with AVX2 alone, int8 activations against the types of gguf_r16_avx2.c (not Q8_0) */
+int gguf_q8_isa(void); /* below: AVX2, FMA and F16C */
 int gguf_r16_takes(int type, int int8) {
 #if defined(__x86_64__)
     if (!r16_type(type)) return 0;
-    return has_vnni512() || (int8 && gguf_r16_avx2_type(type));
+    return has_vnni512() || (int8 && gguf_r16_avx2_type(type) && gguf_q8_isa());
 #else
     (void)type, (void)int8;
     return 0;

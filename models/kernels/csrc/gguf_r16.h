@@ -63,7 +63,7 @@ typedef struct {
 
 /* in gguf_r16_avx2.c: the R16 kernels on AVX2 alone, int8 activations (Q4_0, Q4_1, MXFP4, Q4_K, Q5_K, Q6_K) */
 #define R16A_MM 4 /* rows of x per pass over a group's codes */
-/* 1 where the CPU has AVX2, FMA and F16C and `type` an AVX2 R16 kernel, else 0 */
+/* 1 where `type` has an AVX2 R16 kernel (the CPU's AVX2, FMA and F16C are gguf_q8_isa's to check), else 0 */
 int gguf_r16_avx2_type(int type);
 /* row m of x into a's int8 codes: per 32 (xd, xsum32) or, `per256`, per 256 (xd per 256, is16, is32) */
 void r16a_prepare_row(const Acts *a, const void *x, int x_bf16, int x_stride, int K, int m, int per256);

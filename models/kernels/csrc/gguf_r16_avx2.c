@@ -23,14 +23,8 @@
 #define AVX2A __attribute__((target("avx2,fma,f16c")))
 #define INL AVX2A static inline __attribute__((always_inline))
 
-static int has_avx2_fma(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-
 int gguf_r16_avx2_type(int type) {
-    return (type == Q4_0 || type == Q4_1 || type == MXFP4 || type == Q4_K || type == Q5_K || type == Q6_K) &&
-           has_avx2_fma();
+    return type == Q4_0 || type == Q4_1 || type == MXFP4 || type == Q4_K || type == Q5_K || type == Q6_K;
 }
 
 /* gguf_linear.c's: one group of 32 or 256 float32 values to int8 codes, their max |v| and each 32's code sum */
