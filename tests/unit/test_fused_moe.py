@@ -235,7 +235,12 @@ def test_one_call_experts_equal_the_per_expert_loop(qtypes, limit, activation, t
             loop = block(x)
         if limit is None:  # the same kernels in the same order, the SiLU by layer_ops.c's: bit for bit
             assert torch.equal(one_call, loop)
-        torch.testing.assert_close(one_call, loop, rtol=1e-5, atol=1e-5)  # gpt-oss's activation: torch's there
+        else:  # gpt-oss's activation: torch's in the loop, so h agrees to float rounding; where an h sits on a
+            # rounding boundary of the down projection's int8 activations, one code flips and moves that token's row
+            # by a code step times the weights (2 of 64 rows here, 2e-4 of the output's scale): a few rows may
+            close = torch.isclose(one_call, loop, rtol=1e-5, atol=1e-5).all(dim=1)
+            assert (~close).sum() <= max(1, tokens // 16), f"{int((~close).sum())} of {tokens} rows differ"
+            assert (one_call - loop).abs().max() <= 1e-3 * loop.abs().max()
         assert one_call.abs().mean() > 1e-3
     finally:
         for cached in (gguf_kernel, int8_activations, r16_int8):

@@ -1254,16 +1254,6 @@ AVX2 static inline void half_pair(const uint8_t *p, float *d, float *m) {
     *d = _mm_cvtss_f32(f), *m = _mm_cvtss_f32(_mm_movehdup_ps(f));
 }
 
-/* byte i = 0x10 where bit i of the 4 bytes at p is set, else 0 (Q5_0 / Q5_1's fifth bits) */
-AVX2 static inline __m256i fifth_bits32(const uint8_t *p) {
-    uint32_t bits;
-    memcpy(&bits, p, 4);
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32((int)bits), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
-}
-
 /* the 8 int32 sums over 4 bytes each of a * b: a unsigned, b signed. With AVX512-VNNI (the build is -march=native)
  * one vpdpbusd, llama.cpp's choice too; the same sums, as no int16 pair sum saturates for the callers' codes. */
 AVX2 static inline __m256i dot_u8_i8(__m256i a, __m256i b) {

@@ -61,6 +61,19 @@ typedef struct {
     int16_t *is32; /* per 256: [M, Kp / 32] the codes' sums per 32 (the K-quants' mins), two a broadcast int32 */
 } Acts;
 
+#if defined(__x86_64__)
+/* byte i = 0x10 where bit i of the 32 bits at p is set: the fifth bits of 32 Q5_0 / Q5_1 codes, or of one Q5_K
+ * code register's half (AVX2: gguf_linear.c's blocks kernel and gguf_r16_avx2.c) */
+static inline __attribute__((target("avx2"), always_inline)) __m256i fifth_bits32(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+#endif
+
 /* in gguf_r16_avx2.c: the R16 kernels on AVX2 alone, int8 activations (Q4_0, Q4_1, MXFP4, Q4_K, Q5_K, Q6_K) */
 #define R16A_MM 4 /* rows of x per pass over a group's codes */
 /* 1 where `type` has an AVX2 R16 kernel (the CPU's AVX2, FMA and F16C are gguf_q8_isa's to check), else 0 */
