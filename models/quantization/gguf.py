@@ -319,15 +319,15 @@ class GGUFLinearMethod:
 
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
         """Stacks the loaded projections into segments (float ones in `dtype`, but F16 and BF16 ones kept 16-bit
-        under float32: half the bytes, the same values) and repacks the quantized ones for the AVX512-VNNI kernel
-        where the CPU has it, or with AVX2 alone for gguf_r16_avx2.c's (int8 activations, every R16 type but Q8_0)
-        (int8 activations per 32, or int16 with MINIVLLM_GGUF_ACTIVATIONS=int16; Q8_0 weights
-        over R16_Q8_0_MAX_BYTES keep their blocks on AMD's CPUs (q8_0_blocks_at_one_row) for the AVX2 int8 kernel,
-        faster there at one row, with an R16 copy for steps of R16_COPY_MIN_ROWS rows), except with
-        MINIVLLM_GGUF_ACTIVATIONS=float, which keeps the blocks for the exact float32 kernel (bfloat16 activations
-        repack all the same); probes AMX (amx_tiles). Raises ValueError when a projection is missing, for a bad
-        MINIVLLM_GGUF_ACTIVATIONS or MINIVLLM_GGUF_KERNEL, or for MINIVLLM_GGUF_KERNEL=amx where AMX cannot run (read
-        here, at load, rather than at a request's first step)."""
+        under float32: half the bytes, the same values) and repacks the quantized ones for the R16 kernels where the
+        CPU has them (AVX512-VNNI: int8 activations per 32, or int16 with MINIVLLM_GGUF_ACTIVATIONS=int16; AVX2
+        alone: gguf_r16_avx2.c's, int8 activations, every R16 type but Q8_0; Q8_0 weights over R16_Q8_0_MAX_BYTES
+        keep their blocks on AMD's CPUs (q8_0_blocks_at_one_row) for the AVX2 int8 kernel, faster there at one row,
+        with an R16 copy for steps of R16_COPY_MIN_ROWS rows), except with MINIVLLM_GGUF_ACTIVATIONS=float, which
+        keeps the blocks for the exact float32 kernel (bfloat16 activations repack all the same); probes AMX
+        (amx_tiles). Raises ValueError when a projection is missing, for a bad MINIVLLM_GGUF_ACTIVATIONS or
+        MINIVLLM_GGUF_KERNEL, or for MINIVLLM_GGUF_KERNEL=amx where AMX cannot run (read here, at load, rather than
+        at a request's first step)."""
         int8_activations()
         r16_int8()
         amx_tiles()
