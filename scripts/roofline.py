@@ -231,7 +231,7 @@ def main():
     weights = llm.engine.engine_core.executor.runner.weight_bytes if llm else None
     quantized = bool(weights) and any(not k.startswith(("float", "bfloat")) for k in weights)
     # the linears' and LM head's bytes as held (norms are a rounding error); a weight's R16 copy beside its blocks is
-    # read in place of them at steps of R16_COPY_MIN_ROWS rows or more, never with them: counted once
+    # read in place of them at steps of its copy_min_rows rows or more, never with them: counted once
     read = sum(v for k, v in weights.items() if not k.endswith("(R16 copy)")) if quantized else None
     shape = ModelShape.of(cfg, dtype.itemsize, read)
     if args.device == "cpu":

@@ -135,7 +135,9 @@ def _linear(module, segments: list[GGUFTensor], bias: torch.Tensor | None) -> La
     """decoder_layer.c's description of `module` with weights `segments` (from _segments) and `bias` (the module's,
     in the output's dtype: kept referenced by the caller)."""
     desc = LayerLinear(n=len(segments), bias=None if bias is None else bias.data_ptr())
-    desc.copy_kernel, desc.copy_rows = (KERNEL_R16_INT8 if r16_int8() else KERNEL_R16), R16_COPY_MIN_ROWS
+    copies = [w.copy_min_rows for w in segments if w.r16_copy is not None]
+    desc.copy_kernel = KERNEL_R16_INT8 if r16_int8() else KERNEL_R16
+    desc.copy_rows = min(copies, default=R16_COPY_MIN_ROWS)  # GGUFTensor.matmul's rule (an LM head's from one row)
     for i, w in enumerate(segments):
         if w.r16_copy is not None:  # a large Q8_0 weight's blocks for a few rows, its R16 copy for more
             desc.copy[i] = w.r16_copy.data_ptr()

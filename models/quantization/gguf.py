@@ -66,6 +66,12 @@ R16_Q8_0_MAX_BYTES = 8 << 20
 # model's LM head at 64 rows at 90 GMAC/s against the VNNI kernel's 255 (a W64 decode step's LM head 23 -> 9 ms), for
 # the copy's bytes (30 MB there) kept beside the blocks
 R16_COPY_MIN_ROWS = 4
+# an LM head's (or tied embedding's) copy from one row: a product over the vocabulary read whole each step, where the
+# repacked layout streamed faster than the blocks at one row too. The default model's 30 MB head on a Zen 5 EPYC
+# (AVX512-VNNI, 2 threads), the two forms alternating every 8 steps of one engine at batch 1: a step 3.70 -> 3.57 and
+# 4.57 -> 4.40 ms (docs/benchmarks.md); a Q8_0 layer weight keeps its blocks at one row, since the 1B shape as Q8_0
+# read its 8-200 MB layer weights faster from them
+R16_COPY_HEAD_MIN_ROWS = 1
 # the AVX2 int8 kernel (8 rows of x at a time over L1-sized weight tiles) takes every row count, prompts included, as
 # llama.cpp runs them on int8 activations: at 512 rows it ran Qwen3.5-2B's Q4_K and Q6_K shapes 1.2-1.7x faster than
 # dequantizing the weight for torch's float32 GEMM, and was even with that on the default model's Q4_1 shapes (AVX2
@@ -217,7 +223,8 @@ class GGUFTensor:
     cols: int
     rows: int = -1
     r16: bool = False
-    r16_copy: torch.Tensor | None = None  # add_r16_copy: the blocks' R16 form, for steps of R16_COPY_MIN_ROWS rows
+    r16_copy: torch.Tensor | None = None  # add_r16_copy: the blocks' R16 form, for steps of copy_min_rows rows
+    copy_min_rows: int = R16_COPY_MIN_ROWS  # R16_COPY_HEAD_MIN_ROWS for an LM head's (GGUFEmbeddingMethod)
 
     def __post_init__(self):
         if self.rows < 0:
@@ -260,7 +267,7 @@ class GGUFTensor:
 
     def add_r16_copy(self) -> None:
         """Keeps an R16 copy beside the blocks (where the CPU and the type allow it) for matmuls of at least
-        R16_COPY_MIN_ROWS rows."""
+        copy_min_rows rows."""
         if not self.r16 and gguf_kernel() not in ("portable", "avx2"):
             self.r16_copy = ops.gguf_repack_r16(self.data, self.qtype, self.cols, r16_int8())
 
@@ -281,7 +288,7 @@ class GGUFTensor:
         kernel where int8_activations(), at every M; other blocks (float32 activations, or a CPU without VNNI) the
         portable kernel for up to PORTABLE_MAX_ROWS rows, and for more the weight dequantized once for torch's GEMM,
         which is faster then."""
-        if self.r16_copy is not None and x.shape[0] >= R16_COPY_MIN_ROWS:
+        if self.r16_copy is not None and x.shape[0] >= self.copy_min_rows:
             return ops.gguf_linear(x, self.r16_copy, self.qtype, self.rows, self.cols, True, out, r16_int8())
         if self.r16 or x.shape[0] <= self.kernel_rows:
             return ops.gguf_linear(x, self.data, self.qtype, self.rows, self.cols, self.r16, out, self.int8)
@@ -411,8 +418,12 @@ class GGUFEmbeddingMethod:
         self.linear.load(0, loaded)
 
     def process_weights_after_loading(self, dtype: torch.dtype) -> None:
+        """The linear method's (GGUFLinearMethod), its weight's R16 copy, where it has one, taken for logits from
+        R16_COPY_HEAD_MIN_ROWS rows (the embedding's rows are read from the blocks)."""
         self.linear.process_weights_after_loading(dtype)
         self.dtype = dtype
+        if isinstance(self.weight, GGUFTensor):
+            self.weight.copy_min_rows = R16_COPY_HEAD_MIN_ROWS
 
     @property
     def weight(self) -> "GGUFTensor | torch.Tensor":

@@ -18,7 +18,15 @@ from models.layers.fused_layer import (
     FusedDecoderLayer,
     FusedDecoderStack,
 )
-from models.quantization.gguf import amx_tiles, gguf_kernel, int8_activations, q8_0_blocks_at_one_row, r16_int8
+from models.quantization.gguf import (
+    R16_COPY_HEAD_MIN_ROWS,
+    R16_COPY_MIN_ROWS,
+    amx_tiles,
+    gguf_kernel,
+    int8_activations,
+    q8_0_blocks_at_one_row,
+    r16_int8,
+)
 from tests.engines import make_llm
 
 CACHED = (gguf_kernel, amx_tiles, int8_activations, r16_int8)
@@ -229,14 +237,19 @@ def _qwen3_q8_0_with_copies(llm, tmp_path, monkeypatch) -> str:
 def test_q8_0_blocks_and_their_r16_copy_in_the_fused_layer(llm, prompts, tmp_path, monkeypatch):
     """A Q8_0 weight over R16_Q8_0_MAX_BYTES keeps its blocks with an R16 copy beside them (made 0 here, so that
     every weight of the tiny Qwen3's Q8_0 file llama.cpp's converter makes does): the one-call layer takes the
-    blocks for steps of fewer than R16_COPY_MIN_ROWS rows and the copy for more, as GGUFTensor.matmul does, so
-    greedy tokens and logprobs of 1- and 8-row decode steps equal the op-by-op layers' bit for bit."""
+    blocks for steps of fewer than R16_COPY_MIN_ROWS rows and the copy for more, and the stage's call takes the LM
+    head's copy from R16_COPY_HEAD_MIN_ROWS rows, as GGUFTensor.matmul does, so greedy tokens and logprobs of 1- and
+    8-row decode steps equal the op-by-op layers' bit for bit."""
     with _gguf_settings(monkeypatch, MINIVLLM_GGUF_ACTIVATIONS="int8"):
         qwen3 = make_llm(model=_qwen3_q8_0_with_copies(llm, tmp_path, monkeypatch), dtype="bfloat16")
         _assert_fused_equals_plain(qwen3, prompts, monkeypatch)
-        descs = [layer.fused.desc for layer in qwen3.engine.engine_core.executor.runner.model.layers]
+        model = qwen3.engine.engine_core.executor.runner.model
+        descs = [layer.fused.desc for layer in model.layers]
         assert all(d.qkv.copy[0] and d.o.copy[0] and d.down.copy[0] and d.qkv.kernel[0] == KERNEL_INT8 for d in descs)
         assert {d.qkv.copy_kernel for d in descs} == {KERNEL_R16_INT8}
+        assert {d.gate_up.copy_rows for d in descs} == {R16_COPY_MIN_ROWS}
+        head = model.fused_stack.ends.head
+        assert head.copy[0] and head.copy_rows == R16_COPY_HEAD_MIN_ROWS < R16_COPY_MIN_ROWS
         assert "Q8_0 (R16 copy)" in qwen3.engine.engine_core.executor.runner.weight_bytes
 
 

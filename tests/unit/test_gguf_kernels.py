@@ -11,7 +11,14 @@ from gguf import GGMLQuantizationType as T
 
 from models.kernels import cpu_kernels, ops
 from models.quantization import gguf as gguf_quant
-from models.quantization.gguf import Q8_TYPES, QUANTIZED_TYPES, R16_COPY_MIN_ROWS, R16_TYPES, GGUFTensor
+from models.quantization.gguf import (
+    Q8_TYPES,
+    QUANTIZED_TYPES,
+    R16_COPY_HEAD_MIN_ROWS,
+    R16_COPY_MIN_ROWS,
+    R16_TYPES,
+    GGUFTensor,
+)
 from tests.gguf_blocks import amx_rows, random_blocks
 
 SUPER_BLOCK_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)  # K-quants meet int8 activations per 256 (llama.cpp's Q8_K), both kernels
@@ -223,25 +230,27 @@ def test_gguf_tensor_repacks_only_where_the_cpu_can():
 
 
 @pytest.mark.skipif(not vnni(), reason="the CPU has no AVX512-VNNI (R16 kernels)")
-def test_an_r16_copy_takes_steps_of_many_rows():
-    """A Q8_0 weight that keeps its blocks (over R16_Q8_0_MAX_BYTES) gets an R16 copy: a step of
-    R16_COPY_MIN_ROWS rows or more runs on the copy (its result is the repacked weight's, bit for bit), fewer on
-    the blocks; both are the weight's product to int8 activations' rounding."""
+@pytest.mark.parametrize("min_rows", [R16_COPY_MIN_ROWS, R16_COPY_HEAD_MIN_ROWS], ids=["layer", "LM head"])
+def test_an_r16_copy_takes_steps_of_many_rows(min_rows):
+    """A Q8_0 weight that keeps its blocks (over R16_Q8_0_MAX_BYTES) gets an R16 copy: a step of its
+    copy_min_rows rows or more (R16_COPY_MIN_ROWS; an LM head's R16_COPY_HEAD_MIN_ROWS) runs on the copy (its result
+    is the repacked weight's, bit for bit), fewer on the blocks; both are the weight's product to int8 activations'
+    rounding."""
     raw = random_blocks(T.Q8_0, 48, 256, seed=5)
-    t = GGUFTensor(T.Q8_0, raw.clone(), 256)
+    t = GGUFTensor(T.Q8_0, raw.clone(), 256, copy_min_rows=min_rows)
     t.add_r16_copy()
     assert not t.r16 and t.r16_copy is not None and torch.equal(t.data, raw)
     packed = GGUFTensor(T.Q8_0, raw.clone(), 256)
     packed.repack()
     w = torch.from_numpy(reference(raw, T.Q8_0, 256))
     # a zeroed copy shows which form a step read
-    poisoned = GGUFTensor(T.Q8_0, raw.clone(), 256, r16_copy=torch.zeros_like(t.r16_copy))
+    poisoned = GGUFTensor(T.Q8_0, raw.clone(), 256, r16_copy=torch.zeros_like(t.r16_copy), copy_min_rows=min_rows)
     for M in (1, R16_COPY_MIN_ROWS - 1, R16_COPY_MIN_ROWS, 64):
         x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M))
         with amx_rows(0):
             y, y_packed, y_poisoned = t.matmul(x), packed.matmul(x), poisoned.matmul(x)
         torch.testing.assert_close(y, x @ w.T, atol=0.05 * float((x.abs() @ w.abs().T).max()) / 127, rtol=0)
-        if M >= R16_COPY_MIN_ROWS:
+        if M >= min_rows:
             assert torch.equal(y, y_packed) and not y_poisoned.any()
         else:
             assert torch.equal(y, y_poisoned)
