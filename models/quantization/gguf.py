@@ -70,7 +70,7 @@ R16_COPY_MIN_ROWS = 4
 # repacked layout streamed faster than the blocks at one row too. The default model's 30 MB head on a Zen 5 EPYC
 # (AVX512-VNNI, 2 threads), the two forms alternating every 8 steps of one engine at batch 1: a step 3.70 -> 3.57 and
 # 4.57 -> 4.40 ms (docs/benchmarks.md); a Q8_0 layer weight keeps its blocks at one row, since the 1B shape as Q8_0
-# read its 8-200 MB layer weights faster from them
+# read its layer weights over R16_Q8_0_MAX_BYTES faster from them
 R16_COPY_HEAD_MIN_ROWS = 1
 # the AVX2 int8 kernel (8 rows of x at a time over L1-sized weight tiles) takes every row count, prompts included, as
 # llama.cpp runs them on int8 activations: at 512 rows it ran Qwen3.5-2B's Q4_K and Q6_K shapes 1.2-1.7x faster than
