@@ -60,7 +60,8 @@ PORTABLE_MAX_ROWS = 8
 # types as fast as or faster than their blocks (Q4_K 32-39 GB/s against 29-37, Q6_K 32-37 against 28-34,
 # prefetching whole records), and 1.3-2.5x faster from a few rows; the Llama-3.2-1B shape's batch-1 decode took
 # 17-24 ms all repacked against 23-28 with its >8 MiB weights on blocks (AMD EPYC with AVX512-VNNI, 2 threads:
-# docs/benchmarks.md); on AMD's CPUs only (q8_0_blocks_at_one_row)
+# docs/benchmarks.md); on AMD's CPUs only (q8_0_blocks_at_one_row). An LM head's copy, measured since with the
+# current kernels, takes its one-row products too (R16_COPY_HEAD_MIN_ROWS)
 R16_Q8_0_MAX_BYTES = 8 << 20
 # such a weight also gets an R16 copy for steps of at least this many rows: the blocks' AVX2 kernel ran the default
 # model's LM head at 64 rows at 90 GMAC/s against the VNNI kernel's 255 (a W64 decode step's LM head 23 -> 9 ms), for
